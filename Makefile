@@ -1,0 +1,36 @@
+# Two commands: `make run` (the headless demo/workbook) and `make test`.
+# Each creates .venv on first use and installs what it needs.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The torch to install when the venv has none. torch==2.13.0 is a CPU build on the project's
+# machines; on a GPU node install a CUDA torch first (see environment.yml) or set TORCH=torch.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.ssmkit-installed
+
+.PHONY: run test bench env clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+run: $(STAMP)            ## train the tiny preset on CPU for a few hundred steps, then sample
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
+
+test: $(STAMP)           ## the whole test suite (CPU, offline)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps, as ratios
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py
+
+env: $(STAMP)            ## which torch, device, kernels and backends this machine has
+	$(PY) -c "import ssmkit; print(ssmkit.env_report())"
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info runs

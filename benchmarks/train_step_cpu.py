@@ -1,0 +1,250 @@
+"""CPU training-step benchmark: ssmkit Mamba vs. transformers Mamba / Mamba2 / Llama.
+
+What it measures, per config (fp32, CPU, vocab 1000, AdamW lr 1e-3, torch.manual_seed(0)):
+
+* train tokens/s: one full step = forward with labels -> loss, backward, AdamW step,
+  zero_grad. tokens/s = batch * seqlen / median(step time) over the timed steps.
+* fwd@2048 tokens/s: batch 1 x 2048 tokens, eval mode, torch.no_grad, median over steps.
+  The transformers Mamba default path (a per-token Python loop) is left out here.
+* peak MB: extra peak RSS of a fresh child process that builds only that model and runs
+  two train steps (see `child_peak_mb`).
+
+Models: ssmkit Mamba-1 and Mamba-2, transformers MambaForCausalLM (default CPU path and,
+if the `mambapy` package imports, use_mambapy=True), Mamba2ForCausalLM (torch chunked
+path, same sizes as ssmkit Mamba-2) and a LlamaForCausalLM sized to about the parameter
+count of ssmkit Mamba-1.
+
+Why ratios: this runs on shared machines whose speed drifts by tens of percent. All
+models are timed in the same process, round-robin (one step of each model per round),
+so drift hits all of them alike and the ratios stay meaningful when absolute numbers don't.
+
+Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both]
+      [--steps 5] [--warmup 2] [--threads N] [--json-only]
+The last stdout line is one JSON object (keyed by config name for --config both).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no hub kernels / downloads; must precede the import
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM,
+                          MambaConfig, MambaForCausalLM)
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ssmkit
+
+CONFIGS = {
+    "base": dict(d_model=128, n_layer=4, vocab=1000, batch=8, seqlen=256),
+    "large": dict(d_model=256, n_layer=4, vocab=1000, batch=4, seqlen=512),
+}
+MAMBA1 = dict(d_state=16, expand=2, d_conv=4)
+MAMBA2 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2, d_conv=4)
+FWD_SEQLEN = 2048
+SLOW = "hf_mamba_default"  # ~70 tokens/s: timed with 1 warmup + 1 timed step only
+MODELS = ["ssmkit_mamba1", "ssmkit_mamba2", SLOW, "hf_mambapy", "hf_mamba2", "llama"]
+RATIOS = {  # name: (numerator, denominator, target)
+    "ssmkit_mamba1_vs_hf_mamba_default": ("ssmkit_mamba1", SLOW, 50.0),
+    "ssmkit_mamba1_vs_hf_mambapy": ("ssmkit_mamba1", "hf_mambapy", 2.0),
+    "ssmkit_mamba1_vs_llama": ("ssmkit_mamba1", "llama", 0.5),
+    "ssmkit_mamba2_vs_hf_mamba2": ("ssmkit_mamba2", "hf_mamba2", 1.0),
+}
+
+
+def mambapy_available():
+    # Without mambapy, transformers silently falls back to the slow loop for use_mambapy=True.
+    try:
+        import mambapy.pscan  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def llama_ffn_size(c, target_params):
+    """intermediate_size (multiple of 16) that brings a tied-embedding Llama near target_params."""
+    d, L = c["d_model"], c["n_layer"]
+    fixed = c["vocab"] * d + d + L * (4 * d * d + 2 * d)  # embeddings, norms, q/k/v/o
+    return max(16, round((target_params - fixed) / (3 * d * L) / 16) * 16)
+
+
+def build(name, c, llama_ffn=None):
+    torch.manual_seed(0)
+    d, L, V = c["d_model"], c["n_layer"], c["vocab"]
+    if name == "ssmkit_mamba1":
+        return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
+                                                     mixer="mamba1", **MAMBA1))
+    if name == "ssmkit_mamba2":
+        return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
+                                                     mixer="mamba2", **MAMBA2))
+    common = dict(vocab_size=V, hidden_size=d, num_hidden_layers=L, use_cache=False,
+                  tie_word_embeddings=True)
+    if name in (SLOW, "hf_mambapy"):
+        return MambaForCausalLM(MambaConfig(
+            state_size=MAMBA1["d_state"], expand=MAMBA1["expand"], conv_kernel=MAMBA1["d_conv"],
+            use_mambapy=(name == "hf_mambapy"), **common))
+    if name == "hf_mamba2":
+        return Mamba2ForCausalLM(Mamba2Config(
+            state_size=MAMBA2["d_state"], head_dim=MAMBA2["headdim"],
+            num_heads=MAMBA2["expand"] * d // MAMBA2["headdim"], n_groups=MAMBA2["ngroups"],
+            chunk_size=MAMBA2["chunk_size"], expand=MAMBA2["expand"],
+            conv_kernel=MAMBA2["d_conv"], **common))
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            intermediate_size=llama_ffn, num_attention_heads=d // 32, num_key_value_heads=d // 32,
+            max_position_embeddings=FWD_SEQLEN, **common))
+    raise ValueError(name)
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_step(model, opt, ids):
+    t0 = time.perf_counter()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, loss.item()
+
+
+def child_peak_mb(job):
+    """Runs in a fresh process: builds one model and runs two train steps (the second one
+    holds activations, grads and AdamW state at once). ru_maxrss is the process's RSS
+    high-water mark; we subtract its value after the imports, so the figure is the extra
+    peak memory of model + optimizer + activations, without the interpreter/libraries.
+    Measuring in-process would be dishonest: the high-water mark never goes down."""
+    c = CONFIGS[job["config"]]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    model = build(job["model"], c, job["llama_ffn"]).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        train_step(model, opt, ids)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def bench_config(cfg_name, args, log):
+    c = CONFIGS[cfg_name]
+    names = [n for n in MODELS if n != "hf_mambapy" or mambapy_available()]
+    if "hf_mambapy" not in names:
+        log("mambapy does not import: skipping transformers use_mambapy=True (reported as null)")
+    models = {n: build(n, c) for n in names if n != "llama"}
+    llama_ffn = llama_ffn_size(c, n_params(models["ssmkit_mamba1"]))
+    models["llama"] = build("llama", c, llama_ffn)
+    params = {n: n_params(m) for n, m in models.items()}
+    log(f"[{cfg_name}] params: ssmkit_mamba1 {params['ssmkit_mamba1']:,}, llama {params['llama']:,} "
+        f"(intermediate_size {llama_ffn}, {params['llama'] / params['ssmkit_mamba1']:.2f}x)")
+
+    # Training: round-robin, one step per model per round.
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in models.items()}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=gen)
+    times, losses = {n: [] for n in names}, {}
+    for r in range(args.warmup + args.steps):
+        for n in names:
+            if n == SLOW and r not in (0, args.warmup):  # its 1 warmup + 1 timed step
+                continue
+            models[n].train()
+            dt, losses[n] = train_step(models[n], opts[n], ids)
+            if r >= args.warmup:
+                times[n].append(dt)
+        log(f"[{cfg_name}] train round {r + 1}/{args.warmup + args.steps} done")
+    tokens = c["batch"] * c["seqlen"]
+    train_tps = {n: tokens / statistics.median(times[n]) for n in names}
+
+    # Forward only at 2048 tokens, same round-robin scheme.
+    fwd_names = [n for n in names if n != SLOW]
+    fwd_ids = torch.randint(0, c["vocab"], (1, FWD_SEQLEN), generator=gen)
+    fwd_times = {n: [] for n in fwd_names}
+    with torch.no_grad():
+        for r in range(args.warmup + args.steps):
+            for n in fwd_names:
+                models[n].eval()
+                t0 = time.perf_counter()
+                models[n](fwd_ids)
+                if r >= args.warmup:
+                    fwd_times[n].append(time.perf_counter() - t0)
+    fwd_tps = {n: FWD_SEQLEN / statistics.median(fwd_times[n]) for n in fwd_names}
+    del models, opts
+
+    # Peak memory: one fresh child process per model, run sequentially after the timing.
+    peak_mb = {}
+    for n in names:
+        job = dict(model=n, config=cfg_name, llama_ffn=llama_ffn)
+        cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(job)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        peak_mb[n] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
+        log(f"[{cfg_name}] peak memory of {n}: {peak_mb[n]:.0f} MB")
+
+    result = {"config": cfg_name, **c, "threads": torch.get_num_threads(),
+              "timing": f"median over {args.steps} timed steps after {args.warmup} warmup "
+                        f"({SLOW}: 1 timed after 1 warmup)"}
+    for key, (num, den, _) in RATIOS.items():
+        result[key] = train_tps[num] / train_tps[den] if den in train_tps else None
+    result.update(tokens_per_s=train_tps, fwd2048_tokens_per_s=fwd_tps, peak_mb=peak_mb,
+                  params=params, final_loss=losses,
+                  targets={k: t for k, (_, _, t) in RATIOS.items()},
+                  targets_met={k: None if result[k] is None else result[k] >= t
+                               for k, (_, _, t) in RATIOS.items()})
+    return result
+
+
+def print_table(res):
+    print(f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
+          f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads; {res['timing']} ==")
+    print(f"{'model':<18}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
+          f"{'fwd@2048 tok/s':>16}{'peak MB':>9}")
+    base = res["tokens_per_s"][SLOW]
+    for n in MODELS:
+        if n not in res["tokens_per_s"]:
+            print(f"{n:<18}{'skipped (mambapy not installed)':>60}")
+            continue
+        tps, fwd = res["tokens_per_s"][n], res["fwd2048_tokens_per_s"].get(n)
+        fwd_s = f"{fwd:,.0f}" if fwd is not None else "-"
+        print(f"{n:<18}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
+              f"{tps / base:>12.1f}x{fwd_s:>16}{res['peak_mb'][n]:>9.0f}")
+    for key, (_, _, target) in RATIOS.items():
+        val = res[key]
+        shown = "n/a" if val is None else f"{val:.2f}x ({'met' if val >= target else 'NOT met'})"
+        print(f"  {key}: {shown}, target >= {target}x")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=["base", "large", "both"], default="base")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (fast models)")
+    p.add_argument("--warmup", type=int, default=2, help="warmup steps (fast models)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    p.add_argument("--_child", help=argparse.SUPPRESS)  # internal: peak-memory child process
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args._child:
+        print(json.dumps({"peak_mb": child_peak_mb(json.loads(args._child))}))
+        return
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+
+    def log(msg):
+        if not args.json_only:
+            print(msg, file=sys.stderr, flush=True)
+
+    cfg_names = ["base", "large"] if args.config == "both" else [args.config]
+    results = {name: bench_config(name, args, log) for name in cfg_names}
+    if not args.json_only:
+        for res in results.values():
+            print_table(res)
+    print(json.dumps(results if args.config == "both" else results[args.config]))
+
+
+if __name__ == "__main__":
+    main()

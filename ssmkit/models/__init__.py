@@ -1,0 +1,14 @@
+"""Model configs and presets, the Mamba-1 / Mamba-2 mixers, the LM, its cache and generation."""
+
+from .cache import InferenceCache, LayerState
+from .config import MIXERS, PRESETS, ModelConfig, presets
+from .generate import generate, sample_next
+from .lm import Block, LMOutput, MambaLM, build_model
+from .mamba1 import Mamba1
+from .mamba2 import Mamba2
+from .norms import RMSNorm, RMSNormGated
+
+__all__ = [
+    "InferenceCache", "LayerState", "MIXERS", "PRESETS", "ModelConfig", "presets", "generate", "sample_next",
+    "Block", "LMOutput", "MambaLM", "build_model", "Mamba1", "Mamba2", "RMSNorm", "RMSNormGated",
+]

@@ -1,0 +1,166 @@
+"""Model configuration and the presets of the plan.
+
+Field names follow mamba_ssm's ``MambaConfig`` and its ``ssm_cfg`` (d_model, n_layer, vocab_size,
+pad_vocab_size_multiple, d_state, d_conv, expand, headdim, ngroups, chunk_size, ...), so an
+official ``config.json`` maps onto it one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+MIXERS = ("mamba1", "mamba2")
+DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128}   # mamba_ssm's Mamba and Mamba2 defaults
+
+
+@dataclass
+class ModelConfig:
+    # --- the language model ---
+    d_model: int = 768                    # residual stream width
+    n_layer: int = 24                     # number of blocks
+    vocab_size: int = 50277               # tokenizer size (GPT-NeoX for the official models)
+    pad_vocab_size_multiple: int = 8      # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
+    mixer: str = "mamba1"                 # "mamba1" | "mamba2": the mixer of every layer ...
+    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba2", "mamba2", ...]
+    tie_embeddings: bool = True           # LM head shares the embedding matrix
+    rms_norm: bool = True                 # RMSNorm (True) or LayerNorm (False) before each mixer
+    norm_epsilon: float = 1e-5
+    residual_in_fp32: bool = True         # keep the residual stream in fp32 under bf16/fp16
+    initializer_range: float = 0.02       # std of the embedding init
+    rescale_prenorm_residual: bool = True  # out_proj init scaled by 1/sqrt(n_layer) (GPT-2 style)
+
+    # --- the SSM mixers (mamba_ssm's ssm_cfg) ---
+    d_state: int | None = None            # N; None -> 16 for mamba1, 128 for mamba2
+    d_conv: int = 4                       # width of the causal depthwise conv
+    expand: int = 2                       # d_inner = expand * d_model
+    dt_rank: int | str = "auto"           # mamba1: rank of the Δ projection; "auto" = ceil(d_model / 16)
+    dt_min: float = 0.001                 # Δ is initialised log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1
+    dt_init: str = "random"               # mamba1: dt_proj.weight init, "random" | "constant"
+    dt_scale: float = 1.0
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    bias: bool = False                    # bias of in_proj / out_proj
+    headdim: int = 64                     # mamba2: P, channels per head
+    ngroups: int = 1                      # mamba2: B/C groups (like GQA's key/value groups)
+    chunk_size: int = 256                 # mamba2: Q, SSD chunk length
+    A_init_range: tuple[float, float] = (1.0, 16.0)   # mamba2: A = -U(A_init_range)
+    dt_limit: tuple[float, float] = (0.0, math.inf)   # mamba2: Δ clamped to this range
+    D_has_hdim: bool = False              # mamba2: D per channel (nheads, headdim) instead of per head
+    norm_before_gate: bool = False        # mamba2: gated RMSNorm order (False in the official models)
+
+    def __post_init__(self):
+        if self.mixer not in MIXERS:
+            raise ValueError(f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}")
+        if self.layout is not None:
+            self.layout = list(self.layout)
+            if len(self.layout) != self.n_layer:
+                raise ValueError(f"layout has {len(self.layout)} entries but n_layer={self.n_layer}")
+            bad = sorted(set(self.layout) - set(MIXERS))
+            if bad:
+                raise ValueError(f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}")
+        if self.d_state is None:
+            self.d_state = DEFAULT_D_STATE[self.mixer]
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv",
+                     "expand", "headdim", "ngroups", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.dt_rank != "auto" and (not isinstance(self.dt_rank, int) or self.dt_rank < 1):
+            raise ValueError(f"dt_rank must be 'auto' or a positive integer; got {self.dt_rank!r}")
+        if self.dt_init not in ("random", "constant"):
+            raise ValueError(f"dt_init must be 'random' or 'constant'; got {self.dt_init!r}")
+        self.A_init_range = tuple(self.A_init_range)
+        self.dt_limit = tuple(self.dt_limit)
+        if "mamba2" in self.mixers:
+            if self.d_inner % self.headdim:
+                raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = {self.d_inner}; "
+                                 f"got headdim={self.headdim}")
+            if self.nheads % self.ngroups:
+                raise ValueError(f"mamba2 needs ngroups to divide nheads = {self.nheads}; got ngroups={self.ngroups}")
+
+    # --- derived sizes ---
+    @property
+    def mixers(self) -> list[str]:
+        """The mixer of each layer."""
+        return list(self.layout) if self.layout is not None else [self.mixer] * self.n_layer
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def dt_rank_value(self) -> int:
+        return math.ceil(self.d_model / 16) if self.dt_rank == "auto" else self.dt_rank
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    # --- (de)serialisation and presets ---
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["A_init_range"], d["dt_limit"] = list(self.A_init_range), list(self.dt_limit)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {', '.join(valid)}")
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """A named configuration (see :data:`PRESETS`), with field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _mamba1(d_model, n_layer):
+    # state-spaces/mamba-*: GPT-NeoX vocabulary 50277 padded to a multiple of 8
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=8,
+                mixer="mamba1", d_state=16, d_conv=4, expand=2)
+
+
+def _mamba2(d_model, n_layer):
+    # state-spaces/mamba2-*: config.json has ssm_cfg {"layer": "Mamba2"} and pad_vocab_size_multiple 16
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=16,
+                mixer="mamba2", d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256)
+
+
+PRESETS: dict[str, dict] = {
+    # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
+    "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16),
+    "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
+                        chunk_size=64),
+    # Mamba-1, Gu & Dao 2023, table 12 / the state-spaces/mamba-* checkpoints
+    "mamba-130m": _mamba1(768, 24),
+    "mamba-370m": _mamba1(1024, 48),
+    "mamba-790m": _mamba1(1536, 48),
+    "mamba-1.4b": _mamba1(2048, 48),
+    "mamba-2.8b": _mamba1(2560, 64),
+    # Mamba-2, Dao & Gu 2024 / the state-spaces/mamba2-* checkpoints
+    "mamba2-130m": _mamba2(768, 24),
+    "mamba2-370m": _mamba2(1024, 48),
+    "mamba2-780m": _mamba2(1536, 48),
+    "mamba2-1.3b": _mamba2(2048, 48),
+    "mamba2-2.7b": _mamba2(2560, 64),
+}
+
+
+def presets() -> list[str]:
+    """Names accepted by :meth:`ModelConfig.preset`."""
+    return list(PRESETS)
+
+
+__all__ = ["ModelConfig", "PRESETS", "MIXERS", "presets"]

@@ -1,0 +1,141 @@
+"""The language model: embedding -> n_layer pre-norm residual blocks -> final norm -> LM head.
+
+Module names follow mamba_ssm's ``MambaLMHeadModel`` (``backbone.embedding``,
+``backbone.layers.N.norm``, ``backbone.layers.N.mixer.*``, ``backbone.norm_f``, ``lm_head``), so
+its checkpoints load by name. Each block computes
+
+    residual = residual + hidden;  hidden = mixer(norm(residual))
+
+with the residual stream optionally kept in fp32 (``residual_in_fp32``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import InferenceCache, LayerState
+from .config import ModelConfig
+from .mamba1 import Mamba1
+from .mamba2 import Mamba2
+from .norms import RMSNorm
+
+MIXER_CLASSES = {"mamba1": Mamba1, "mamba2": Mamba2}
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor                 # (batch, seqlen, padded_vocab_size), or the last k positions
+    loss: torch.Tensor | None = None     # mean cross-entropy over labelled positions
+    cache: InferenceCache | None = None  # the states after this call, when a cache was passed
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer: str):
+        super().__init__()
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
+        self.mixer = MIXER_CLASSES[mixer](cfg)
+
+    def forward(self, hidden, residual, state: LayerState | None = None):
+        """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further."""
+        residual = hidden if residual is None else residual + hidden
+        hidden = self.norm(residual.to(self.norm.weight.dtype))
+        if self.residual_in_fp32:
+            residual = residual.float()
+        return self.mixer(hidden, state), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
+
+    def forward(self, input_ids, cache: InferenceCache | None = None):
+        hidden, residual = self.embedding(input_ids), None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i])
+        residual = hidden if residual is None else residual + hidden
+        return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+
+class MambaLM(nn.Module):
+    """A Mamba language model. ``model(input_ids, labels=None)`` -> :class:`LMOutput`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.backbone = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+
+    def _init_weights(self, module):
+        """mamba_ssm's ``_init_weights``: zero biases (but Δ's), N(0, 0.02) embeddings, and the
+        GPT-2 rescaling of every out_proj by 1/sqrt(n_layer) (one residual branch per layer)."""
+        cfg = self.config
+        if isinstance(module, nn.Linear) and module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=cfg.initializer_range)
+        if cfg.rescale_prenorm_residual and isinstance(module, (Mamba1, Mamba2)):
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
+                module.out_proj.weight /= math.sqrt(cfg.n_layer)
+
+    def allocate_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
+        """Fresh zero states for generation; see :class:`ssmkit.models.cache.InferenceCache`."""
+        return InferenceCache.allocate(self, batch_size, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache: InferenceCache | None = None,
+                logits_to_keep: int = 0, shift_labels: bool = True) -> LMOutput:
+        """input_ids: (batch, seqlen) int64.
+
+        labels: (batch, seqlen) aligned with input_ids as in transformers (shifted here, so
+        ``labels=input_ids`` trains next-token prediction); with ``shift_labels=False`` they are
+        already the targets of each position. -100 marks positions without a loss.
+        cache: continue from and update these states (prefill or one-token steps).
+        logits_to_keep: compute logits for the last k positions only (0 = all).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}")
+        hidden = self.backbone(input_ids, cache)
+        if cache is not None:
+            cache.seqlen_offset += input_ids.shape[1]
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+            if logits_to_keep:
+                raise ValueError("labels need logits for every position; use logits_to_keep=0")
+            if shift_labels:
+                pred, target = logits[:, :-1], labels[:, 1:]
+            else:
+                pred, target = logits, labels
+            loss = F.cross_entropy(pred.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+        return LMOutput(logits=logits, loss=loss, cache=cache)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}          # tied weights counted once
+        if exclude_embeddings:
+            params.pop(id(self.backbone.embedding.weight), None)
+            params.pop(id(self.lm_head.weight), None)
+        return sum(p.numel() for p in params.values())
+
+
+def build_model(cfg: ModelConfig | str, device=None, dtype=None) -> MambaLM:
+    """A freshly initialised :class:`MambaLM` from a config or a preset name."""
+    if isinstance(cfg, str):
+        cfg = ModelConfig.preset(cfg)
+    model = MambaLM(cfg)
+    return model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model

@@ -1,0 +1,119 @@
+"""The Mamba-1 mixer (Gu & Dao 2023, figure 3 and section 3.4).
+
+Parameter names, shapes and initialisation follow mamba_ssm's ``mamba_simple.Mamba``, so official
+checkpoints load by name:
+
+    in_proj   (2 * d_inner, d_model)            x and the gate z
+    conv1d    weight (d_inner, 1, d_conv), bias  causal depthwise conv
+    x_proj    (dt_rank + 2 * d_state, d_inner)  the selection: Δ (low rank), B, C from x
+    dt_proj   weight (d_inner, dt_rank), bias    Δ back to d_inner; bias = softplus⁻¹(Δ_init)
+    A_log     (d_inner, d_state)                 A = -exp(A_log), S4D-real init A_n = -(n+1)
+    D         (d_inner,)                         skip connection
+    out_proj  (d_model, d_inner)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from .. import ops
+from .cache import LayerState
+from .config import ModelConfig
+
+
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y, i.e. x = y + log(1 - exp(-y))."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def init_dt_bias(n: int, cfg: ModelConfig) -> torch.Tensor:
+    """softplus⁻¹ of Δ drawn log-uniformly in [dt_min, dt_max] (floored at dt_init_floor)."""
+    dt = torch.exp(torch.rand(n) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+    return inverse_softplus(dt.clamp(min=cfg.dt_init_floor))
+
+
+def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state: LayerState | None) -> torch.Tensor:
+    """SiLU(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if given,
+    which is then replaced by the last d_conv inputs."""
+    weight = rearrange(conv.weight, "d 1 w -> d w")
+    if state is None:
+        return ops.causal_conv1d(x, weight, conv.bias, activation="silu")
+    width, seqlen = weight.shape[1], x.shape[2]
+    x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)     # previous W-1 inputs first
+    state.conv.copy_(x_ext[:, :, -width:])
+    return ops.causal_conv1d(x_ext, weight, conv.bias, activation="silu")[:, :, -seqlen:]
+
+
+class Mamba1(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
+        self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value
+        self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, cfg.d_conv, groups=self.d_inner,
+                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
+        self.D = nn.Parameter(torch.empty(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=cfg.bias)
+        for p in (self.A_log, self.D, self.dt_proj.bias):
+            p._no_weight_decay = True
+        self.dt_proj.bias._no_reinit = True
+        self.reset_ssm_parameters(cfg)
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self, cfg: ModelConfig):
+        """mamba_ssm's init: dt_proj uniform/constant in ±dt_rank^-0.5 * dt_scale, S4D-real A, D = 1."""
+        std = self.dt_rank ** -0.5 * cfg.dt_scale
+        if cfg.dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        else:
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        self.dt_proj.bias.copy_(init_dt_bias(self.d_inner, cfg))
+        A = torch.arange(1, self.d_state + 1, dtype=torch.float32).repeat(self.d_inner, 1)  # A_n = -(n+1)
+        self.A_log.copy_(torch.log(A))
+        self.D.fill_(1.0)
+
+    def allocate_state(self, batch_size, dtype, device) -> LayerState:
+        return LayerState(conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
+                          ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32, device=device))
+
+    def forward(self, hidden: torch.Tensor, state: LayerState | None = None) -> torch.Tensor:
+        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model). With ``state`` the layer
+        continues from it and leaves the new conv and SSM state there."""
+        if state is not None and hidden.shape[1] == 1:
+            return self.step(hidden, state)
+        A = -torch.exp(self.A_log.float())                                   # (d_inner, d_state)
+        xz = rearrange(self.in_proj(hidden), "b l d -> b d l")
+        x, z = xz.chunk(2, dim=1)                                            # (batch, d_inner, seqlen)
+        x = conv_with_state(x, self.conv1d, state)
+        x_dbl = self.x_proj(rearrange(x, "b d l -> b l d"))                  # (batch, seqlen, R + 2N)
+        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = self.dt_proj.weight @ dt.transpose(1, 2)                        # (batch, d_inner, seqlen), Δ before bias
+        out = ops.selective_scan(
+            x, dt, A, rearrange(B, "b l n -> b n l"), rearrange(C, "b l n -> b n l"), D=self.D.float(), z=z,
+            delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            initial_state=None if state is None else state.ssm, return_final_state=state is not None,
+        )
+        if state is not None:
+            out, h = out
+            state.ssm.copy_(h)
+        return self.out_proj(rearrange(out, "b d l -> b l d"))
+
+    def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
+        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
+        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)                   # (batch, d_inner)
+        x = ops.causal_conv1d_update(x, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
+                                     self.conv1d.bias, activation="silu")
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight)                               # (batch, d_inner)
+        A = -torch.exp(self.A_log.float())
+        y = ops.selective_state_update(state.ssm, x, dt, A, B, C, D=self.D.float(), z=z,
+                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+        return self.out_proj(y)[:, None]

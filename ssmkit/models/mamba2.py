@@ -1,0 +1,100 @@
+"""The Mamba-2 mixer (Dao & Gu 2024, figure 6 "parallel Mamba-2 block", section 7).
+
+Parameter names, shapes and initialisation follow mamba_ssm's ``mamba2.Mamba2``:
+
+    in_proj   (2 * d_inner + 2 * ngroups * d_state + nheads, d_model)  z, xBC, dt in one matmul
+    conv1d    weight (conv_dim, 1, d_conv), bias; conv_dim = d_inner + 2 * ngroups * d_state
+    dt_bias   (nheads,)      softplus⁻¹(Δ_init)
+    A_log     (nheads,)      A = -exp(A_log), A_init ~ U(A_init_range)
+    D         (nheads,)      or (nheads, headdim) with D_has_hdim
+    norm      weight (d_inner,): gated RMSNorm, groups of d_inner / ngroups channels
+    out_proj  (d_model, d_inner)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+from .. import ops
+from .cache import LayerState
+from .config import ModelConfig
+from .mamba1 import conv_with_state, init_dt_bias
+from .norms import RMSNormGated
+
+
+class Mamba2(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
+        self.d_conv, self.headdim, self.ngroups = cfg.d_conv, cfg.headdim, cfg.ngroups
+        self.nheads, self.chunk_size, self.dt_limit = cfg.nheads, cfg.chunk_size, cfg.dt_limit
+        self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
+        self.in_proj = nn.Linear(cfg.d_model, self.d_inner + self.conv_dim + self.nheads, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim,
+                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads))
+        self.A_log = nn.Parameter(torch.empty(self.nheads))
+        self.D = nn.Parameter(torch.empty((self.nheads, self.headdim) if cfg.D_has_hdim else (self.nheads,)))
+        self.norm = RMSNormGated(self.d_inner, eps=cfg.norm_epsilon, group_size=self.d_inner // self.ngroups,
+                                 norm_before_gate=cfg.norm_before_gate)
+        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=cfg.bias)
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        self.reset_ssm_parameters(cfg)
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self, cfg: ModelConfig):
+        """mamba_ssm's init: Δ log-uniform in [dt_min, dt_max], A ~ U(A_init_range), D = 1."""
+        self.dt_bias.copy_(init_dt_bias(self.nheads, cfg))
+        lo, hi = cfg.A_init_range
+        self.A_log.copy_(torch.log(torch.empty(self.nheads).uniform_(lo, hi)))
+        self.D.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+
+    def allocate_state(self, batch_size, dtype, device) -> LayerState:
+        return LayerState(
+            conv=torch.zeros(batch_size, self.conv_dim, self.d_conv, dtype=dtype, device=device),
+            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32, device=device),
+        )
+
+    def forward(self, hidden: torch.Tensor, state: LayerState | None = None) -> torch.Tensor:
+        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given."""
+        if state is not None and hidden.shape[1] == 1:
+            return self.step(hidden, state)
+        A = -torch.exp(self.A_log.float())                                   # (nheads,)
+        z, xBC, dt = torch.split(self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state), "b d l -> b l d")
+        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        out = ops.ssd_scan(
+            rearrange(x, "b l (h p) -> b l h p", p=self.headdim), dt, A,
+            rearrange(B, "b l (g n) -> b l g n", g=self.ngroups), rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
+            self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+            initial_states=None if state is None else state.ssm, return_final_states=state is not None,
+        )
+        if state is not None:
+            out, h = out
+            state.ssm.copy_(h)
+        y = self.norm(rearrange(out, "b l h p -> b l (h p)"), z)
+        return self.out_proj(y)
+
+    def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
+        """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
+        z, xBC, dt = torch.split(self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        xBC = ops.causal_conv1d_update(xBC, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
+                                       self.conv1d.bias, activation="silu")
+        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        P, N = self.headdim, self.d_state
+        A = (-torch.exp(self.A_log.float()))[:, None, None].expand(self.nheads, P, N)
+        D = self.D if self.D.dim() == 2 else self.D[:, None].expand(self.nheads, P)
+        dt_bias, softplus = self.dt_bias[:, None].expand(self.nheads, P), True
+        if tuple(self.dt_limit) != (0.0, float("inf")):     # clamp Δ here, as the chunked scan does
+            dt, dt_bias, softplus = ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit), None, False
+        y = ops.selective_state_update(
+            state.ssm, rearrange(x, "b (h p) -> b h p", p=P), dt[:, :, None].expand(-1, -1, P), A,
+            rearrange(B, "b (g n) -> b g n", g=self.ngroups), rearrange(C, "b (g n) -> b g n", g=self.ngroups),
+            D=D, dt_bias=dt_bias, dt_softplus=softplus,
+        )
+        y = self.norm(rearrange(y, "b h p -> b (h p)"), z)
+        return self.out_proj(y)[:, None]

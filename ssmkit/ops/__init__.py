@@ -1,0 +1,29 @@
+"""The math of the mixers, as functions (no nn.Module).
+
+Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:`ssmkit.ops.backend`):
+
+* :func:`selective_scan`, :func:`selective_state_update` -- Mamba-1's S6 scan and its one-step form
+* :func:`ssd_scan` -- Mamba-2's state-space dual; :func:`ssd_reference`, :func:`ssd_quadratic`,
+  :func:`ssd_chunked` are its three equivalent views
+* :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution
+* :func:`rms_norm`, :func:`rms_norm_gated` -- RMSNorm and Mamba-2's gated, grouped RMSNorm
+"""
+
+from .backend import BACKENDS, BackendError
+from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
+from .norm import rms_norm, rms_norm_gated
+from .selective_scan import (
+    selective_scan,
+    selective_scan_reference,
+    selective_scan_torch,
+    selective_state_update,
+)
+from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
+
+__all__ = [
+    "BACKENDS", "BackendError",
+    "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_torch", "causal_conv1d_update",
+    "rms_norm", "rms_norm_gated",
+    "selective_scan", "selective_scan_reference", "selective_scan_torch", "selective_state_update",
+    "discretize_dt", "segsum", "ssd_chunked", "ssd_quadratic", "ssd_reference", "ssd_scan",
+]

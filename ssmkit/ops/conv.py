@@ -1,0 +1,95 @@
+r"""Depthwise causal 1-D convolution, the short convolution before every Mamba scan.
+
+Each channel d has its own filter w_d of width W (``d_conv``, 4 in the official models):
+
+$$ y_{d,t} = b_d + \sum_{k=0}^{W-1} w_{d,k}\, x_{d,\,t-W+1+k} \qquad (x_{d,t} = 0 \text{ for } t < 0) $$
+
+then an optional SiLU. For generation, :func:`causal_conv1d_update` keeps the last W inputs of
+each channel as the conv state and produces one output per new input.
+
+Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weight: (dim, width)``,
+``bias: (dim,)``, ``conv_state: (batch, dim, width)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import backend as _backend
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _activate(y, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; valid values: {ACTIVATIONS}")
+    return F.silu(y) if activation in ("silu", "swish") else y
+
+
+def _check(x, weight, bias):
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"x must be (batch, dim, seqlen) and weight (dim, width) with the same dim; "
+            f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (x.shape[1],):
+        raise ValueError(f"bias must be (dim={x.shape[1]},); got {tuple(bias.shape)}")
+
+
+def causal_conv1d_reference(x, weight, bias=None, activation=None):
+    """The sum over the W taps written out (the formula in the module docstring)."""
+    _check(x, weight, bias)
+    width, seqlen = weight.shape[1], x.shape[2]
+    xp = F.pad(x.float(), (width - 1, 0))                       # W-1 zeros before t = 0
+    y = sum(weight[:, k, None].float() * xp[:, :, k : k + seqlen] for k in range(width))
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    return _activate(y, activation).to(x.dtype)
+
+
+def causal_conv1d_torch(x, weight, bias=None, activation=None):
+    """``F.conv1d`` with groups = dim and left padding W-1."""
+    _check(x, weight, bias)
+    width = weight.shape[1]
+    y = F.conv1d(F.pad(x, (width - 1, 0)), weight.unsqueeze(1).to(x.dtype),
+                 None if bias is None else bias.to(x.dtype), groups=x.shape[1])
+    return _activate(y, activation)
+
+
+def causal_conv1d_cuda(x, weight, bias=None, activation=None):
+    """The ``causal_conv1d`` package's kernel."""
+    fn = _backend.kernel_module("causal_conv1d").causal_conv1d_fn
+    return fn(x, weight, bias, activation=activation)
+
+
+_IMPLS = {"reference": causal_conv1d_reference, "torch": causal_conv1d_torch, "cuda": causal_conv1d_cuda}
+
+
+def causal_conv1d(x, weight, bias=None, activation=None, backend=None):
+    """Depthwise causal convolution. x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,).
+
+    Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish".
+    """
+    name = _backend.select("causal_conv1d", x, backend=backend)
+    return _IMPLS[name](x, weight, bias, activation)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):
+    """One generation step. x: (batch, dim); conv_state: (batch, dim, width), updated in place to
+    hold the last ``width`` inputs. Returns (batch, dim): the conv output for the new input."""
+    if conv_state.dim() != 3 or x.shape != conv_state.shape[:2] or weight.shape != (x.shape[1], conv_state.shape[2]):
+        raise ValueError(
+            f"expected x (batch, dim), conv_state (batch, dim, width), weight (dim, width); got "
+            f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"
+        )
+    name = _backend.select("causal_conv1d_update", x, backend=backend)
+    if name == "cuda":
+        fn = _backend.kernel_module("causal_conv1d_update").causal_conv1d_update
+        return fn(x, conv_state, weight, bias, activation=activation)
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))   # drop the oldest input
+    conv_state[:, :, -1] = x                                        # append the newest
+    y = (conv_state.float() * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return _activate(y, activation).to(x.dtype)

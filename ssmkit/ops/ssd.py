@@ -1,0 +1,243 @@
+r"""The Mamba-2 state-space dual (SSD), "Transformers are SSMs" (Dao & Gu, 2024).
+
+Glossary (code name -> paper symbol):
+
+    x       x      input, (batch, seqlen, nheads, headdim): P = headdim channels per head
+    dt      Δ      step size per head and time, dt = clamp(softplus(dt_raw + dt_bias), *dt_limit)
+    A       a      one negative scalar per head: the state matrix is a * I (section 3.2, "scalar SSM")
+    B, C    B, C   (batch, seqlen, ngroups, dstate); head h reads group h // (nheads // ngroups)
+    D       D      skip connection, per head (nheads,) or per channel (nheads, headdim)
+    z       z      gate, y *= silu(z)
+    h       h      state per head, (batch, nheads, headdim, dstate)
+
+With a_t = exp(Δ_t A) the recurrence (paper eq. 1 with a scalar A) is
+
+$$ h_t = a_t\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad y_t = h_t C_t + D x_t $$
+
+and its dual, the quadratic "masked attention" form (section 3, eq. 16 / SSD):
+
+$$ y = (L \circ C B^\top)\,(\Delta \cdot x), \qquad L_{ts} = \prod_{k=s+1}^{t} a_k \ (t \ge s),\ 0 \text{ otherwise} $$
+
+The chunked algorithm (section 6) splits the sequence into chunks of Q steps: the quadratic
+form inside each chunk, the recurrence across chunk boundaries. Three functions implement the
+three views and must agree: :func:`ssd_reference` (recurrence), :func:`ssd_quadratic` (dual),
+:func:`ssd_chunked` (the ``torch`` backend). Shapes follow mamba_ssm's
+``mamba_chunk_scan_combined``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from . import backend as _backend
+
+
+def _check(x, dt, A, B, C, initial_states):
+    if x.dim() != 4:
+        raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
+    batch, seqlen, nheads, headdim = x.shape
+    if tuple(dt.shape) != (batch, seqlen, nheads):
+        raise ValueError(f"dt must be (batch={batch}, seqlen={seqlen}, nheads={nheads}); got {tuple(dt.shape)}")
+    if tuple(A.shape) != (nheads,):
+        raise ValueError(f"A must be (nheads={nheads},); got {tuple(A.shape)}")
+    for name, M in (("B", B), ("C", C)):
+        if M.dim() != 4 or M.shape[:2] != (batch, seqlen) or nheads % M.shape[2] != 0 or M.shape != B.shape:
+            raise ValueError(
+                f"{name} must be (batch={batch}, seqlen={seqlen}, ngroups, dstate) with ngroups dividing "
+                f"nheads={nheads}, and B and C alike; got B {tuple(B.shape)}, C {tuple(C.shape)}"
+            )
+    dstate = B.shape[3]
+    if initial_states is not None and tuple(initial_states.shape) != (batch, nheads, headdim, dstate):
+        raise ValueError(
+            f"initial_states must be (batch={batch}, nheads={nheads}, headdim={headdim}, dstate={dstate}); "
+            f"got {tuple(initial_states.shape)}"
+        )
+
+
+def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in fp32, as the official kernels. (batch, seqlen, nheads)."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)  # threshold 20, as the kernels
+    if tuple(dt_limit) != (0.0, math.inf):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _heads_view(M, nheads):
+    """(batch, L, ngroups, dstate) -> (batch, L, nheads, dstate): each head sees its group's vector."""
+    return M.float().repeat_interleave(nheads // M.shape[2], dim=2)
+
+
+def _skip_and_gate(y, x, D, z):
+    """y + D x, then y * silu(z). y, x, z: (batch, L, nheads, headdim); D: (nheads,) or (nheads, headdim)."""
+    if D is not None:
+        Dv = D.float() if D.dim() == 2 else D.float()[:, None]
+        y = y + x.float() * Dv
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# reference: the recurrence, one step at a time
+# --------------------------------------------------------------------------------------------
+
+
+def ssd_reference(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
+                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
+    """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t. ``chunk_size`` is ignored here."""
+    _check(x, dt, A, B, C, initial_states)
+    batch, seqlen, nheads, headdim = x.shape
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
+    h = (xf.new_zeros(batch, nheads, headdim, B.shape[3]) if initial_states is None else initial_states.float())
+    ys = []
+    for t in range(seqlen):
+        a = torch.exp(dt[:, t] * A.float())                                    # a_t: (batch, nheads)
+        h = a[:, :, None, None] * h + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))                  # y_t = h_t C_t
+    y = _skip_and_gate(torch.stack(ys, dim=1), x, D, z).to(x.dtype)
+    return (y, h) if return_final_states else y
+
+
+# --------------------------------------------------------------------------------------------
+# the dual: quadratic, attention-like form
+# --------------------------------------------------------------------------------------------
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """Stable segment sums: out[..., t, s] = a[..., s+1] + ... + a[..., t] for t >= s, -inf above.
+
+    a: (..., T) -> (..., T, T). exp(segsum(log a)) is the 1-semiseparable mask L of the paper.
+    Computed as a masked cumulative sum (not as a difference of prefix sums, which cancels badly).
+    """
+    T = a.shape[-1]
+    a = a[..., None].expand(*a.shape, T)                                       # a[..., k, s] = a_k
+    strict = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)
+    out = torch.cumsum(a.masked_fill(~strict, 0), dim=-2)                      # sum over s < k <= t
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
+    return out.masked_fill(~causal, -math.inf)
+
+
+def ssd_quadratic(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
+                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
+    """y = (L ∘ C Bᵀ)(Δ x) over the whole sequence: O(seqlen²) memory, the "attention" view."""
+    _check(x, dt, A, B, C, initial_states)
+    batch, seqlen, nheads, headdim = x.shape
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
+    logA = rearrange(dt * A.float(), "b l h -> b h l")                         # log a_t
+    L = torch.exp(segsum(logA))                                                # (b, h, t, s)
+    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)                           # C_t · B_s
+    y = torch.einsum("bhts,bsh,bshp->bthp", L * scores, dt, xf)
+    decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))                   # prod_{k<=t} a_k
+    if initial_states is not None:
+        y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, Ch, initial_states.float())
+    y = _skip_and_gate(y, x, D, z).to(x.dtype)
+    if not return_final_states:
+        return y
+    decay_to_end = torch.exp(segsum(logA)[:, :, -1, :])                        # prod_{s<k<=L} a_k
+    h = torch.einsum("bhs,bsh,bshp,bshn->bhpn", decay_to_end, dt, xf, Bh)
+    if initial_states is not None:
+        h = h + decay_from_start[:, :, -1, None, None] * initial_states.float()
+    return y, h
+
+
+# --------------------------------------------------------------------------------------------
+# torch backend: the chunked algorithm (section 6)
+# --------------------------------------------------------------------------------------------
+
+
+def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
+                initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
+    """SSD by chunks of ``chunk_size``: quadratic inside a chunk, recurrence between chunks.
+
+    Heads are kept grouped as (ngroups, heads per group) so B and C are never copied per head.
+    """
+    _check(x, dt, A, B, C, initial_states)
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    Q = int(chunk_size)
+    if Q < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    pad = (-seqlen) % Q                     # padded steps have Δ = 0: no input, no decay
+    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
+    dt_p = F.pad(dt, (0, 0, 0, pad))
+    Bf = F.pad(B.float(), (0, 0, 0, 0, 0, pad))
+    Cf = F.pad(C.float(), (0, 0, 0, 0, 0, pad))
+    # chunks: c = chunk index, l / s = position in chunk, g = group, h = head in group
+    xc = rearrange(xf * dt_p[..., None], "b (c l) (g h) p -> b c l g h p", l=Q, g=ngroups)  # Δ x
+    Bc = rearrange(Bf, "b (c l) g n -> b c l g n", l=Q)
+    Cc = rearrange(Cf, "b (c l) g n -> b c l g n", l=Q)
+    logA = rearrange(dt_p * A.float(), "b (c l) (g h) -> b g h c l", l=Q, g=ngroups)
+    cum = torch.cumsum(logA, dim=-1)                                            # within-chunk prefix
+
+    # 1. diagonal blocks: y = (L ∘ C Bᵀ)(Δ x) inside each chunk
+    L = torch.exp(segsum(logA))                                                 # (b, g, h, c, l, s)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)                         # shared by a group's heads
+    y = torch.einsum("bghcls,bgcls,bcsghp->bclghp", L, scores, xc)
+
+    # 2. each chunk's own final state, as if it started from zero
+    decay_to_end = torch.exp(cum[..., -1:] - cum)                               # (b, g, h, c, l)
+    states = torch.einsum("bghcl,bclgn,bclghp->bcghpn", decay_to_end, Bc, xc)
+
+    # 3. pass states across chunk boundaries: h_c = a_chunk(c-1) h_{c-1} + states(c-1)
+    h = (xf.new_zeros(batch, ngroups, nheads // ngroups, headdim, dstate) if initial_states is None
+         else rearrange(initial_states.float(), "b (g h) p n -> b g h p n", g=ngroups))
+    chunk_decay = torch.exp(cum[..., -1])                                       # (b, g, h, c)
+    entering = []
+    for c in range(xc.shape[1]):
+        entering.append(h)
+        h = chunk_decay[..., c, None, None] * h + states[:, c]
+    entering = torch.stack(entering, dim=1)                                     # (b, c, g, h, p, n)
+
+    # 4. off-diagonal blocks: the state entering each chunk, decayed to each position, read by C
+    y = y + torch.einsum("bclgn,bcghpn,bghcl->bclghp", Cc, entering, torch.exp(cum))
+    y = rearrange(y, "b c l g h p -> b (c l) (g h) p")[:, :seqlen]
+    y = _skip_and_gate(y, x, D, z).to(x.dtype)
+    if not return_final_states:
+        return y
+    return y, rearrange(h, "b g h p n -> b (g h) p n")
+
+
+# --------------------------------------------------------------------------------------------
+# cuda: mamba_ssm's Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+def ssd_cuda(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
+             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
+    """mamba_ssm's ``mamba_chunk_scan_combined``."""
+    fn = _backend.kernel_module("ssd_scan").mamba_chunk_scan_combined
+    return fn(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states)
+
+
+_IMPLS = {"reference": ssd_reference, "torch": ssd_chunked, "cuda": ssd_cuda}
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), backend=None):
+    """The Mamba-2 SSD scan, dispatched to a backend.
+
+    Args:
+        x: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,), negative;
+        B, C: (batch, seqlen, ngroups, dstate); D: (nheads,) or (nheads, headdim) or None;
+        z: like x or None; dt_bias: (nheads,) or None;
+        initial_states: (batch, nheads, headdim, dstate) or None.
+    Returns:
+        y like x (x's dtype); with ``return_final_states`` also the final state
+        (batch, nheads, headdim, dstate) in fp32.
+    """
+    name = _backend.select("ssd_scan", x, backend=backend)
+    return _IMPLS[name](x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                        initial_states=initial_states, return_final_states=return_final_states,
+                        dt_limit=dt_limit)
