@@ -25,7 +25,6 @@ The last stdout line is one JSON object (keyed by config name for --config both)
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -113,20 +112,26 @@ def train_step(model, opt, ids):
     return time.perf_counter() - t0, loss.item()
 
 
+def vm_hwm_mb():
+    """This process's peak resident set size (Linux /proc/self/status VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
 def child_peak_mb(job):
     """Runs in a fresh process: builds one model and runs two train steps (the second one
-    holds activations, grads and AdamW state at once). ru_maxrss is the process's RSS
-    high-water mark; we subtract its value after the imports, so the figure is the extra
-    peak memory of model + optimizer + activations, without the interpreter/libraries.
-    Measuring in-process would be dishonest: the high-water mark never goes down."""
+    holds activations, grads and AdamW state at once). Reports the peak RSS minus the RSS
+    after the imports, i.e. the extra peak memory of model + optimizer + activations.
+    In-process deltas would be dishonest (a high-water mark never goes down), and
+    ru_maxrss is inherited from the forking parent across exec, so VmHWM is used."""
     c = CONFIGS[job["config"]]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    before = vm_hwm_mb()
     model = build(job["model"], c, job["llama_ffn"]).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         train_step(model, opt, ids)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return vm_hwm_mb() - before
 
 
 def bench_config(cfg_name, args, log):
