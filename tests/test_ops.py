@@ -30,7 +30,7 @@ import ssmkit
 from ssmkit import ops
 from ssmkit.ops.backend import KERNEL_MODULES, BackendError
 
-SCAN = importlib.import_module("ssmkit.ops.selective_scan")  # `ssmkit.ops.selective_scan` is the function
+SCAN = importlib.import_module("ssmkit.ops.s6")
 SSD = importlib.import_module("ssmkit.ops.ssd")
 CONV = importlib.import_module("ssmkit.ops.conv")
 
@@ -66,8 +66,8 @@ def forward_backward(fn, inputs, seed=1234):
     leaves = {k: v.detach().clone().requires_grad_() if torch.is_tensor(v) else v for k, v in inputs.items()}
     outs = fn(**leaves)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    g = gen(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
     loss.backward()
     grads = {k: v.grad for k, v in leaves.items() if torch.is_tensor(v)}
     return tuple(o.detach() for o in outs), grads
@@ -211,12 +211,15 @@ def _random_scan_cases(n):
     return cases
 
 
+@pytest.mark.parametrize("keep_states", [True, False], ids=["kept-states", "recomputed-states"])
 @pytest.mark.parametrize("T", [1, 3, 5, 64])
 @pytest.mark.parametrize("case", list(SCAN_CASES.values()), ids=list(SCAN_CASES))
-def test_selective_scan_torch_matches_reference(monkeypatch, case, T):
+def test_selective_scan_torch_matches_reference(monkeypatch, case, T, keep_states):
+    """Both backward strategies: states kept from forward, or recomputed chunk by chunk."""
     inputs = scan_inputs(**case)
     batch, dim, _ = inputs["u"].shape
     set_scan_chunk(monkeypatch, T, batch, dim, inputs["A"].shape[1])
+    monkeypatch.setattr(SCAN, "SAVE_STATES_BYTES", SCAN.SAVE_STATES_BYTES if keep_states else 0)
     assert_same_forward_backward(with_backend(ops.selective_scan, "torch"),
                                  with_backend(ops.selective_scan, "reference"), inputs, REL_TOL)
 
@@ -226,6 +229,7 @@ def test_selective_scan_torch_matches_reference_random_shapes(monkeypatch, case,
     inputs = scan_inputs(**case)
     batch, dim, _ = inputs["u"].shape
     set_scan_chunk(monkeypatch, T, batch, dim, inputs["A"].shape[1])
+    monkeypatch.setattr(SCAN, "SAVE_STATES_BYTES", 0 if case["seed"] % 2 else SCAN.SAVE_STATES_BYTES)
     assert_same_forward_backward(ops.selective_scan_torch, ops.selective_scan_reference, inputs, REL_TOL)
 
 
@@ -281,7 +285,7 @@ def test_rms_norm_gated_torch_matches_reference(z, group_size, norm_before_gate)
 
 
 # --------------------------------------------------------------------------------------------
-# one-step updates applied token by token == the whole-sequence op
+# 1 and 4. one-step updates applied token by token == the whole-sequence op, gradients included
 # --------------------------------------------------------------------------------------------
 
 
@@ -388,7 +392,7 @@ BF16_CASES = {
 @pytest.mark.parametrize("case", list(BF16_CASES.values()), ids=list(BF16_CASES))
 def test_bf16_inputs_match_fp32_reference(monkeypatch, case):
     fn, reference, make_inputs, bf16_names = case
-    monkeypatch.setattr(SCAN, "_CHUNK_ELEMENTS", 3 * 2 * 4 * 3)  # selective scan: chunks of 3 steps
+    set_scan_chunk(monkeypatch, 3, batch=2, dim=4, dstate=3)  # the selective scan case's shapes
     inputs = make_inputs()
     inputs.update({k: inputs[k].bfloat16() for k in bf16_names})
     upcast = {k: v.float() if torch.is_tensor(v) else v for k, v in inputs.items()}
@@ -440,7 +444,7 @@ def test_ssd_dt_limit_clamps_dt():
 
 
 # --------------------------------------------------------------------------------------------
-# 4. closed forms and second paths
+# 4. closed forms and second paths for the whole-sequence ops
 # --------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
 from .backend import BACKENDS, BackendError
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
 from .norm import rms_norm, rms_norm_gated
-from .selective_scan import (
+from .s6 import (
     selective_scan,
     selective_scan_reference,
     selective_scan_torch,

@@ -87,9 +87,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, back
     if name == "cuda":
         fn = _backend.kernel_module("causal_conv1d_update").causal_conv1d_update
         return fn(x, conv_state, weight, bias, activation=activation)
-    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))   # drop the oldest input
-    conv_state[:, :, -1] = x                                        # append the newest
-    y = (conv_state.float() * weight.float()).sum(-1)
+    window = torch.cat([conv_state[:, :, 1:].to(x.dtype), x[:, :, None]], dim=-1)  # drop oldest, append newest
+    conv_state.copy_(window)
+    y = (window.float() * weight.float()).sum(-1)
     if bias is not None:
         y = y + bias.float()
     return _activate(y, activation).to(x.dtype)

@@ -107,122 +107,129 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # --------------------------------------------------------------------------------------------
 #
 # Forward and backward loop over time with no autograd graph; everything that does not need the
-# loop (Ā, B̄x, y = C h, and all gradients but dh) is computed for a whole chunk of time steps at
-# once. Only the chunk-boundary states are kept; backward recomputes the states of one chunk at
-# a time, so memory is O(batch * dim * dstate * (seqlen / T + T)), not O(... * seqlen).
+# loop (Ā, B̄x, y = C h, and all gradients but dL/dh) is computed for a chunk of T time steps at
+# once, with the contractions over channels or states done as batched matmuls. The states h_t
+# are kept for backward when they fit in SAVE_STATES_BYTES; otherwise only the chunk-boundary
+# states are kept and backward recomputes one chunk at a time, so memory stays
+# O(batch * dim * dstate * (seqlen / T + T)) however long the sequence.
 #
-# Internal layout is time-major, (seqlen, batch, ...), so one time step is one contiguous slice.
+# Internal layout is time-major with channels split by group: (seqlen, batch, groups, dim/groups,
+# ...), so one time step is one contiguous slice and a group's B_t, C_t broadcast over its channels.
 
-_CHUNK_ELEMENTS = 1 << 19  # aim for T * batch * dim * dstate ~ 512K floats (2 MiB) per chunk
+_CHUNK_ELEMENTS = 1 << 19          # aim for T * batch * dim * dstate ~ 512K floats (2 MiB) per chunk
+SAVE_STATES_BYTES = 1 << 28        # keep all h_t (and Ā_t) for backward up to 256 MiB per call
 
 
 def _chunk_len(batch, dim, dstate):
     return max(1, min(64, _CHUNK_ELEMENTS // max(1, batch * dim * dstate)))
 
 
-def _chunk_inputs(delta, u, A, B, s, e):
-    """Ā and B̄x for time steps s..e-1: both (T, batch, dim, dstate)."""
-    T, batch, dim = delta[s:e].shape
-    groups, dstate = B.shape[2], B.shape[3]
-    dA = torch.exp(delta[s:e, :, :, None] * A)
-    du = delta[s:e] * u[s:e]
-    dBu = (du.view(T, batch, groups, dim // groups, 1) * B[s:e, :, :, None, :]).view(T, batch, dim, dstate)
-    return dA, du, dBu
+def _discretized(delta, u, A, B):
+    """Ā = exp(Δ A) and B̄x = Δ x B for a span of steps. delta, u: (T, b, g, c); A: (g, c, n);
+    B: (T, b, g, n) -> both (T, b, g, c, n)."""
+    dA = torch.exp(delta[..., None] * A)
+    dBu = (delta * u)[..., None] * B[:, :, :, None, :]
+    return dA, dBu
 
 
 def _run_states(dA, dBu, h, out):
-    """out[t] = dA[t] * h_{t-1} + dBu[t], starting from h; returns the last state."""
+    """out[t] = Ā_t * h_{t-1} + B̄_t x_t for t = 0..T-1, starting from h: the recurrence (eq. 2a)."""
     for t in range(dA.shape[0]):
         h = torch.addcmul(dBu[t], dA[t], h, out=out[t])
     return h
 
 
-def _contract_C(H, C):
-    """y_t = C_t^T h_t for a chunk: H (T, batch, dim, dstate), C (T, batch, groups, dstate) -> (T, batch, dim)."""
-    T, batch, dim, dstate = H.shape
-    groups = C.shape[2]
-    Hg = H.view(T, batch, groups, dim // groups, dstate)
-    return (Hg * C[:, :, :, None, :]).sum(-1).view(T, batch, dim)
-
-
 class SelectiveScanFn(torch.autograd.Function):
     """Core of the torch backend: (delta, u, A, B, C, h0) -> (y = C h, h_L), all fp32.
 
-    delta, u: (L, batch, dim); A: (dim, dstate); B, C: (L, batch, groups, dstate);
-    h0: (batch, dim, dstate). Returns y: (L, batch, dim) and h_L: (batch, dim, dstate).
+    delta, u: (L, b, g, c) with c = dim / groups channels per group; A: (g, c, n);
+    B, C: (L, b, g, n); h0: (b, g, c, n). Returns y: (L, b, g, c) and h_L: (b, g, c, n).
     """
 
     @staticmethod
     def forward(ctx, delta, u, A, B, C, h0):
-        L, batch, dim = u.shape
-        dstate = A.shape[1]
-        T = _chunk_len(batch, dim, dstate)
-        y = u.new_empty(L, batch, dim)
-        H = u.new_empty(min(T, L), batch, dim, dstate)
-        starts = []  # the state entering each chunk
-        h = h0
+        L = u.shape[0]
+        T = _chunk_len(u[0].numel(), 1, A.shape[-1])
+        keep = 2 * L * h0.numel() * 4 <= SAVE_STATES_BYTES
+        H = u.new_empty(L + 1 if keep else min(T, L) + 1, *h0.shape)   # H[0] = h_{s-1}, H[1:] = h_s..h_e
+        dA_all = u.new_empty(L, *h0.shape) if keep else None
+        y = u.new_empty(u.shape)
+        starts, h = [], h0
         for s in range(0, L, T):
             e = min(L, s + T)
             starts.append(h)
-            dA, _, dBu = _chunk_inputs(delta, u, A, B, s, e)
-            h = _run_states(dA, dBu, h, H[: e - s]).clone()
-            y[s:e] = _contract_C(H[: e - s], C[s:e])
-        ctx.save_for_backward(delta, u, A, B, C, *starts)
-        ctx.T = T
-        return y, h
+            dA, dBu = _discretized(delta[s:e], u[s:e], A, B[s:e])
+            Hc = H[s + 1 : e + 1] if keep else H[1 : e - s + 1]
+            h = _run_states(dA, dBu, h, Hc)
+            if not keep:
+                h = h.clone()                                                 # H is reused by the next chunk
+            y[s:e] = torch.matmul(Hc, C[s:e, :, :, :, None])[..., 0]          # y_t = C_t^T h_t (eq. 2b)
+            if keep:
+                dA_all[s:e] = dA
+        if keep:
+            H[0] = h0
+            ctx.save_for_backward(delta, u, A, B, C, H, dA_all)
+        else:
+            ctx.save_for_backward(delta, u, A, B, C, *starts)
+        ctx.T, ctx.keep = T, keep
+        return y, h.clone() if keep else h
 
     @staticmethod
     def backward(ctx, dy, dh_last):
-        delta, u, A, B, C, *starts = ctx.saved_tensors
-        T = ctx.T
-        L, batch, dim = u.shape
-        groups, dstate = B.shape[2], B.shape[3]
-        dy = dy.contiguous() if dy is not None else torch.zeros_like(u)
-        carry = dh_last.clone() if dh_last is not None else u.new_zeros(batch, dim, dstate)
-        ddelta, du_out = torch.empty_like(delta), torch.empty_like(u)
-        dB, dC, dA_param = torch.empty_like(B), torch.empty_like(C), torch.zeros_like(A)
-        H = u.new_empty(min(T, L) + 1, batch, dim, dstate)
-        for ci in reversed(range(len(starts))):
-            s = ci * T
-            e = min(L, s + T)
-            n = e - s
-            dA, du, dBu = _chunk_inputs(delta, u, A, B, s, e)
-            H[0] = starts[ci]
-            _run_states(dA, dBu, starts[ci], H[1 : n + 1])    # recompute h_{s..e-1}
-            Hprev, Hc = H[:n], H[1 : n + 1]
-            # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}  (the only sequential part)
-            g = lambda M: M.view(n, batch, groups, dim // groups, -1)  # noqa: E731  channels by group
-            dH = (g(dy[s:e]) * C[s:e, :, :, None, :]).view(n, batch, dim, dstate)
+        delta, u, A, B, C, *saved = ctx.saved_tensors
+        T, L = ctx.T, u.shape[0]
+        shape = A.shape[:-1]                                                  # (g, c)
+        dy = torch.zeros_like(u) if dy is None else dy.contiguous()
+        state_shape = (*u.shape[1:], A.shape[-1])                             # (b, g, c, n)
+        carry = u.new_zeros(state_shape) if dh_last is None else dh_last.clone()
+        ddelta, du, dB, dC, dA_param = (torch.empty_like(delta), torch.empty_like(u), torch.empty_like(B),
+                                        torch.empty_like(C), torch.zeros_like(A))
+        if not ctx.keep:
+            H = u.new_empty(min(T, L) + 1, *state_shape)
+        for s in reversed(range(0, L, T)):
+            e, n = min(L, s + T), min(L, s + T) - s
+            if ctx.keep:
+                dA, Hs = saved[1][s:e], saved[0][s : e + 1]
+            else:                                                             # recompute this chunk
+                dA, dBu = _discretized(delta[s:e], u[s:e], A, B[s:e])
+                H[0] = saved[s // T]
+                _run_states(dA, dBu, H[0], H[1 : n + 1])
+                Hs = H[: n + 1]
+            # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
+            dH = dy[s:e, ..., None] * C[s:e, :, :, None, :]
             dH[n - 1] += carry
             for t in range(n - 2, -1, -1):
                 torch.addcmul(dH[t], dA[t + 1], dH[t + 1], out=dH[t])
-            carry = dA[0] * dH[0]                                     # dL/dh_{s-1}
-            # everything else is parallel over the chunk
-            ddA = dH * Hprev * dA                                     # dL/d(Δ A), elementwise
-            dBx = (g(dH) * B[s:e, :, :, None, :]).sum(-1).view(n, batch, dim)   # dL/d(Δ x)
-            dB[s:e] = (g(dH) * g(du)).sum(3)
-            dC[s:e] = (g(Hc) * g(dy[s:e])).sum(3)
-            ddelta[s:e] = (ddA * A).sum(-1) + dBx * u[s:e]
-            du_out[s:e] = dBx * delta[s:e]
-            dA_param += (ddA * delta[s:e, :, :, None]).sum((0, 1))
-        return ddelta, du_out, dA_param, dB, dC, carry
+            carry = dA[0] * dH[0]                                             # dL/dh_{s-1}
+            # the rest is parallel over the chunk; Ā = exp(Δ A) gives dL/d(ΔA) = dL/dĀ * Ā
+            dDeltaA = dH * Hs[:n]
+            dDeltaA.mul_(dA)
+            dA_param += torch.einsum("tbgcn,tbgc->gcn", dDeltaA, delta[s:e])
+            dBx = torch.matmul(dH, B[s:e, :, :, :, None])[..., 0]             # dL/d(Δ x): (n, b, g, c)
+            dB[s:e] = torch.matmul((delta[s:e] * u[s:e])[..., None, :], dH)[..., 0, :]
+            dC[s:e] = torch.matmul(dy[s:e, ..., None, :], Hs[1:])[..., 0, :]
+            ddelta[s:e] = dDeltaA.mul_(A).sum(-1) + dBx * u[s:e]
+            du[s:e] = dBx * delta[s:e]
+        return ddelta, du, dA_param, dB, dC, carry
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                          initial_state=None, return_final_state=False):
-    """Fast pure-PyTorch selective scan; same arguments and results as the reference."""
+    """Fast pure-PyTorch selective scan (:class:`SelectiveScanFn`); same arguments and results as
+    the reference."""
     _check(u, delta, A, B, C, initial_state)
     batch, dim, seqlen = u.shape
-    dstate = A.shape[1]
-    delta_f = _discretize_delta(delta, delta_bias, delta_softplus)
-    to_time_major = lambda M: _grouped(M).float().permute(3, 0, 1, 2).contiguous()  # noqa: E731
-    h0 = u.new_zeros(batch, dim, dstate, dtype=torch.float32) if initial_state is None else initial_state.float()
+    groups, dstate = _grouped(B).shape[1], A.shape[1]
+    c = dim // groups
+    by_group = lambda M: M.float().permute(2, 0, 1).reshape(seqlen, batch, groups, c)  # noqa: E731
+    time_major = lambda M: _grouped(M).float().permute(3, 0, 1, 2).contiguous()        # noqa: E731
+    h0 = (u.new_zeros(batch, dim, dstate, dtype=torch.float32) if initial_state is None else initial_state.float())
     y, h = SelectiveScanFn.apply(
-        delta_f.permute(2, 0, 1).contiguous(), u.float().permute(2, 0, 1).contiguous(), A.float().contiguous(),
-        to_time_major(B), to_time_major(C), h0.contiguous(),
+        by_group(_discretize_delta(delta, delta_bias, delta_softplus)), by_group(u), A.float().reshape(groups, c, dstate),
+        time_major(B), time_major(C), h0.reshape(batch, groups, c, dstate).contiguous(),
     )
-    y = _skip_and_gate(y.permute(1, 2, 0).contiguous(), u, D, z).to(u.dtype)
-    return (y, h) if return_final_state else y
+    y = _skip_and_gate(y.reshape(seqlen, batch, dim).permute(1, 2, 0).contiguous(), u, D, z).to(u.dtype)
+    return (y, h.reshape(batch, dim, dstate)) if return_final_state else y
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,14 +293,15 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         fn = _backend.kernel_module("selective_state_update").selective_state_update
         return fn(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     heads = state.dim() == 4
-    if not heads:  # view Mamba-1 as one "head" per channel group layout: (batch, 1, dim, dstate)
+    _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+    if not heads:  # Mamba-1 as a single "head" whose headdim is dim: (batch, 1, dim, dstate)
         state4, x, dt, A = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0)
         z = z.unsqueeze(1) if z is not None else None
         D = D.unsqueeze(0) if D is not None else None
         dt_bias = dt_bias.unsqueeze(0) if dt_bias is not None else None
     else:
         state4 = state
-    batch, nheads, hdim, dstate = state4.shape
+    nheads, hdim = state4.shape[1], state4.shape[2]
     Bg = B if B.dim() == 3 else B.unsqueeze(1)
     Cg = C if C.dim() == 3 else C.unsqueeze(1)
     if heads:   # heads share their group's B, C
@@ -308,12 +316,41 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if dt_softplus:
         dt = F.softplus(dt)
     xf = x.float()
-    h = torch.exp(dt[..., None] * A.float()) * state4.float() + (dt * xf)[..., None] * Bh
-    state4.copy_(h.to(state4.dtype))
-    y = (h * Ch).sum(-1)
+    h_prev = state4.to(torch.float32, copy=True)           # a copy: the state is overwritten below
+    h = torch.exp(dt[..., None] * A.float()) * h_prev + (dt * xf)[..., None] * Bh   # eq. 2a, one step
+    state4.copy_(h.to(state4.dtype))                       # differentiable: gradients can flow across steps
+    y = (h * Ch).sum(-1)                                                           # eq. 2b
     if D is not None:
         y = y + xf * D.float()
     if z is not None:
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y if heads else y.squeeze(1)
+
+
+def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
+    """Shapes of :func:`selective_state_update`'s arguments, in either layout."""
+    if state.dim() == 3:
+        batch, dim, dstate = state.shape
+        lead, A_shape, vec = f"(batch={batch}, dim={dim})", f"(dim={dim}, dstate={dstate})", f"(dim={dim},)"
+        sizes = {lead: (batch, dim), A_shape: (dim, dstate), vec: (dim,)}
+        layout = "Mamba-1: state (batch, dim, dstate)"
+    elif state.dim() == 4:
+        batch, nheads, hdim, dstate = state.shape
+        lead = f"(batch={batch}, nheads={nheads}, headdim={hdim})"
+        A_shape, vec = f"(nheads={nheads}, headdim={hdim}, dstate={dstate})", f"(nheads={nheads}, headdim={hdim})"
+        sizes = {lead: (batch, nheads, hdim), A_shape: (nheads, hdim, dstate), vec: (nheads, hdim)}
+        layout = "Mamba-2: state (batch, nheads, headdim, dstate)"
+    else:
+        raise ValueError(f"state must be (batch, dim, dstate) or (batch, nheads, headdim, dstate); got {tuple(state.shape)}")
+    expected = {"x": lead, "dt": lead, "z": lead, "A": A_shape, "D": vec, "dt_bias": vec}
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("z", z), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None and tuple(t.shape) != sizes[expected[name]]:
+            raise ValueError(f"{name} must be {expected[name]} for {layout}; got {tuple(t.shape)}")
+    split = state.shape[1]          # channels (Mamba-1) or heads (Mamba-2) are split into groups
+    for name, M in (("B", B), ("C", C)):
+        ok = (M.dim() == 2 and state.dim() == 3 and tuple(M.shape) == (batch, dstate)) or (
+            M.dim() == 3 and M.shape[0] == batch and M.shape[2] == dstate and split % M.shape[1] == 0)
+        if not ok:
+            raise ValueError(f"{name} must be (batch={batch}, dstate={dstate}) or (batch, ngroups, dstate) with "
+                             f"ngroups dividing {split} for {layout}; got {tuple(M.shape)}")
