@@ -118,11 +118,9 @@ class MambaLM(nn.Module):
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
             if logits_to_keep:
                 raise ValueError("labels need logits for every position; use logits_to_keep=0")
-            if shift_labels:
-                pred, target = logits[:, :-1], labels[:, 1:]
-            else:
-                pred, target = logits, labels
-            loss = F.cross_entropy(pred.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+            if shift_labels:   # position t predicts token t+1; the last position has no target
+                labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -106,111 +106,132 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # torch: the same recurrence as a custom autograd.Function
 # --------------------------------------------------------------------------------------------
 #
+# Like mamba_ssm's fused kernel, one autograd.Function does the whole op: Δ = softplus(Δ + bias),
+# the recurrence, y = C h, the skip D x and the gate silu(z), with a hand-written backward.
 # Forward and backward loop over time with no autograd graph; everything that does not need the
 # loop (Ā, B̄x, y = C h, and all gradients but dL/dh) is computed for a chunk of T time steps at
-# once, with the contractions over channels or states done as batched matmuls. The states h_t
-# are kept for backward when they fit in SAVE_STATES_BYTES; otherwise only the chunk-boundary
-# states are kept and backward recomputes one chunk at a time, so memory stays
+# once, into work buffers allocated once per call and reused chunk after chunk (a chunk of
+# T * batch * dim * dstate floats stays in cache). Only the states entering each chunk are kept;
+# backward recomputes one chunk's states at a time, so memory is
 # O(batch * dim * dstate * (seqlen / T + T)) however long the sequence.
 #
-# Internal layout is time-major with channels split by group: (seqlen, batch, groups, dim/groups,
-# ...), so one time step is one contiguous slice and a group's B_t, C_t broadcast over its channels.
+# Inside a chunk the layout is time-major with channels split by group: (T, batch, groups,
+# dim/groups, ...), so one time step is one contiguous slice and a group's B_t, C_t broadcast
+# over its channels.
 
-_CHUNK_ELEMENTS = 1 << 19          # aim for T * batch * dim * dstate ~ 512K floats (2 MiB) per chunk
-SAVE_STATES_BYTES = 1 << 28        # keep all h_t (and Ā_t) for backward up to 256 MiB per call
+_CHUNK_ELEMENTS = 1 << 20          # aim for T * batch * dim * dstate ~ 1M floats (4 MiB) per chunk
 
 
 def _chunk_len(batch, dim, dstate):
     return max(1, min(64, _CHUNK_ELEMENTS // max(1, batch * dim * dstate)))
 
 
-def _discretized(delta, u, A, B):
-    """Ā = exp(Δ A) and B̄x = Δ x B for a span of steps. delta, u: (T, b, g, c); A: (g, c, n);
-    B: (T, b, g, n) -> both (T, b, g, c, n)."""
-    dA = torch.exp(delta[..., None] * A)
-    dBu = (delta * u)[..., None] * B[:, :, :, None, :]
-    return dA, dBu
+def _chunk_states(delta, u, A, B, h, dA, dBu, H):
+    """Discretise and run the recurrence over one chunk, into the given buffers.
+
+    delta, u: (T, b, g, c); A: (g, c, n); B: (T, b, g, n); h: (b, g, c, n) the entering state.
+    Writes Ā_t = exp(Δ_t A) into dA, B̄_t x_t = Δ_t x_t B_t into dBu (both (T, b, g, c, n)) and
+    h_{t-1} for t = 0..T into H (T + 1, b, g, c, n), H[0] = h. Returns h_{T-1} (a view of H).
+    """
+    torch.mul(delta[..., None], A, out=dA).exp_()
+    torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=dBu)
+    H[0] = h
+    for t in range(dA.shape[0]):                                              # h_t = Ā_t h_{t-1} + B̄_t x_t
+        torch.addcmul(dBu[t], dA[t], H[t], out=H[t + 1])
+    return H[dA.shape[0]]
 
 
-def _run_states(dA, dBu, h, out):
-    """out[t] = Ā_t * h_{t-1} + B̄_t x_t for t = 0..T-1, starting from h: the recurrence (eq. 2a)."""
-    for t in range(dA.shape[0]):
-        h = torch.addcmul(dBu[t], dA[t], h, out=out[t])
-    return h
+def _dsilu(z):
+    """d silu(z) / dz = σ(z) (1 + z (1 - σ(z)))."""
+    sig = torch.sigmoid(z)
+    return sig * (1 + z * (1 - sig))
 
 
 class SelectiveScanFn(torch.autograd.Function):
-    """Core of the torch backend: (delta, u, A, B, C, h0) -> (y = C h, h_L), all fp32.
+    """The torch backend's fused S6 scan, all fp32.
 
-    delta, u: (L, b, g, c) with c = dim / groups channels per group; A: (g, c, n);
-    B, C: (L, b, g, n); h0: (b, g, c, n). Returns y: (L, b, g, c) and h_L: (b, g, c, n).
+    u, delta, z: (b, d, L); A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None;
+    h0: (b, d, n). Returns y: (b, d, L) and h_L: (b, d, n).
     """
 
     @staticmethod
-    def forward(ctx, delta, u, A, B, C, h0):
-        L = u.shape[0]
-        T = _chunk_len(u[0].numel(), 1, A.shape[-1])
-        keep = 2 * L * h0.numel() * 4 <= SAVE_STATES_BYTES
-        H = u.new_empty(L + 1 if keep else min(T, L) + 1, *h0.shape)   # H[0] = h_{s-1}, H[1:] = h_s..h_e
-        dA_all = u.new_empty(L, *h0.shape) if keep else None
-        y = u.new_empty(u.shape)
-        starts, h = [], h0
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, softplus):
+        batch, dim, L = u.shape
+        groups, dstate = B.shape[1], A.shape[1]
+        c = dim // groups
+        T = min(L, _chunk_len(batch, dim, dstate))
+        dt = delta if delta_bias is None else delta + delta_bias[:, None]
+        dt = F.softplus(dt) if softplus else dt
+        chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731  (k, b, ...)
+        grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731   (k, b, g, c)
+        Ag = A.reshape(groups, c, dstate)
+        dA, dBu, H = (u.new_empty(T, batch, groups, c, dstate), u.new_empty(T, batch, groups, c, dstate),
+                      u.new_empty(T + 1, batch, groups, c, dstate))
+        ys = u.new_empty(batch, dim, L)                                       # C h, before D and z
+        starts, h = [], h0.reshape(batch, groups, c, dstate)
         for s in range(0, L, T):
             e = min(L, s + T)
-            starts.append(h)
-            dA, dBu = _discretized(delta[s:e], u[s:e], A, B[s:e])
-            Hc = H[s + 1 : e + 1] if keep else H[1 : e - s + 1]
-            h = _run_states(dA, dBu, h, Hc)
-            if not keep:
-                h = h.clone()                                                 # H is reused by the next chunk
-            y[s:e] = torch.matmul(Hc, C[s:e, :, :, :, None])[..., 0]          # y_t = C_t^T h_t (eq. 2b)
-            if keep:
-                dA_all[s:e] = dA
-        if keep:
-            H[0] = h0
-            ctx.save_for_backward(delta, u, A, B, C, H, dA_all)
-        else:
-            ctx.save_for_backward(delta, u, A, B, C, *starts)
-        ctx.T, ctx.keep = T, keep
-        return y, h.clone() if keep else h
+            k = e - s
+            starts.append(h.clone())
+            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
+            y = torch.matmul(H[1 : k + 1], chunk(C, s, e)[..., None])            # y_t = C_t^T h_t (eq. 2b)
+            ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
+        out = ys if D is None else ys + u * D[:, None]                        # skip connection
+        out = out if z is None else out * F.silu(z)                           # gate
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, dt, ys, *starts)
+        ctx.T, ctx.softplus = T, softplus
+        return out, h.reshape(batch, dim, dstate).clone()
 
     @staticmethod
-    def backward(ctx, dy, dh_last):
-        delta, u, A, B, C, *saved = ctx.saved_tensors
-        T, L = ctx.T, u.shape[0]
-        shape = A.shape[:-1]                                                  # (g, c)
-        dy = torch.zeros_like(u) if dy is None else dy.contiguous()
-        state_shape = (*u.shape[1:], A.shape[-1])                             # (b, g, c, n)
-        carry = u.new_zeros(state_shape) if dh_last is None else dh_last.clone()
-        ddelta, du, dB, dC, dA_param = (torch.empty_like(delta), torch.empty_like(u), torch.empty_like(B),
-                                        torch.empty_like(C), torch.zeros_like(A))
-        if not ctx.keep:
-            H = u.new_empty(min(T, L) + 1, *state_shape)
-        for s in reversed(range(0, L, T)):
-            e, n = min(L, s + T), min(L, s + T) - s
-            if ctx.keep:
-                dA, Hs = saved[1][s:e], saved[0][s : e + 1]
-            else:                                                             # recompute this chunk
-                dA, dBu = _discretized(delta[s:e], u[s:e], A, B[s:e])
-                H[0] = saved[s // T]
-                _run_states(dA, dBu, H[0], H[1 : n + 1])
-                Hs = H[: n + 1]
+    def backward(ctx, dout, dh_last):
+        u, delta, A, B, C, D, z, delta_bias, dt, ys, *starts = ctx.saved_tensors
+        batch, dim, L = u.shape
+        groups, dstate = B.shape[1], A.shape[1]
+        c, T = dim // groups, ctx.T
+        chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731
+        grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731
+        dout = torch.zeros_like(u) if dout is None else dout
+        # out = (ys + D u) * silu(z)
+        dz = None
+        if z is not None:
+            pre = ys if D is None else ys + u * D[:, None]
+            dz = dout * pre * _dsilu(z)
+            dout = dout * F.silu(z)
+        dD = None if D is None else (dout * u).sum((0, 2))
+        du = torch.zeros_like(u) if D is None else dout * D[:, None]
+        # the scan, chunk by chunk from the end: dys = dout
+        Ag = A.reshape(groups, c, dstate)
+        state = (batch, groups, c, dstate)
+        carry = u.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
+        ddt, dB, dC, dA_param = torch.empty_like(u), torch.empty_like(B), torch.empty_like(C), torch.zeros_like(Ag)
+        dA, work, H, dH = (u.new_empty(T, *state), u.new_empty(T, *state), u.new_empty(T + 1, *state),
+                           u.new_empty(T, *state))
+        for k in reversed(range(len(starts))):
+            s, e = k * T, min(L, k * T + T)
+            n = e - s
+            dt_c, u_c, dy_c, B_c = grp(dt, s, e), grp(u, s, e), grp(dout, s, e), chunk(B, s, e)
+            dA_, H_, dH_, work_ = dA[:n], H[: n + 1], dH[:n], work[:n]
+            _chunk_states(dt_c, u_c, Ag, B_c, starts[k], dA_, work_, H_)          # recompute the states
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
-            dH = dy[s:e, ..., None] * C[s:e, :, :, None, :]
-            dH[n - 1] += carry
+            torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
+            dH_[n - 1] += carry
             for t in range(n - 2, -1, -1):
-                torch.addcmul(dH[t], dA[t + 1], dH[t + 1], out=dH[t])
-            carry = dA[0] * dH[0]                                             # dL/dh_{s-1}
-            # the rest is parallel over the chunk; Ā = exp(Δ A) gives dL/d(ΔA) = dL/dĀ * Ā
-            dDeltaA = dH * Hs[:n]
-            dDeltaA.mul_(dA)
-            dA_param += torch.einsum("tbgcn,tbgc->gcn", dDeltaA, delta[s:e])
-            dBx = torch.matmul(dH, B[s:e, :, :, :, None])[..., 0]             # dL/d(Δ x): (n, b, g, c)
-            dB[s:e] = torch.matmul((delta[s:e] * u[s:e])[..., None, :], dH)[..., 0, :]
-            dC[s:e] = torch.matmul(dy[s:e, ..., None, :], Hs[1:])[..., 0, :]
-            ddelta[s:e] = dDeltaA.mul_(A).sum(-1) + dBx * u[s:e]
-            du[s:e] = dBx * delta[s:e]
-        return ddelta, du, dA_param, dB, dC, carry
+                torch.addcmul(dH_[t], dA_[t + 1], dH_[t + 1], out=dH_[t])
+            carry = dA_[0] * dH_[0]                                           # dL/dh_{s-1}
+            # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
+            dB[..., s:e] = torch.matmul((dt_c * u_c)[..., None, :], dH_)[..., 0, :].permute(1, 2, 3, 0)
+            dC[..., s:e] = torch.matmul(dy_c[..., None, :], H_[1:])[..., 0, :].permute(1, 2, 3, 0)
+            dBx = torch.matmul(dH_, B_c[..., None])[..., 0]                   # dL/d(Δ x): (n, b, g, c)
+            dDeltaA = torch.mul(dH_, H_[:n], out=dH_).mul_(dA_)               # dH is no longer needed
+            dA_param += torch.mul(dDeltaA, dt_c[..., None], out=work_).sum((0, 1))
+            ddt_c = dDeltaA.mul_(Ag).sum(-1) + dBx * u_c
+            ddt[:, :, s:e] = ddt_c.reshape(n, batch, dim).permute(1, 2, 0)
+            du[:, :, s:e] += (dBx * dt_c).reshape(n, batch, dim).permute(1, 2, 0)
+        # Δ = softplus(δ + bias): dΔ/dδ = σ(δ + bias)
+        if ctx.softplus:
+            ddt = ddt * torch.sigmoid(delta if delta_bias is None else delta + delta_bias[:, None])
+        dbias = None if delta_bias is None else ddt.sum((0, 2))
+        return (du, ddt, dA_param.reshape(dim, dstate), dB, dC, dD, dz, dbias, carry.reshape(batch, dim, dstate), None)
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -218,18 +239,13 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     """Fast pure-PyTorch selective scan (:class:`SelectiveScanFn`); same arguments and results as
     the reference."""
     _check(u, delta, A, B, C, initial_state)
-    batch, dim, seqlen = u.shape
-    groups, dstate = _grouped(B).shape[1], A.shape[1]
-    c = dim // groups
-    by_group = lambda M: M.float().permute(2, 0, 1).reshape(seqlen, batch, groups, c)  # noqa: E731
-    time_major = lambda M: _grouped(M).float().permute(3, 0, 1, 2).contiguous()        # noqa: E731
-    h0 = (u.new_zeros(batch, dim, dstate, dtype=torch.float32) if initial_state is None else initial_state.float())
-    y, h = SelectiveScanFn.apply(
-        by_group(_discretize_delta(delta, delta_bias, delta_softplus)), by_group(u), A.float().reshape(groups, c, dstate),
-        time_major(B), time_major(C), h0.reshape(batch, groups, c, dstate).contiguous(),
-    )
-    y = _skip_and_gate(y.reshape(seqlen, batch, dim).permute(1, 2, 0).contiguous(), u, D, z).to(u.dtype)
-    return (y, h.reshape(batch, dim, dstate)) if return_final_state else y
+    batch, dim, _ = u.shape
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    h0 = u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    y, h = SelectiveScanFn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(), _grouped(C).float(),
+                                 f(D), f(z), f(delta_bias), h0, delta_softplus)
+    y = y.to(u.dtype)
+    return (y, h) if return_final_state else y
 
 
 # --------------------------------------------------------------------------------------------
