@@ -136,9 +136,10 @@ def _chunk_states(delta, u, A, B, h, dA, dBu, H):
     torch.mul(delta[..., None], A, out=dA).exp_()
     torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=dBu)
     H[0] = h
-    for t in range(dA.shape[0]):                                              # h_t = Ā_t h_{t-1} + B̄_t x_t
-        torch.addcmul(dBu[t], dA[t], H[t], out=H[t + 1])
-    return H[dA.shape[0]]
+    Hs = H.unbind(0)
+    for a, bx, h_prev, h_out in zip(dA.unbind(0), dBu.unbind(0), Hs, Hs[1:]):   # h_t = Ā_t h_{t-1} + B̄_t x_t
+        torch.addcmul(bx, a, h_prev, out=h_out)
+    return Hs[-1]
 
 
 def _dsilu(z):
@@ -215,8 +216,9 @@ class SelectiveScanFn(torch.autograd.Function):
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
             torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
+            dHs, dAs = dH_.unbind(0), dA_.unbind(0)
             for t in range(n - 2, -1, -1):
-                torch.addcmul(dH_[t], dA_[t + 1], dH_[t + 1], out=dH_[t])
+                torch.addcmul(dHs[t], dAs[t + 1], dHs[t + 1], out=dHs[t])
             carry = dA_[0] * dH_[0]                                           # dL/dh_{s-1}
             # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
             dB[..., s:e] = torch.matmul((dt_c * u_c)[..., None, :], dH_)[..., 0, :].permute(1, 2, 3, 0)
