@@ -35,8 +35,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM,
                           MambaConfig, MambaForCausalLM)
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ssmkit
+import ssmkit  # installed editable by `make bench` / `make test`
 
 CONFIGS = {
     "base": dict(d_model=128, n_layer=4, vocab=1000, batch=8, seqlen=256),
