@@ -52,7 +52,7 @@ def evaluate(model, data, seq_len=128, n=16, seed=1234) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--mixer", default="mamba1", choices=["mamba1", "mamba2"])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)

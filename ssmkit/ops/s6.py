@@ -168,24 +168,25 @@ class SelectiveScanFn(torch.autograd.Function):
         Ag = A.reshape(groups, c, dstate)
         dA, dBu, H = (u.new_empty(T, batch, groups, c, dstate), u.new_empty(T, batch, groups, c, dstate),
                       u.new_empty(T + 1, batch, groups, c, dstate))
-        ys = u.new_empty(batch, dim, L)                                       # C h, before D and z
+        ys = torch.empty_like(u)                                              # C h, before D and z
         starts, h = [], h0.reshape(batch, groups, c, dstate)
         for s in range(0, L, T):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
             h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
-            y = torch.matmul(H[1 : k + 1], chunk(C, s, e)[..., None])            # y_t = C_t^T h_t (eq. 2b)
+            y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], chunk(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
             ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
         out = ys if D is None else ys + u * D[:, None]                        # skip connection
         out = out if z is None else out * F.silu(z)                           # gate
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, dt, ys, *starts)
+        # the last chunk's Ā and states are still in the buffers: backward starts there without recompute
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, dt, ys, dA, H, *starts)
         ctx.T, ctx.softplus = T, softplus
         return out, h.reshape(batch, dim, dstate).clone()
 
     @staticmethod
     def backward(ctx, dout, dh_last):
-        u, delta, A, B, C, D, z, delta_bias, dt, ys, *starts = ctx.saved_tensors
+        u, delta, A, B, C, D, z, delta_bias, dt, ys, last_dA, last_H, *starts = ctx.saved_tensors
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
         c, T = dim // groups, ctx.T
@@ -211,8 +212,12 @@ class SelectiveScanFn(torch.autograd.Function):
             s, e = k * T, min(L, k * T + T)
             n = e - s
             dt_c, u_c, dy_c, B_c = grp(dt, s, e), grp(u, s, e), grp(dout, s, e), chunk(B, s, e)
-            dA_, H_, dH_, work_ = dA[:n], H[: n + 1], dH[:n], work[:n]
-            _chunk_states(dt_c, u_c, Ag, B_c, starts[k], dA_, work_, H_)          # recompute the states
+            dH_, work_ = dH[:n], work[:n]
+            if k == len(starts) - 1:
+                dA_, H_ = last_dA[:n], last_H[: n + 1]
+            else:                                                             # recompute the states
+                dA_, H_ = dA[:n], H[: n + 1]
+                _chunk_states(dt_c, u_c, Ag, B_c, starts[k], dA_, work_, H_)
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
             torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
@@ -223,7 +228,7 @@ class SelectiveScanFn(torch.autograd.Function):
             # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
             dB[..., s:e] = torch.matmul((dt_c * u_c)[..., None, :], dH_)[..., 0, :].permute(1, 2, 3, 0)
             dC[..., s:e] = torch.matmul(dy_c[..., None, :], H_[1:])[..., 0, :].permute(1, 2, 3, 0)
-            dBx = torch.matmul(dH_, B_c[..., None])[..., 0]                   # dL/d(Δ x): (n, b, g, c)
+            dBx = torch.einsum("tbgcn,tbgn->tbgc", dH_, B_c)                   # dL/d(Δ x): (n, b, g, c)
             dDeltaA = torch.mul(dH_, H_[:n], out=dH_).mul_(dA_)               # dH is no longer needed
             dA_param += torch.mul(dDeltaA, dt_c[..., None], out=work_).sum((0, 1))
             ddt_c = dDeltaA.mul_(Ag).sum(-1) + dBx * u_c
