@@ -23,6 +23,8 @@ seqlen)`` where channel d uses group ``d // (dim // ngroups)``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -120,6 +122,7 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # over its channels.
 
 _CHUNK_ELEMENTS = 1 << 20          # aim for T * batch * dim * dstate ~ 1M floats (4 MiB) per chunk
+LOG2_E = math.log2(math.e)
 
 
 def _chunk_len(batch, dim, dstate):
@@ -132,8 +135,10 @@ def _chunk_states(delta, u, A, B, h, dA, dBu, H):
     delta, u: (T, b, g, c); A: (g, c, n); B: (T, b, g, n); h: (b, g, c, n) the entering state.
     Writes Ā_t = exp(Δ_t A) into dA, B̄_t x_t = Δ_t x_t B_t into dBu (both (T, b, g, c, n)) and
     h_{t-1} for t = 0..T into H (T + 1, b, g, c, n), H[0] = h. Returns h_{T-1} (a view of H).
+    ``A`` comes pre-multiplied by log2(e): exp(x) = 2^(x log2 e), and torch's exp2 is several
+    times faster than its exp on CPU (the CUDA kernel uses exp2f the same way).
     """
-    torch.mul(delta[..., None], A, out=dA).exp_()
+    torch.mul(delta[..., None], A, out=dA).exp2_()
     torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=dBu)
     H[0] = h
     Hs = H.unbind(0)
@@ -166,6 +171,7 @@ class SelectiveScanFn(torch.autograd.Function):
         chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731  (k, b, ...)
         grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731   (k, b, g, c)
         Ag = A.reshape(groups, c, dstate)
+        Ag2 = Ag * LOG2_E
         dA, dBu, H = (u.new_empty(T, batch, groups, c, dstate), u.new_empty(T, batch, groups, c, dstate),
                       u.new_empty(T + 1, batch, groups, c, dstate))
         ys = torch.empty_like(u)                                              # C h, before D and z
@@ -174,7 +180,7 @@ class SelectiveScanFn(torch.autograd.Function):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
-            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
+            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
             y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], chunk(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
             ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
         out = ys if D is None else ys + u * D[:, None]                        # skip connection
@@ -203,6 +209,7 @@ class SelectiveScanFn(torch.autograd.Function):
         du = torch.zeros_like(u) if D is None else dout * D[:, None]
         # the scan, chunk by chunk from the end: dys = dout
         Ag = A.reshape(groups, c, dstate)
+        Ag2 = Ag * LOG2_E
         state = (batch, groups, c, dstate)
         carry = u.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
         ddt, dB, dC, dA_param = torch.empty_like(u), torch.empty_like(B), torch.empty_like(C), torch.zeros_like(Ag)
@@ -217,7 +224,7 @@ class SelectiveScanFn(torch.autograd.Function):
                 dA_, H_ = last_dA[:n], last_H[: n + 1]
             else:                                                             # recompute the states
                 dA_, H_ = dA[:n], H[: n + 1]
-                _chunk_states(dt_c, u_c, Ag, B_c, starts[k], dA_, work_, H_)
+                _chunk_states(dt_c, u_c, Ag2, B_c, starts[k], dA_, work_, H_)
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
             torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
