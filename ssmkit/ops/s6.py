@@ -147,12 +147,6 @@ def _chunk_states(delta, u, A, B, h, dA, dBu, H):
     return Hs[-1]
 
 
-def _dsilu(z):
-    """d silu(z) / dz = σ(z) (1 + z (1 - σ(z)))."""
-    sig = torch.sigmoid(z)
-    return sig * (1 + z * (1 - sig))
-
-
 class SelectiveScanFn(torch.autograd.Function):
     """The torch backend's fused S6 scan, all fp32.
 
@@ -166,8 +160,8 @@ class SelectiveScanFn(torch.autograd.Function):
         groups, dstate = B.shape[1], A.shape[1]
         c = dim // groups
         T = min(L, _chunk_len(batch, dim, dstate))
-        dt = delta if delta_bias is None else delta + delta_bias[:, None]
-        dt = F.softplus(dt) if softplus else dt
+        dt_raw = delta if delta_bias is None else delta + delta_bias[:, None]
+        dt = F.softplus(dt_raw) if softplus else dt_raw
         chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731  (k, b, ...)
         grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731   (k, b, g, c)
         Ag = A.reshape(groups, c, dstate)
@@ -183,27 +177,26 @@ class SelectiveScanFn(torch.autograd.Function):
             h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
             y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], chunk(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
             ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
-        out = ys if D is None else ys + u * D[:, None]                        # skip connection
-        out = out if z is None else out * F.silu(z)                           # gate
+        pre = ys if D is None else ys + u * D[:, None]                        # skip connection
+        out = pre if z is None else pre * F.silu(z)                           # gate
         # the last chunk's Ā and states are still in the buffers: backward starts there without recompute
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, dt, ys, dA, H, *starts)
+        ctx.save_for_backward(u, dt_raw, A, B, C, D, z, delta_bias, dt, pre, dA, H, *starts)
         ctx.T, ctx.softplus = T, softplus
         return out, h.reshape(batch, dim, dstate).clone()
 
     @staticmethod
     def backward(ctx, dout, dh_last):
-        u, delta, A, B, C, D, z, delta_bias, dt, ys, last_dA, last_H, *starts = ctx.saved_tensors
+        u, dt_raw, A, B, C, D, z, delta_bias, dt, pre, last_dA, last_H, *starts = ctx.saved_tensors
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
         c, T = dim // groups, ctx.T
         chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731
         grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731
         dout = torch.zeros_like(u) if dout is None else dout
-        # out = (ys + D u) * silu(z)
+        # out = pre * silu(z), pre = ys + D u  (aten's fused silu / softplus backward kernels)
         dz = None
         if z is not None:
-            pre = ys if D is None else ys + u * D[:, None]
-            dz = dout * pre * _dsilu(z)
+            dz = torch.ops.aten.silu_backward(dout * pre, z)
             dout = dout * F.silu(z)
         dD = None if D is None else (dout * u).sum((0, 2))
         du = torch.zeros_like(u) if D is None else dout * D[:, None]
@@ -241,9 +234,8 @@ class SelectiveScanFn(torch.autograd.Function):
             ddt_c = dDeltaA.mul_(Ag).sum(-1) + dBx * u_c
             ddt[:, :, s:e] = ddt_c.reshape(n, batch, dim).permute(1, 2, 0)
             du[:, :, s:e] += (dBx * dt_c).reshape(n, batch, dim).permute(1, 2, 0)
-        # Δ = softplus(δ + bias): dΔ/dδ = σ(δ + bias)
-        if ctx.softplus:
-            ddt = ddt * torch.sigmoid(delta if delta_bias is None else delta + delta_bias[:, None])
+        if ctx.softplus:                                                      # Δ = softplus(δ + bias)
+            ddt = torch.ops.aten.softplus_backward(ddt, dt_raw, 1.0, 20.0)
         dbias = None if delta_bias is None else ddt.sum((0, 2))
         return (du, ddt, dA_param.reshape(dim, dstate), dB, dC, dD, dz, dbias, carry.reshape(batch, dim, dstate), None)
 
