@@ -129,21 +129,21 @@ def _chunk_len(batch, dim, dstate):
     return max(1, min(64, _CHUNK_ELEMENTS // max(1, batch * dim * dstate)))
 
 
-def _chunk_states(delta, u, A, B, h, dA, dBu, H):
+def _chunk_states(delta, u, A, B, h, dA, H):
     """Discretise and run the recurrence over one chunk, into the given buffers.
 
     delta, u: (T, b, g, c); A: (g, c, n); B: (T, b, g, n); h: (b, g, c, n) the entering state.
-    Writes Ā_t = exp(Δ_t A) into dA, B̄_t x_t = Δ_t x_t B_t into dBu (both (T, b, g, c, n)) and
-    h_{t-1} for t = 0..T into H (T + 1, b, g, c, n), H[0] = h. Returns h_{T-1} (a view of H).
+    Writes Ā_t = exp(Δ_t A) into dA (T, b, g, c, n) and h_{t-1} for t = 0..T into
+    H (T + 1, b, g, c, n), H[0] = h. Returns h_{T-1} (a view of H).
     ``A`` comes pre-multiplied by log2(e): exp(x) = 2^(x log2 e), and torch's exp2 is several
     times faster than its exp on CPU (the CUDA kernel uses exp2f the same way).
     """
+    H[0] = h                                                                  # first: h may be a view of H
     torch.mul(delta[..., None], A, out=dA).exp2_()
-    torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=dBu)
-    H[0] = h
+    torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=H[1:])          # B̄_t x_t = Δ_t x_t B_t ...
     Hs = H.unbind(0)
-    for a, bx, h_prev, h_out in zip(dA.unbind(0), dBu.unbind(0), Hs, Hs[1:]):   # h_t = Ā_t h_{t-1} + B̄_t x_t
-        torch.addcmul(bx, a, h_prev, out=h_out)
+    for a, h_prev, h_out in zip(dA.unbind(0), Hs, Hs[1:]):                      # ... + Ā_t h_{t-1} = h_t
+        torch.addcmul(h_out, a, h_prev, out=h_out)
     return Hs[-1]
 
 
@@ -166,15 +166,14 @@ class SelectiveScanFn(torch.autograd.Function):
         grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731   (k, b, g, c)
         Ag = A.reshape(groups, c, dstate)
         Ag2 = Ag * LOG2_E
-        dA, dBu, H = (u.new_empty(T, batch, groups, c, dstate), u.new_empty(T, batch, groups, c, dstate),
-                      u.new_empty(T + 1, batch, groups, c, dstate))
+        dA, H = u.new_empty(T, batch, groups, c, dstate), u.new_empty(T + 1, batch, groups, c, dstate)
         ys = torch.empty_like(u)                                              # C h, before D and z
         starts, h = [], h0.reshape(batch, groups, c, dstate)
         for s in range(0, L, T):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
-            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, chunk(B, s, e), h, dA[:k], dBu[:k], H[: k + 1])
+            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, chunk(B, s, e), h, dA[:k], H[: k + 1])
             y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], chunk(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
             ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
         pre = ys if D is None else ys + u * D[:, None]                        # skip connection
@@ -217,7 +216,7 @@ class SelectiveScanFn(torch.autograd.Function):
                 dA_, H_ = last_dA[:n], last_H[: n + 1]
             else:                                                             # recompute the states
                 dA_, H_ = dA[:n], H[: n + 1]
-                _chunk_states(dt_c, u_c, Ag2, B_c, starts[k], dA_, work_, H_)
+                _chunk_states(dt_c, u_c, Ag2, B_c, starts[k], dA_, H_)
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
             torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
