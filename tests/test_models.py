@@ -60,27 +60,19 @@ MAMBA2_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MAMBA1_CASES)
+MIXER_CASES = [("mamba1", c) for c in MAMBA1_CASES] + [("mamba2", c) for c in MAMBA2_CASES]
+TWINS = {"mamba1": (Mamba1, MambaMixer, hf_mamba1_config), "mamba2": (Mamba2, Mamba2Mixer, hf_mamba2_config)}
+
+
+@pytest.mark.parametrize("mixer,case", MIXER_CASES, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
 @pytest.mark.parametrize("seqlen", [1, 37])
-def test_mamba1_mixer_matches_transformers(case, seqlen):
-    cfg = ModelConfig(n_layer=1, vocab_size=64, mixer="mamba1", **case)
-    ours = Mamba1(cfg)
+def test_mixer_matches_transformers(mixer, case, seqlen):
+    ours_cls, theirs_cls, hf_config = TWINS[mixer]
+    cfg = ModelConfig(n_layer=1, vocab_size=64, mixer=mixer, **case)
+    ours = ours_cls(cfg)
     perturb_(ours, 0)
-    theirs = MambaMixer(hf_mamba1_config(cfg), layer_idx=0).eval()
+    theirs = theirs_cls(hf_config(cfg), layer_idx=0).eval()
     theirs.load_state_dict(ours.state_dict())                     # same names, strict
-    x = torch.randn(3, seqlen, cfg.d_model, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), theirs(x), atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("case", MAMBA2_CASES)
-@pytest.mark.parametrize("seqlen", [1, 37])
-def test_mamba2_mixer_matches_transformers(case, seqlen):
-    cfg = ModelConfig(n_layer=1, vocab_size=64, mixer="mamba2", **case)
-    ours = Mamba2(cfg)
-    perturb_(ours, 0)
-    theirs = Mamba2Mixer(hf_mamba2_config(cfg), layer_idx=0).eval()
-    theirs.load_state_dict(ours.state_dict())
     x = torch.randn(3, seqlen, cfg.d_model, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=ATOL, rtol=0)
