@@ -129,6 +129,17 @@ def _chunk_len(batch, dim, dstate):
     return max(1, min(64, _CHUNK_ELEMENTS // max(1, batch * dim * dstate)))
 
 
+def _steps(M, s, e):
+    """Time steps s..e-1 of M (..., L), time first: (e - s, ...). A view."""
+    return M[..., s:e].permute(-1, *range(M.dim() - 1))
+
+
+def _steps_by_group(M, s, e, groups):
+    """Time steps s..e-1 of M (b, d, L) as (e - s, b, groups, d / groups)."""
+    k, batch, dim = e - s, M.shape[0], M.shape[1]
+    return _steps(M, s, e).reshape(k, batch, groups, dim // groups)
+
+
 def _chunk_states(delta, u, A, B, h, dA, H):
     """Discretise and run the recurrence over one chunk, into the given buffers.
 
@@ -162,8 +173,7 @@ class SelectiveScanFn(torch.autograd.Function):
         T = min(L, _chunk_len(batch, dim, dstate))
         dt_raw = delta if delta_bias is None else delta + delta_bias[:, None]
         dt = F.softplus(dt_raw) if softplus else dt_raw
-        chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731  (k, b, ...)
-        grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731   (k, b, g, c)
+        grp = lambda M, s, e: _steps_by_group(M, s, e, groups)  # noqa: E731  (k, b, g, c)
         Ag = A.reshape(groups, c, dstate)
         Ag2 = Ag * LOG2_E
         dA, H = u.new_empty(T, batch, groups, c, dstate), u.new_empty(T + 1, batch, groups, c, dstate)
@@ -173,8 +183,8 @@ class SelectiveScanFn(torch.autograd.Function):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
-            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, chunk(B, s, e), h, dA[:k], H[: k + 1])
-            y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], chunk(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
+            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, _steps(B, s, e), h, dA[:k], H[: k + 1])
+            y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], _steps(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
             ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
         pre = ys if D is None else ys + u * D[:, None]                        # skip connection
         out = pre if z is None else pre * F.silu(z)                           # gate
@@ -189,8 +199,7 @@ class SelectiveScanFn(torch.autograd.Function):
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
         c, T = dim // groups, ctx.T
-        chunk = lambda M, s, e: M[..., s:e].permute(-1, *range(M.dim() - 1))  # noqa: E731
-        grp = lambda M, s, e: chunk(M, s, e).reshape(e - s, batch, groups, c)  # noqa: E731
+        grp = lambda M, s, e: _steps_by_group(M, s, e, groups)  # noqa: E731  (k, b, g, c)
         dout = torch.zeros_like(u) if dout is None else dout
         # out = pre * silu(z), pre = ys + D u  (aten's fused silu / softplus backward kernels)
         dz = None
@@ -205,12 +214,13 @@ class SelectiveScanFn(torch.autograd.Function):
         state = (batch, groups, c, dstate)
         carry = u.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
         ddt, dB, dC, dA_param = torch.empty_like(u), torch.empty_like(B), torch.empty_like(C), torch.zeros_like(Ag)
-        dA, work, H, dH = (u.new_empty(T, *state), u.new_empty(T, *state), u.new_empty(T + 1, *state),
-                           u.new_empty(T, *state))
+        work, dH = u.new_empty(T, *state), u.new_empty(T, *state)
+        if len(starts) > 1:                                                   # room to recompute a chunk
+            dA, H = u.new_empty(T, *state), u.new_empty(T + 1, *state)
         for k in reversed(range(len(starts))):
             s, e = k * T, min(L, k * T + T)
             n = e - s
-            dt_c, u_c, dy_c, B_c = grp(dt, s, e), grp(u, s, e), grp(dout, s, e), chunk(B, s, e)
+            dt_c, u_c, dy_c, B_c = grp(dt, s, e), grp(u, s, e), grp(dout, s, e), _steps(B, s, e)
             dH_, work_ = dH[:n], work[:n]
             if k == len(starts) - 1:
                 dA_, H_ = last_dA[:n], last_H[: n + 1]
@@ -218,7 +228,7 @@ class SelectiveScanFn(torch.autograd.Function):
                 dA_, H_ = dA[:n], H[: n + 1]
                 _chunk_states(dt_c, u_c, Ag2, B_c, starts[k], dA_, H_)
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
-            torch.mul(dy_c[..., None], chunk(C, s, e)[:, :, :, None, :], out=dH_)
+            torch.mul(dy_c[..., None], _steps(C, s, e)[:, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
             dHs, dAs = dH_.unbind(0), dA_.unbind(0)
             for t in range(n - 2, -1, -1):
