@@ -19,7 +19,7 @@ models are timed in the same process, round-robin (one step of each model per ro
 so drift hits all of them alike and the ratios stay meaningful when absolute numbers don't.
 
 Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both]
-      [--steps 5] [--warmup 2] [--threads N] [--json-only]
+      [--steps 7] [--warmup 3] [--threads N] [--json-only]
 The last stdout line is one JSON object (keyed by config name for --config both).
 """
 import argparse
@@ -224,8 +224,8 @@ def print_table(res):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=["base", "large", "both"], default="base")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (fast models)")
-    p.add_argument("--warmup", type=int, default=2, help="warmup steps (fast models)")
+    p.add_argument("--steps", type=int, default=7, help="timed steps (fast models)")
+    p.add_argument("--warmup", type=int, default=3, help="warmup steps (fast models)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     p.add_argument("--_child", help=argparse.SUPPRESS)  # internal: peak-memory child process
