@@ -129,15 +129,9 @@ def _chunk_len(batch, dim, dstate):
     return max(1, min(64, _CHUNK_ELEMENTS // max(1, batch * dim * dstate)))
 
 
-def _steps(M, s, e):
-    """Time steps s..e-1 of M (..., L), time first: (e - s, ...). A view."""
-    return M[..., s:e].permute(-1, *range(M.dim() - 1))
-
-
-def _steps_by_group(M, s, e, groups):
-    """Time steps s..e-1 of M (b, d, L) as (e - s, b, groups, d / groups)."""
-    k, batch, dim = e - s, M.shape[0], M.shape[1]
-    return _steps(M, s, e).reshape(k, batch, groups, dim // groups)
+def _time_major(M):
+    """(b, ..., L) -> a contiguous (L, b, ...): one time step is one contiguous slice."""
+    return M.permute(-1, *range(M.dim() - 1)).contiguous()
 
 
 def _chunk_states(delta, u, A, B, h, dA, H):
@@ -162,91 +156,93 @@ class SelectiveScanFn(torch.autograd.Function):
     """The torch backend's fused S6 scan, all fp32.
 
     u, delta, z: (b, d, L); A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None;
-    h0: (b, d, n). Returns y: (b, d, L) and h_L: (b, d, n).
+    h0: (b, d, n). Returns y: (b, d, L) and h_L: (b, d, n). Inside, every sequence is time-major,
+    (L, b, ...), and a chunk of steps s..e-1 is the view [s:e] reshaped to (k, b, g, d / g).
     """
 
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, softplus):
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
-        c = dim // groups
+        state = (batch, groups, dim // groups, dstate)
         T = min(L, _chunk_len(batch, dim, dstate))
-        dt_raw = delta if delta_bias is None else delta + delta_bias[:, None]
-        dt = F.softplus(dt_raw) if softplus else dt_raw
-        grp = lambda M, s, e: _steps_by_group(M, s, e, groups)  # noqa: E731  (k, b, g, c)
-        Ag = A.reshape(groups, c, dstate)
-        Ag2 = Ag * LOG2_E
-        dA, H = u.new_empty(T, batch, groups, c, dstate), u.new_empty(T + 1, batch, groups, c, dstate)
-        ys = torch.empty_like(u)                                              # C h, before D and z
-        starts, h = [], h0.reshape(batch, groups, c, dstate)
+        u_t, B_t, C_t = _time_major(u), _time_major(B), _time_major(C)       # (L, b, d), (L, b, g, n)
+        dt_raw = _time_major(delta) if delta_bias is None else _time_major(delta) + delta_bias
+        dt = F.softplus(dt_raw) if softplus else dt_raw                       # Δ: (L, b, d)
+        grp = lambda M: M.view(M.shape[0], *state[:3])  # noqa: E731  (k, b, d) -> (k, b, g, c)
+        A2 = A.reshape(state[1:]) * LOG2_E
+        dA, H = u.new_empty(T, *state), u.new_empty(T + 1, *state)
+        ys = u.new_empty(L, batch, dim)                                       # C h, before D and z
+        starts, h = [], h0.reshape(state)
         for s in range(0, L, T):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
-            h = _chunk_states(grp(dt, s, e), grp(u, s, e), Ag2, _steps(B, s, e), h, dA[:k], H[: k + 1])
-            y = torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], _steps(C, s, e))   # y_t = C_t^T h_t (eq. 2b)
-            ys[:, :, s:e] = y.reshape(k, batch, dim).permute(1, 2, 0)
-        pre = ys if D is None else ys + u * D[:, None]                        # skip connection
-        out = pre if z is None else pre * F.silu(z)                           # gate
+            h = _chunk_states(grp(dt[s:e]), grp(u_t[s:e]), A2, B_t[s:e], h, dA[:k], H[: k + 1])
+            grp(ys[s:e]).copy_(torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], C_t[s:e]))   # y_t = C_t^T h_t
+        pre = ys if D is None else ys + u_t * D                               # skip connection
+        z_t = None if z is None else z.permute(2, 0, 1)
+        out = pre if z is None else pre * F.silu(z_t)                         # gate
         # the last chunk's Ā and states are still in the buffers: backward starts there without recompute
-        ctx.save_for_backward(u, dt_raw, A, B, C, D, z, delta_bias, dt, pre, dA, H, *starts)
+        ctx.save_for_backward(u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, dA, H, *starts)
         ctx.T, ctx.softplus = T, softplus
-        return out, h.reshape(batch, dim, dstate).clone()
+        return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
 
     @staticmethod
     def backward(ctx, dout, dh_last):
-        u, dt_raw, A, B, C, D, z, delta_bias, dt, pre, last_dA, last_H, *starts = ctx.saved_tensors
-        batch, dim, L = u.shape
-        groups, dstate = B.shape[1], A.shape[1]
-        c, T = dim // groups, ctx.T
-        grp = lambda M, s, e: _steps_by_group(M, s, e, groups)  # noqa: E731  (k, b, g, c)
-        dout = torch.zeros_like(u) if dout is None else dout
+        u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, last_dA, last_H, *starts = ctx.saved_tensors
+        L, batch, dim = u_t.shape
+        groups, dstate = B_t.shape[2], A.shape[1]
+        state = (batch, groups, dim // groups, dstate)
+        T = ctx.T
+        grp = lambda M: M.view(M.shape[0], *state[:3])  # noqa: E731
+        dout = torch.zeros_like(u_t) if dout is None else _time_major(dout)
         # out = pre * silu(z), pre = ys + D u  (aten's fused silu / softplus backward kernels)
         dz = None
-        if z is not None:
-            dz = torch.ops.aten.silu_backward(dout * pre, z)
-            dout = dout * F.silu(z)
-        dD = None if D is None else (dout * u).sum((0, 2))
-        du = torch.zeros_like(u) if D is None else dout * D[:, None]
-        # the scan, chunk by chunk from the end: dys = dout
-        Ag = A.reshape(groups, c, dstate)
-        Ag2 = Ag * LOG2_E
-        state = (batch, groups, c, dstate)
-        carry = u.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
-        ddt, dB, dC, dA_param = torch.empty_like(u), torch.empty_like(B), torch.empty_like(C), torch.zeros_like(Ag)
-        work, dH = u.new_empty(T, *state), u.new_empty(T, *state)
+        if z_t is not None:
+            dz = torch.ops.aten.silu_backward(dout * pre, z_t)
+            dout = dout * F.silu(z_t)
+        dD = None if D is None else (dout * u_t).sum((0, 1))
+        du = torch.zeros_like(u_t) if D is None else dout * D                 # (L, b, d)
+        # the scan, chunk by chunk from the end; dL/dys = dout
+        A_ = A.reshape(state[1:])
+        A2 = A_ * LOG2_E
+        carry = u_t.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
+        ddt, dB, dC, dA_param = torch.empty_like(u_t), torch.empty_like(B_t), torch.empty_like(C_t), torch.zeros_like(A_)
+        work, dH = u_t.new_empty(T, *state), u_t.new_empty(T, *state)
         if len(starts) > 1:                                                   # room to recompute a chunk
-            dA, H = u.new_empty(T, *state), u.new_empty(T + 1, *state)
+            dA, H = u_t.new_empty(T, *state), u_t.new_empty(T + 1, *state)
         for k in reversed(range(len(starts))):
             s, e = k * T, min(L, k * T + T)
             n = e - s
-            dt_c, u_c, dy_c, B_c = grp(dt, s, e), grp(u, s, e), grp(dout, s, e), _steps(B, s, e)
+            dt_c, u_c, dy_c, B_c = grp(dt[s:e]), grp(u_t[s:e]), grp(dout[s:e]), B_t[s:e]
             dH_, work_ = dH[:n], work[:n]
             if k == len(starts) - 1:
                 dA_, H_ = last_dA[:n], last_H[: n + 1]
             else:                                                             # recompute the states
                 dA_, H_ = dA[:n], H[: n + 1]
-                _chunk_states(dt_c, u_c, Ag2, B_c, starts[k], dA_, H_)
+                _chunk_states(dt_c, u_c, A2, B_c, starts[k], dA_, H_)
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
-            torch.mul(dy_c[..., None], _steps(C, s, e)[:, :, :, None, :], out=dH_)
+            torch.mul(dy_c[..., None], C_t[s:e, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
             dHs, dAs = dH_.unbind(0), dA_.unbind(0)
             for t in range(n - 2, -1, -1):
                 torch.addcmul(dHs[t], dAs[t + 1], dHs[t + 1], out=dHs[t])
             carry = dA_[0] * dH_[0]                                           # dL/dh_{s-1}
             # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
-            dB[..., s:e] = torch.matmul((dt_c * u_c)[..., None, :], dH_)[..., 0, :].permute(1, 2, 3, 0)
-            dC[..., s:e] = torch.matmul(dy_c[..., None, :], H_[1:])[..., 0, :].permute(1, 2, 3, 0)
+            dB[s:e] = torch.einsum("tbgcn,tbgc->tbgn", dH_, dt_c * u_c)
+            dC[s:e] = torch.einsum("tbgcn,tbgc->tbgn", H_[1:], dy_c)
             dBx = torch.einsum("tbgcn,tbgn->tbgc", dH_, B_c)                   # dL/d(Δ x): (n, b, g, c)
             dDeltaA = torch.mul(dH_, H_[:n], out=dH_).mul_(dA_)               # dH is no longer needed
             dA_param += torch.mul(dDeltaA, dt_c[..., None], out=work_).sum((0, 1))
-            ddt_c = dDeltaA.mul_(Ag).sum(-1) + dBx * u_c
-            ddt[:, :, s:e] = ddt_c.reshape(n, batch, dim).permute(1, 2, 0)
-            du[:, :, s:e] += (dBx * dt_c).reshape(n, batch, dim).permute(1, 2, 0)
+            torch.add(dDeltaA.mul_(A_).sum(-1), dBx * u_c, out=grp(ddt[s:e]))
+            grp(du[s:e]).addcmul_(dBx, dt_c)
         if ctx.softplus:                                                      # Δ = softplus(δ + bias)
             ddt = torch.ops.aten.softplus_backward(ddt, dt_raw, 1.0, 20.0)
-        dbias = None if delta_bias is None else ddt.sum((0, 2))
-        return (du, ddt, dA_param.reshape(dim, dstate), dB, dC, dD, dz, dbias, carry.reshape(batch, dim, dstate), None)
+        dbias = None if delta_bias is None else ddt.sum((0, 1))
+        t_last = lambda M: None if M is None else M.permute(*range(1, M.dim()), 0)  # noqa: E731  back to (b, ..., L)
+        return (t_last(du), t_last(ddt), dA_param.reshape(dim, dstate), t_last(dB), t_last(dC), dD, t_last(dz),
+                dbias, carry.reshape(batch, dim, dstate), None)
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
