@@ -264,3 +264,22 @@ def test_training_reduces_loss_on_a_fixed_batch():
             opt.step()
             opt.zero_grad()
         assert loss.item() < 0.7 * first, preset
+
+
+def test_mamba2_step_applies_dt_limit_like_the_chunked_scan():
+    """mamba_ssm's step ignores dt_limit; ssmkit clamps Δ in the step too, so both paths agree."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny-mamba2", n_layer=2, dt_limit=(0.02, 0.05))
+    model = ssmkit.build_model(cfg).eval()
+    perturb_(model, 8)
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model.allocate_cache(2)
+        steps = torch.cat([model(ids[:, :20], cache=cache).logits]
+                          + [model(ids[:, t : t + 1], cache=cache).logits for t in range(20, 30)], dim=1)
+        unclamped = ssmkit.build_model(ModelConfig.preset("tiny-mamba2", n_layer=2))
+        unclamped.load_state_dict(model.state_dict())
+        other = unclamped.eval()(ids).logits
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
+    assert (other - full).abs().max() > 1e-3          # the limit really changes the model
