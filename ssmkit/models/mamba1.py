@@ -90,21 +90,21 @@ class Mamba1(nn.Module):
         if state is not None and hidden.shape[1] == 1:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (d_inner, d_state)
-        xz = rearrange(self.in_proj(hidden), "b l d -> b d l")
-        x, z = xz.chunk(2, dim=1)                                            # (batch, d_inner, seqlen)
-        x = conv_with_state(x, self.conv1d, state)
-        x_dbl = self.x_proj(rearrange(x, "b d l -> b l d"))                  # (batch, seqlen, R + 2N)
-        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = self.dt_proj.weight @ dt.transpose(1, 2)                        # (batch, d_inner, seqlen), Δ before bias
+        # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels, seqlen)
+        # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
+        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2).contiguous()
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight)                               # Δ before its bias: (b, l, d_inner)
         out = ops.selective_scan(
-            x, dt, A, rearrange(B, "b l n -> b n l"), rearrange(C, "b l n -> b n l"), D=self.D.float(), z=z,
-            delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(),
+            z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
             initial_state=None if state is None else state.ssm, return_final_state=state is not None,
         )
         if state is not None:
             out, h = out
             state.ssm.copy_(h)
-        return self.out_proj(rearrange(out, "b d l -> b l d"))
+        return self.out_proj(out.transpose(1, 2))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
