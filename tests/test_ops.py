@@ -716,3 +716,15 @@ def test_bad_input_raises_value_error(case, backend):
     call, message = case
     with pytest.raises(ValueError, match=message):
         call(backend)
+
+
+@pytest.mark.parametrize("seqlen", [1, 3, 17])
+def test_causal_conv1d_channels_last_view_matches_reference(seqlen):
+    """The mixers pass (batch, dim, seqlen) views of (batch, seqlen, dim) memory; the torch backend
+    takes its shifted-rows path there and must keep that layout."""
+    g = gen(11)
+    x = randn(g, 2, seqlen, 6).transpose(1, 2).requires_grad_()
+    weight, bias = randn(g, 6, 4).requires_grad_(), randn(g, 6).requires_grad_()
+    inputs = dict(x=x, weight=weight, bias=bias, activation="silu")
+    assert_same_forward_backward(ops.causal_conv1d_torch, ops.causal_conv1d_reference, inputs, REL_TOL)
+    assert ops.causal_conv1d_torch(x, weight, bias).stride(1) == 1

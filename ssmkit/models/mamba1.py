@@ -93,7 +93,7 @@ class Mamba1(nn.Module):
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels, seqlen)
         # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
         x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
-        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2).contiguous()
+        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)   # (batch, seqlen, d_inner)
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)                               # Δ before its bias: (b, l, d_inner)
         out = ops.selective_scan(
