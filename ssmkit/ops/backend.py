@@ -94,9 +94,9 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
 def describe(device: str | torch.device = "cpu") -> dict[str, str]:
     """For each op, the backend an automatic call on ``device`` would use (and why not cuda)."""
     on_cuda = torch.device(device).type == "cuda"
+    forced = forced_backend()
     report = {}
     for op, module in KERNEL_MODULES.items():
-        forced = forced_backend()
         reason = kernel_import_error(module)
         if forced in ("reference", "torch"):
             report[op] = f"{forced} (forced by SSMKIT_BACKEND)"
