@@ -50,6 +50,10 @@ def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state: LayerState | None) 
 
 
 class Mamba1(nn.Module):
+    """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x));
+    Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z); out_proj(y).
+    (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state

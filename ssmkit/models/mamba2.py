@@ -25,6 +25,10 @@ from .norms import RMSNormGated
 
 
 class Mamba2(nn.Module):
+    """The parallel Mamba-2 block of Dao & Gu 2024 (figure 6): z, x, B, C, Δ all from one in_proj;
+    x, B, C = SiLU(conv(x, B, C)); y = SSD(x) (section 6); out_proj(RMSNorm(y * SiLU(z))).
+    (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
