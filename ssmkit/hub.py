@@ -1,6 +1,7 @@
 """Load and save checkpoints in the two layouts of the ecosystem.
 
-* Hugging Face transformers: ``config.json`` with ``model_type`` "mamba" or "mamba2" and weights
+* Hugging Face transformers: ``config.json`` with ``model_type`` "mamba", "falcon_mamba" or "mamba2"
+  and weights
   ``model.safetensors`` (or ``pytorch_model.bin``, or shards with ``*.index.json``) named
   ``backbone.embeddings.weight``, ``backbone.layers.N.{norm,mixer.*}``, ``backbone.norm_f.weight``,
   ``lm_head.weight``.
@@ -45,7 +46,8 @@ _HF_FIELDS = {
     "tie_word_embeddings": "tie_embeddings", "time_step_min": "dt_min", "time_step_max": "dt_max",
     "time_step_floor": "dt_init_floor",
 }
-_HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init"}
+_HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
+              "mixer_rms_eps": "mixer_rms_eps"}
 _HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_limit": "dt_limit"}
 
 
@@ -59,12 +61,17 @@ def _json_float(v: float):
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """A transformers ``config.json`` (mamba / mamba2) as a ModelConfig; the vocabulary is kept
-    exactly (transformers' vocab_size is already the padded embedding size)."""
+    """A transformers ``config.json`` (mamba / falcon_mamba / mamba2) as a ModelConfig; the vocabulary
+    is kept exactly (transformers' vocab_size is already the padded embedding size)."""
     kind = hf.get("model_type")
-    if kind not in ("mamba", "mamba2"):
-        raise CheckpointError(f"model_type {kind!r} is not supported; ssmkit loads 'mamba' and 'mamba2' "
-                              "(falcon_mamba adds RMS norms on B, C and dt that ssmkit does not have)")
+    if kind not in ("mamba", "falcon_mamba", "mamba2"):
+        raise CheckpointError(f"model_type {kind!r} is not supported; ssmkit loads 'mamba', 'falcon_mamba' and "
+                              "'mamba2'")
+    if kind == "falcon_mamba":
+        hf = {"mixer_rms_eps": 1e-6, **hf}                  # transformers' FalconMambaConfig default
+        kind = "mamba"
+    else:
+        hf = {k: v for k, v in hf.items() if k != "mixer_rms_eps"}
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'")
     fields = {**_HF_FIELDS, **(_HF_MAMBA1 if kind == "mamba" else _HF_MAMBA2)}
@@ -92,8 +99,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     hf = {theirs: getattr(cfg, ours) for theirs, ours in fields.items()}
     hf["vocab_size"] = cfg.padded_vocab_size
     if mamba1:
-        hf.update(model_type="mamba", architectures=["MambaForCausalLM"], time_step_rank=cfg.dt_rank_value,
+        falcon = cfg.mixer_rms_eps is not None
+        hf.update(model_type="falcon_mamba" if falcon else "mamba", time_step_rank=cfg.dt_rank_value,
+                  architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
                   intermediate_size=cfg.d_inner, hidden_act="silu")
+        if not falcon:
+            del hf["mixer_rms_eps"]
     else:
         if cfg.D_has_hdim or cfg.norm_before_gate:
             raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate; "
@@ -139,6 +150,8 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
 def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
         raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; mixed layouts cannot be saved")
+    if cfg.mixer_rms_eps is not None:
+        raise CheckpointError("mamba_ssm has no FalconMamba norms (mixer_rms_eps); save format='hf'")
     mixer = cfg.mixers[0]
     ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
     ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM  # noqa: E402
+from transformers import (AutoModelForCausalLM, FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config,  # noqa: E402
+                          Mamba2ForCausalLM, MambaConfig, MambaForCausalLM)
 
 import ssmkit  # noqa: E402
 from ssmkit import CheckpointError  # noqa: E402
@@ -34,6 +35,8 @@ HF_CASES = {
     "mamba-untied-d16": lambda: MambaForCausalLM(MambaConfig(vocab_size=96, hidden_size=24, num_hidden_layers=3,
                                                              state_size=16, expand=3, conv_kernel=3,
                                                              tie_word_embeddings=False)),
+    "falcon-mamba": lambda: FalconMambaForCausalLM(FalconMambaConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2,
+                                                                     state_size=8, mixer_rms_eps=1e-5)),
     "mamba2-groups": lambda: Mamba2ForCausalLM(Mamba2Config(vocab_size=101, hidden_size=32, num_hidden_layers=2,
                                                             state_size=16, head_dim=16, num_heads=4, n_groups=2,
                                                             chunk_size=8)),
@@ -65,6 +68,21 @@ def hf_greedy(hf, ids, n):
     for _ in range(n):
         ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids
+
+
+def test_falcon_mamba_round_trip_and_no_mamba_ssm_layout(tmp_path):
+    hf = perturb_(HF_CASES["falcon-mamba"](), 6).eval()
+    hf.save_pretrained(tmp_path / "src")
+    model = ssmkit.from_pretrained(tmp_path / "src")
+    assert model.config.mixer_rms_eps == 1e-5
+    model.save_pretrained(tmp_path / "dst")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert type(back).__name__ == "FalconMambaForCausalLM"
+    ids = torch.randint(0, 80, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=ATOL, rtol=0)
+    with pytest.raises(CheckpointError, match="mixer_rms_eps"):
+        model.save_pretrained(tmp_path / "ms", format="mamba_ssm")
 
 
 def test_sharded_and_bin_checkpoints(tmp_path):

@@ -43,6 +43,7 @@ class ModelConfig:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True
     bias: bool = False                    # bias of in_proj / out_proj
+    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off)
     headdim: int = 64                     # mamba2: P, channels per head
     ngroups: int = 1                      # mamba2: B/C groups (like GQA's key/value groups)
     chunk_size: int = 256                 # mamba2: Q, SSD chunk length

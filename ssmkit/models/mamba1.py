@@ -37,6 +37,11 @@ def init_dt_bias(n: int, cfg: ModelConfig) -> torch.Tensor:
     return inverse_softplus(dt.clamp(min=cfg.dt_init_floor))
 
 
+def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32 (FalconMamba's extra norm on Δ, B and C)."""
+    return ops.rms_norm(x, torch.ones(x.shape[-1], device=x.device), eps=eps)
+
+
 def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state: LayerState | None) -> torch.Tensor:
     """SiLU(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if given,
     which is then replaced by the last d_conv inputs."""
@@ -57,7 +62,7 @@ class Mamba1(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
-        self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value
+        self.d_conv, self.dt_rank, self.mixer_rms_eps = cfg.d_conv, cfg.dt_rank_value, cfg.mixer_rms_eps
         self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=cfg.bias)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, cfg.d_conv, groups=self.d_inner,
                                 padding=cfg.d_conv - 1, bias=cfg.conv_bias)
@@ -84,6 +89,13 @@ class Mamba1(nn.Module):
         self.A_log.copy_(torch.log(A))
         self.D.fill_(1.0)
 
+    def _select(self, x):
+        """The selection (section 3.2): Δ (rank dt_rank), B, C from x (..., d_inner), each (..., ·)."""
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.mixer_rms_eps is not None:                                   # FalconMamba
+            dt, B, C = (weightless_rms(t, self.mixer_rms_eps) for t in (dt, B, C))
+        return dt, B, C
+
     def allocate_state(self, batch_size, dtype, device) -> LayerState:
         return LayerState(conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
                           ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32, device=device))
@@ -98,7 +110,7 @@ class Mamba1(nn.Module):
         # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
         x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
         x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)   # (batch, seqlen, d_inner)
-        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self._select(x)
         dt = F.linear(dt, self.dt_proj.weight)                               # Δ before its bias: (b, l, d_inner)
         out = ops.selective_scan(
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(),
@@ -115,7 +127,7 @@ class Mamba1(nn.Module):
         x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)                   # (batch, d_inner)
         x = ops.causal_conv1d_update(x, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
                                      self.conv1d.bias, activation="silu")
-        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self._select(x)
         dt = F.linear(dt, self.dt_proj.weight)                               # (batch, d_inner)
         A = -torch.exp(self.A_log.float())
         y = ops.selective_state_update(state.ssm, x, dt, A, B, C, D=self.D.float(), z=z,
