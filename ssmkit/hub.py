@@ -48,7 +48,8 @@ _HF_FIELDS = {
 }
 _HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
               "mixer_rms_eps": "mixer_rms_eps"}
-_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_limit": "dt_limit"}
+_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_limit": "dt_limit",
+              "norm_before_gate": "norm_before_gate"}
 
 
 def _float(v) -> float:
@@ -72,6 +73,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         kind = "mamba"
     else:
         hf = {k: v for k, v in hf.items() if k != "mixer_rms_eps"}
+    if hf.get("rms_norm", True) is False:
+        raise CheckpointError("rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'")
     fields = {**_HF_FIELDS, **(_HF_MAMBA1 if kind == "mamba" else _HF_MAMBA2)}
@@ -106,8 +109,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if not falcon:
             del hf["mixer_rms_eps"]
     else:
-        if cfg.D_has_hdim or cfg.norm_before_gate:
-            raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate; "
+        if cfg.D_has_hdim or cfg.norm_before_gate:   # transformers 5's Mamba2 always norms after the gate
+            raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate=True; "
                                   "save format='mamba_ssm'")
         hf.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_heads=cfg.nheads,
                   hidden_act="silu", time_step_limit=[_json_float(v) for v in cfg.dt_limit], rms_norm=True)
@@ -152,6 +155,8 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
         raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; mixed layouts cannot be saved")
     if cfg.mixer_rms_eps is not None:
         raise CheckpointError("mamba_ssm has no FalconMamba norms (mixer_rms_eps); save format='hf'")
+    if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
+        raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; save format='hf'")
     mixer = cfg.mixers[0]
     ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
     ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"
@@ -165,7 +170,7 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
     return dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm,
                 attn_layer_idx=[], attn_cfg={}, rms_norm=cfg.rms_norm, residual_in_fp32=cfg.residual_in_fp32,
                 fused_add_norm=True, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
-                tie_embeddings=cfg.tie_embeddings, norm_epsilon=cfg.norm_epsilon)
+                tie_embeddings=cfg.tie_embeddings)   # exactly MambaConfig's fields: it is built with **config
 
 
 # --------------------------------------------------------------------------------------------

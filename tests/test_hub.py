@@ -19,6 +19,9 @@ from ssmkit import CheckpointError  # noqa: E402
 from ssmkit.models import ModelConfig  # noqa: E402
 
 ATOL = 1e-4
+# mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
+MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
+                           "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings"}
 
 
 def perturb_(model, seed):
@@ -99,6 +102,39 @@ def test_sharded_and_bin_checkpoints(tmp_path):
             torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / sub)(ids).logits, want, atol=ATOL, rtol=0)
 
 
+def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
+    hf = perturb_(HF_CASES["mamba-tied"](), 7).eval()
+    folder = tmp_path / "bin-shards"
+    hf.config.save_pretrained(folder)
+    state = hf.state_dict()
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, folder / file)
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    model = ssmkit.from_pretrained(folder, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.backbone.embedding.weight
+    ids = torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), hf(ids).logits, atol=0.1, rtol=0.05)   # bf16
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu' is not supported"):
+        ssmkit.from_pretrained(folder)
+    write_mamba_ssm_fixture(tmp_path / "ms", "Mamba2")
+    ms_cfg = json.loads((tmp_path / "ms" / "config.json").read_text())
+    ms_cfg["ssm_cfg"]["mystery_knob"] = 3
+    (tmp_path / "ms" / "config.json").write_text(json.dumps(ms_cfg))
+    with pytest.raises(CheckpointError, match=r"ssm_cfg fields \['mystery_knob'\] cannot be represented"):
+        ssmkit.from_pretrained(tmp_path / "ms")
+    ms_cfg["ssm_cfg"].pop("mystery_knob")
+    (tmp_path / "ms" / "config.json").write_text(json.dumps({**ms_cfg, "attn_layer_idx": [1]}))
+    with pytest.raises(CheckpointError, match="attention layers"):
+        ssmkit.from_pretrained(tmp_path / "ms")
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie):
@@ -111,6 +147,7 @@ def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=ATOL, rtol=0)
     model.save_pretrained(tmp_path / "ms", format="mamba_ssm")
+    assert set(json.loads((tmp_path / "ms" / "config.json").read_text())) == MAMBA_SSM_CONFIG_FIELDS
     back = ssmkit.from_pretrained(tmp_path / "ms")
     assert back.config == model.config
     mine, theirs = model.state_dict(), back.state_dict()
