@@ -1,6 +1,6 @@
 """The ``ssmkit`` command line. Subcommands so far: ``env`` (the environment report), ``demo`` (the
-CPU training demo) and ``convert`` (checkpoint layouts); ``train``, ``data``, ``eval``, ``bench`` and
-``workbook`` join as their modules land."""
+CPU training demo), ``convert`` (checkpoint layouts) and ``data prepare`` (token shards); ``train``,
+``eval``, ``bench`` and ``workbook`` join as their modules land."""
 
 from __future__ import annotations
 
@@ -19,6 +19,15 @@ def main(argv=None):
     conv.add_argument("src", help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
     conv.add_argument("dst", help="output directory (replaced atomically)")
     conv.add_argument("--to", required=True, choices=["hf", "mamba_ssm"], help="layout to write")
+    data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser("prepare", help="tokenize a source into packed token shards (resumable)")
+    prep.add_argument("--source", default="stdlib-docs", help="stdlib-docs, a remote corpus name, or a local path")
+    prep.add_argument("--tokenizer", default="gpt2", help="gpt2, byte, bpe-<N>, a hub id or a directory")
+    prep.add_argument("--out", required=True, help="output directory (re-running resumes)")
+    prep.add_argument("--split", default="train", choices=["train", "validation", "all"])
+    prep.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard")
+    prep.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
         if rest:
@@ -37,6 +46,17 @@ def main(argv=None):
         except CheckpointError as exc:
             parser.exit(1, f"ssmkit convert: {exc}\n")
         print(f"wrote {out} ({args.to} layout, {model.num_parameters():,} parameters)")
+    elif args.command == "data":
+        if rest:
+            parser.error(f"unrecognized arguments for data prepare: {' '.join(rest)}")
+        from .data import prepare
+
+        try:
+            index = prepare(args.source, args.tokenizer, args.out, split=args.split, max_tokens=args.max_tokens,
+                            shard_tokens=args.shard_tokens, workers=args.workers)
+        except ValueError as exc:
+            parser.exit(1, f"ssmkit data prepare: {exc}\n")
+        print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents, dtype {index['dtype']}")
     elif args.command == "demo":
         from .demo import main as demo_main
 

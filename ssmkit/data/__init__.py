@@ -1,5 +1,15 @@
-"""Data: tokenizers (so far); sources, packing into token shards and the resumable loader follow."""
+"""Data: tokenizers, text sources, packing into token shards, and the resumable loader.
 
+    tok = ssmkit.data.get_tokenizer("gpt2")
+    ssmkit.data.prepare("stdlib-docs", "gpt2", "data/stdlib-gpt2")
+    loader = ssmkit.data.TokenLoader("data/stdlib-gpt2", seq_len=256, batch_size=8)
+    for input_ids, labels in loader:   # labels already shifted: model(x, labels=y, shift_labels=False)
+        ...
+"""
+
+from .loader import TokenLoader
+from .shards import prepare
+from .sources import REMOTE, Document, load_source, stdlib_docs
 from .tokenizers import EOS, get_tokenizer
 
-__all__ = ["EOS", "get_tokenizer"]
+__all__ = ["EOS", "REMOTE", "Document", "TokenLoader", "get_tokenizer", "load_source", "prepare", "stdlib_docs"]

@@ -1,0 +1,88 @@
+"""``TokenLoader``: batches of training windows from prepared shards, resumable to the exact batch.
+
+The shards are read through memory maps, as one flat token stream. Window i covers tokens
+``[i * seq_len, i * seq_len + seq_len + 1)``; it gives ``input_ids = w[:-1]`` and
+``labels = w[1:]`` (already shifted: call ``model(input_ids, labels=labels, shift_labels=False)``).
+Each epoch visits every window once, in an order shuffled with (seed, epoch); rank r of
+world_size takes every world_size-th window of that order, so ranks never share a window and all
+ranks get the same number of batches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .shards import INDEX, sha256_file
+
+
+class TokenLoader:
+    def __init__(self, shard_dir, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 verify: bool = False):
+        if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need seq_len >= 1, batch_size >= 1, 0 <= rank < world_size; got seq_len={seq_len}, "
+                             f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        self.dir = Path(shard_dir)
+        if not (self.dir / INDEX).exists():
+            raise ValueError(f"{self.dir} has no {INDEX}: prepare it first (ssmkit data prepare --out {self.dir})")
+        self.index = json.loads((self.dir / INDEX).read_text())
+        self.dtype = np.dtype(self.index["dtype"])
+        self.maps, self.starts = [], [0]
+        for shard in self.index["shards"]:
+            path = self.dir / shard["file"]
+            expected = shard["tokens"] * self.dtype.itemsize
+            if not path.exists() or path.stat().st_size != expected:
+                size = path.stat().st_size if path.exists() else "missing"
+                raise ValueError(f"shard {path} is corrupt: {size} bytes, the index says {expected}")
+            if verify and sha256_file(path) != shard["sha256"]:
+                raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index")
+            self.maps.append(np.memmap(path, dtype=self.dtype, mode="r"))
+            self.starts.append(self.starts[-1] + shard["tokens"])
+        self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = seq_len, batch_size, rank, world_size, seed
+        self.n_windows = max(0, (self.starts[-1] - 1) // seq_len)
+        self.batches_per_epoch = self.n_windows // world_size // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{self.dir} holds {self.starts[-1]} tokens: not one batch of {batch_size} x {seq_len + 1} "
+                             f"tokens per rank for {world_size} ranks")
+        self.epoch, self.step = 0, 0
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the flat stream, across shard boundaries."""
+        out, shard = [], int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            lo = start - self.starts[shard]
+            hi = min(stop, self.starts[shard + 1]) - self.starts[shard]
+            out.append(self.maps[shard][lo:hi])
+            start += hi - lo
+            shard += 1
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def _my_windows(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(self.n_windows, generator=g)
+        return order[self.rank :: self.world_size][: self.batches_per_epoch * self.batch_size]
+
+    def __iter__(self):
+        while True:
+            windows = self._my_windows(self.epoch)
+            while self.step < self.batches_per_epoch:
+                ids = windows[self.step * self.batch_size : (self.step + 1) * self.batch_size].tolist()
+                batch = np.stack([self._tokens(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in ids])
+                self.step += 1
+                batch = torch.from_numpy(batch.astype(np.int64))
+                yield batch[:, :-1], batch[:, 1:]
+            self.epoch, self.step = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return dict(epoch=self.epoch, step=self.step, seed=self.seed, rank=self.rank, world_size=self.world_size,
+                    seq_len=self.seq_len, batch_size=self.batch_size, total_tokens=self.starts[-1])
+
+    def load_state_dict(self, state: dict):
+        for key in ("seed", "world_size", "seq_len", "batch_size", "total_tokens"):
+            mine = self.state_dict()[key]
+            if state.get(key) != mine:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
+        self.epoch, self.step = state["epoch"], state["step"]
