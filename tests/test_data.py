@@ -170,13 +170,16 @@ def test_clear_errors(prepared, tmp_path, monkeypatch):
 
 
 def test_data_prepare_command(tmp_path):
+    import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", "stdlib-docs", "--tokenizer", "byte",
-           "--out", str(tmp_path / "o"), "--max-tokens", "5000", "--shard-tokens", "2000"]
-    env = {**__import__("os").environ, "SSMKIT_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    def prepare_cli(source, out):
+        cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", source, "--tokenizer", "byte",
+               "--out", str(out), "--max-tokens", "5000", "--shard-tokens", "2000"]
+        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SSMKIT_CACHE": str(tmp_path)})
+
+    done = prepare_cli("stdlib-docs", tmp_path / "o")
     assert done.returncode == 0 and "5,000 tokens" in done.stdout, done.stderr
-    bad = subprocess.run(cmd[:6] + ["nowhere-corpus"] + cmd[7:], capture_output=True, text=True, env=env)
+    bad = prepare_cli("nowhere-corpus", tmp_path / "other")
     assert bad.returncode == 1 and "unknown source 'nowhere-corpus'" in bad.stderr

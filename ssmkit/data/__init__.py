@@ -1,4 +1,4 @@
-"""Data: tokenizers, text sources, packing into token shards, and the resumable loader.
+"""Data: tokenizers, text sources, synthetic tasks, packing into token shards, and the resumable loader.
 
     tok = ssmkit.data.get_tokenizer("gpt2")
     ssmkit.data.prepare("stdlib-docs", "gpt2", "data/stdlib-gpt2")
@@ -10,6 +10,8 @@
 from .loader import TokenLoader
 from .shards import prepare
 from .sources import REMOTE, Document, load_source, stdlib_docs
+from .synthetic import TASKS, SyntheticBatch, accuracy, check, make_task
 from .tokenizers import EOS, get_tokenizer
 
-__all__ = ["EOS", "REMOTE", "Document", "TokenLoader", "get_tokenizer", "load_source", "prepare", "stdlib_docs"]
+__all__ = ["EOS", "REMOTE", "TASKS", "Document", "SyntheticBatch", "TokenLoader", "accuracy", "check", "get_tokenizer",
+           "load_source", "make_task", "prepare", "stdlib_docs"]

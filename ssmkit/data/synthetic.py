@@ -1,0 +1,498 @@
+"""Synthetic tasks from the state-space-model literature: seeded, checkable, pure torch.
+
+Three small tasks that test whether a sequence model can *select* and *recall* information
+from its context. A recurrent model has to squeeze the whole past into a fixed-size state,
+so these tasks are where a selective SSM (Mamba) and a plain linear-time-invariant SSM differ.
+
+    from ssmkit.data.synthetic import make_task, accuracy, check
+    task = make_task("mqar", vocab_size=256, seq_len=128, num_kv_pairs=8)
+    train, test = task.split(10_000, 1_000, seed=0)
+    out = model(train.input_ids, labels=train.labels)     # out.loss: loss on the answers only
+    acc = accuracy(model(test.input_ids).logits, test)    # fraction of answers right
+    assert check(test, task)                              # answers re-derived from the inputs
+
+Tasks
+-----
+``SelectiveCopying`` ("selective-copying")
+    Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
+    arXiv:2312.00752, section 4.1.1 and figure 2 (appendix E.1). A variant of the classic
+    copying task (Arjovsky, Shah & Bengio 2016, arXiv:1511.06464) in which the data tokens
+    sit at *random* positions among noise tokens, so a time-invariant convolution cannot
+    solve it by a fixed shift::
+
+        5 0 0 9 0 3 0 0 | 1 | 5 9 3          (0 = noise, 1 = separator)
+        ---- context ---  sep  -- answers --
+
+``InductionHeads`` ("induction-heads")
+    Gu & Dao 2023, section 4.1.2, following the synthetic of Fu et al. 2023 ("Hungry Hungry
+    Hippos", arXiv:2212.14052) and the mechanism named by Olsson et al. 2022, "In-context
+    Learning and Induction Heads" (Transformer Circuits Thread). A trigger token appears
+    once, followed by a target; at the end the trigger appears again and the model must
+    say the target ("Harry Potter ... Harry -> Potter")::
+
+        7 4 0 9 2 5 8 ... 3 0 9              (0 = trigger, 9 = target = answer)
+
+``MQAR`` ("mqar")
+    Multi-query associative recall, Arora, Eyuboglu et al. 2023, "Zoology: Measuring and
+    Improving Recall in Efficient Language Models", arXiv:2312.04927 (their generator is
+    ``zoology/data/multiquery_ar.py``). Key-value pairs first, then several keys are queried;
+    after each query comes the value bound to it. Query positions are drawn from Zoology's
+    power law (``power_a``; 1.0 = uniform), so most queries come soon after the pairs::
+
+        k1 v1 k2 v2 k3 v3 | 0 k2 v2 0 0 0 k1 v1 0 ...   (0 = noise; the v after a query = answer)
+
+Glossary
+--------
+data token
+    A token the model has to remember and reproduce (keys and values for MQAR).
+noise token
+    Filler (id 0 for selective copying and MQAR) carrying no information.
+separator / trigger
+    Special tokens that tell the model *when* to answer. Special tokens use the lowest ids.
+answer position
+    A position ``t`` whose token is determined by the earlier context. The model is scored on
+    the logits of position ``t - 1`` (next-token prediction).
+labels
+    Targets aligned with ``input_ids`` in the transformers convention that ssmkit's model uses:
+    ``model(input_ids, labels=labels)`` shifts internally, so the logits at ``t - 1`` are
+    trained to predict ``labels[t]``. Here ``labels[t] == input_ids[t]`` at every answer
+    position and ``-100`` (no loss) everywhere else; the answers are also present in
+    ``input_ids`` (teacher forcing), as in ordinary language-model training.
+answer_mask
+    Boolean (n, seq_len), True exactly at the answer positions (``labels != -100``).
+checker
+    A per-task function that re-derives the answers from ``input_ids`` alone, written
+    independently of the (vectorised) generator; :func:`check` compares it with a batch.
+
+Seeds: ``task.sample(n, seed)`` draws from ``torch.Generator().manual_seed(seed)``, so the same
+(task, n, seed) always gives the same tensors. ``task.split(n_train, n_test, seed)`` uses seed
+``2 * seed`` for train and ``2 * seed + 1`` for test: the two streams never share a seed (for
+any pair of split seeds), so the sets are reproducible and independently drawn (identical
+sequences can still occur by chance when the space of sequences is tiny).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+IGNORE_INDEX = -100   # label of positions without a loss (torch's cross_entropy ignore_index default)
+
+__all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS", "make_task",
+           "accuracy", "check", "selective_copying_answers", "induction_heads_answers", "mqar_answers"]
+
+
+# --------------------------------------------------------------------------------------------
+# The batch
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class SyntheticBatch:
+    """n sequences of one task.
+
+    input_ids:   LongTensor (n, seq_len), the full sequences (answers included).
+    labels:      LongTensor (n, seq_len), ``input_ids`` at answer positions, ``-100`` elsewhere;
+                 pass as ``model(input_ids, labels=labels)`` (the model shifts them).
+    answer_mask: BoolTensor (n, seq_len), True at the answer positions.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    answer_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, index) -> SyntheticBatch:
+        """Rows of the batch, e.g. ``batch[:32]`` for a minibatch (always stays 2-D)."""
+        if isinstance(index, int):
+            index = slice(index, index + 1) if index != -1 else slice(-1, None)
+        return SyntheticBatch(self.input_ids[index], self.labels[index], self.answer_mask[index])
+
+    def to(self, device) -> SyntheticBatch:
+        return SyntheticBatch(self.input_ids.to(device), self.labels.to(device), self.answer_mask.to(device))
+
+
+def _batch(input_ids: torch.Tensor, answer_mask: torch.Tensor) -> SyntheticBatch:
+    labels = torch.where(answer_mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    return SyntheticBatch(input_ids=input_ids, labels=labels, answer_mask=answer_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared task machinery
+# --------------------------------------------------------------------------------------------
+
+def _require_int(task: str, name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{task}: {name} must be an integer >= {minimum}; got {value!r}")
+
+
+def _generator(seed) -> torch.Generator:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_subset(n: int, population: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """(n, k) indices into range(population): per row k distinct ones, uniformly, in random order."""
+    if population < 4 * k:   # dense: the k largest of `population` uniform numbers
+        return torch.rand(n, population, generator=gen).topk(k, dim=1).indices
+    # sparse (e.g. 16 keys out of 4095): draw with repetition, redraw the repeats until none are left.
+    # Relabelling the population maps runs onto equally likely runs, so every ordered k-tuple of
+    # distinct indices is equally likely, as with the dense method, at O(n k^2) instead of O(n population).
+    draws = torch.randint(population, (n, k), generator=gen)
+    while True:
+        repeat = (draws[:, :, None] == draws[:, None, :]).tril(diagonal=-1).any(dim=2)   # equals an earlier one
+        if not repeat.any():
+            return draws
+        draws[repeat] = torch.randint(population, (int(repeat.sum()),), generator=gen)
+
+
+class _Task:
+    """Methods every task shares; subclasses define ``name``, ``_generate`` and ``_answers``."""
+
+    name: ClassVar[str]
+    vocab_size: int
+    seq_len: int
+
+    def sample(self, n: int, seed: int = 0) -> SyntheticBatch:
+        """n sequences drawn with ``torch.Generator().manual_seed(seed)``; see :class:`SyntheticBatch`."""
+        _require_int(type(self).__name__, "n", n, 0)
+        return self._generate(n, _generator(seed))
+
+    def split(self, n_train: int, n_test: int, seed: int = 0) -> tuple[SyntheticBatch, SyntheticBatch]:
+        """(train, test): ``sample(n_train, 2 * seed)`` and ``sample(n_test, 2 * seed + 1)``.
+
+        Train seeds are even and test seeds odd, so no train set of any split seed shares a
+        random stream with any test set.
+        """
+        _generator(seed)   # validates seed
+        return self.sample(n_train, 2 * seed), self.sample(n_test, 2 * seed + 1)
+
+    def check(self, batch: SyntheticBatch) -> bool:
+        """Same as :func:`check(batch, self) <check>`."""
+        return check(batch, self)
+
+    def _generate(self, n: int, gen: torch.Generator) -> SyntheticBatch:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Selective copying
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SelectiveCopying(_Task):
+    """Copy the data tokens scattered in a noisy context, in order, after a separator.
+
+    Layout of a sequence (``c = seq_len - 1 - n_tokens`` context positions)::
+
+        positions 0 .. c-1   noise (0) with n_tokens data tokens at random distinct positions
+        position  c          separator (1)
+        positions c+1 ..     the n_tokens data tokens in order  <- answer positions
+
+    Data tokens are drawn uniformly (with repetition) from ids ``2 .. vocab_size - 1``.
+    Defaults follow the Mamba paper (vocabulary of 16 including the special tokens, 16 tokens
+    to copy), at length 256 instead of 4096.
+    """
+
+    vocab_size: int = 16
+    seq_len: int = 256
+    n_tokens: int = 16
+
+    name: ClassVar[str] = "selective-copying"
+    noise_id: ClassVar[int] = 0
+    sep_id: ClassVar[int] = 1
+    first_data_id: ClassVar[int] = 2
+
+    def __post_init__(self):
+        cls = type(self).__name__
+        _require_int(cls, "n_tokens", self.n_tokens, 1)
+        _require_int(cls, "vocab_size", self.vocab_size, 1)
+        _require_int(cls, "seq_len", self.seq_len, 1)
+        if self.vocab_size < self.first_data_id + 2:
+            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
+                             f"{self.first_data_id + 2} (2 special tokens, noise={self.noise_id} and "
+                             f"separator={self.sep_id}, plus at least 2 data tokens)")
+        if self.seq_len < 2 * self.n_tokens + 1:
+            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short for n_tokens={self.n_tokens}: need "
+                             f"seq_len >= 2 * n_tokens + 1 = {2 * self.n_tokens + 1} (a context of at least "
+                             f"n_tokens positions, the separator, then n_tokens answers)")
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - 1 - self.n_tokens
+
+    def _generate(self, n, gen):
+        c, k = self.context_len, self.n_tokens
+        data = torch.randint(self.first_data_id, self.vocab_size, (n, k), generator=gen)
+        positions = _random_subset(n, c, k, gen).sort(dim=1).values     # where the data sits, in order
+        ids = torch.full((n, self.seq_len), self.noise_id, dtype=torch.long)
+        ids[:, :c].scatter_(1, positions, data)
+        ids[:, c] = self.sep_id
+        ids[:, c + 1:] = data
+        mask = torch.zeros(n, self.seq_len, dtype=torch.bool)
+        mask[:, c + 1:] = True
+        return _batch(ids, mask)
+
+
+def selective_copying_answers(input_ids: torch.Tensor, task: SelectiveCopying) -> torch.Tensor:
+    """Checker: labels re-derived from ``input_ids`` alone (raises ValueError if a row is malformed).
+
+    Per row: the single separator splits context from answers; the answers are the non-noise
+    context tokens in order, and they must fill the rest of the row.
+    """
+    expected = []
+    for row in input_ids.tolist():
+        if row.count(task.sep_id) != 1:
+            raise ValueError(f"expected exactly one separator ({task.sep_id}); found {row.count(task.sep_id)}")
+        sep = row.index(task.sep_id)
+        data = [tok for tok in row[:sep] if tok != task.noise_id]
+        if sep + 1 + len(data) != len(row):
+            raise ValueError(f"{len(data)} data tokens in the context but {len(row) - sep - 1} positions "
+                             "after the separator")
+        expected.append([IGNORE_INDEX] * (sep + 1) + data)
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Induction heads
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InductionHeads(_Task):
+    """Recall the token that followed the trigger's first occurrence.
+
+    Layout (``p`` uniform in ``0 .. seq_len - 4``)::
+
+        random data tokens, except
+        position p           trigger (0)
+        position p+1         target (a random data token)
+        position seq_len-2   trigger (0) again
+        position seq_len-1   the target                          <- the answer position
+
+    Data tokens are uniform over ids ``1 .. vocab_size - 1``; the trigger occurs exactly twice.
+    Defaults follow the Mamba paper (vocabulary 16, training length 256).
+    """
+
+    vocab_size: int = 16
+    seq_len: int = 256
+
+    name: ClassVar[str] = "induction-heads"
+    trigger_id: ClassVar[int] = 0
+    first_data_id: ClassVar[int] = 1
+
+    def __post_init__(self):
+        cls = type(self).__name__
+        _require_int(cls, "vocab_size", self.vocab_size, 1)
+        _require_int(cls, "seq_len", self.seq_len, 1)
+        if self.vocab_size < self.first_data_id + 2:
+            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
+                             f"{self.first_data_id + 2} (the trigger={self.trigger_id} plus at least 2 data tokens)")
+        if self.seq_len < 4:
+            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 4 "
+                             "(trigger, target, trigger, answer)")
+
+    def _generate(self, n, gen):
+        L, rows = self.seq_len, torch.arange(n)
+        ids = torch.randint(self.first_data_id, self.vocab_size, (n, L), generator=gen)
+        p = torch.randint(0, L - 3, (n,), generator=gen)          # first trigger in 0 .. L-4
+        ids[rows, p] = self.trigger_id
+        ids[:, L - 2] = self.trigger_id
+        ids[:, L - 1] = ids[rows, p + 1]                           # the target, already random
+        mask = torch.zeros(n, L, dtype=torch.bool)
+        mask[:, L - 1] = True
+        return _batch(ids, mask)
+
+
+def induction_heads_answers(input_ids: torch.Tensor, task: InductionHeads) -> torch.Tensor:
+    """Checker: the last label is the token after the trigger's first occurrence; -100 elsewhere."""
+    expected = []
+    for row in input_ids.tolist():
+        triggers = [t for t, tok in enumerate(row) if tok == task.trigger_id]
+        if len(triggers) != 2 or triggers[1] != len(row) - 2 or triggers[0] + 1 >= triggers[1]:
+            raise ValueError(f"expected the trigger ({task.trigger_id}) once in the body and at position "
+                             f"{len(row) - 2}; found it at {triggers}")
+        expected.append([IGNORE_INDEX] * (len(row) - 1) + [row[triggers[0] + 1]])
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Multi-query associative recall
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MQAR(_Task):
+    """Multi-query associative recall (Zoology): after each queried key, say its value.
+
+    Layout (``N = num_kv_pairs``)::
+
+        positions 0 .. 2N-1     k1 v1 k2 v2 ... kN vN   (distinct keys, distinct values)
+        positions 2N ..         noise (0), except num_queries queries: a key k at an even
+                                offset 2N + 2s, and its value v right after   <- answer positions
+
+    Keys are ids ``1 .. K`` with ``K = (vocab_size - 1) // 2`` and values ``K + 1 .. vocab_size - 1``
+    (Zoology likewise splits the vocabulary in halves). ``num_queries`` distinct keys are queried
+    (``None``: all N, as in Zoology) in random order, at query slots ``s`` drawn without
+    replacement with probability proportional to ``s ** (power_a - 1)`` (Zoology's power law,
+    ``s = 1, 2, ...``; ``power_a=1.0`` is uniform). Unlike Zoology the value also appears in
+    ``input_ids`` after the query (the teacher-forced next-token setup) and the filler is
+    always the noise token, never random tokens.
+    """
+
+    vocab_size: int = 8192
+    seq_len: int = 256
+    num_kv_pairs: int = 16
+    num_queries: int | None = None
+    power_a: float = 0.01
+
+    name: ClassVar[str] = "mqar"
+    noise_id: ClassVar[int] = 0
+
+    def __post_init__(self):
+        cls = type(self).__name__
+        _require_int(cls, "num_kv_pairs", self.num_kv_pairs, 1)
+        _require_int(cls, "vocab_size", self.vocab_size, 1)
+        _require_int(cls, "seq_len", self.seq_len, 1)
+        if self.num_queries is None:
+            object.__setattr__(self, "num_queries", self.num_kv_pairs)
+        _require_int(cls, "num_queries", self.num_queries, 1)
+        if self.num_queries > self.num_kv_pairs:
+            raise ValueError(f"{cls}: num_queries={self.num_queries} must be in 1 .. num_kv_pairs="
+                             f"{self.num_kv_pairs} (each key is queried at most once)")
+        if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) \
+                or not math.isfinite(self.power_a) or self.power_a <= 0:
+            raise ValueError(f"{cls}: power_a must be a finite number > 0 (1.0 = uniform query positions); "
+                             f"got {self.power_a!r}")
+        if self.vocab_size < 1 + 2 * self.num_kv_pairs:
+            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small for num_kv_pairs="
+                             f"{self.num_kv_pairs}: need vocab_size >= 1 + 2 * num_kv_pairs = "
+                             f"{1 + 2 * self.num_kv_pairs} (noise token, plus that many distinct keys and values)")
+        need = 2 * self.num_kv_pairs + 2 * self.num_queries
+        if self.seq_len < need:
+            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 2 * num_kv_pairs + "
+                             f"2 * num_queries = {need} (the pairs, then a key and its value per query)")
+
+    @property
+    def num_keys(self) -> int:
+        """Size of the key vocabulary (ids 1 .. num_keys); values are the ids above it."""
+        return (self.vocab_size - 1) // 2
+
+    @property
+    def num_slots(self) -> int:
+        """Number of places a query (key + value) can go after the pairs."""
+        return (self.seq_len - 2 * self.num_kv_pairs) // 2
+
+    def _generate(self, n, gen):
+        N, Q, K = self.num_kv_pairs, self.num_queries, self.num_keys
+        keys = _random_subset(n, K, N, gen) + 1                              # ids 1 .. K
+        values = _random_subset(n, self.vocab_size - 1 - K, N, gen) + K + 1  # ids K+1 .. V-1
+        ids = torch.full((n, self.seq_len), self.noise_id, dtype=torch.long)
+        ids[:, 0:2 * N:2] = keys
+        ids[:, 1:2 * N:2] = values
+
+        which = _random_subset(n, N, Q, gen)                                 # the pairs queried
+        slot_weights = torch.arange(1, self.num_slots + 1, dtype=torch.float64) ** (self.power_a - 1)
+        slots = torch.multinomial(slot_weights.expand(n, -1), Q, replacement=False, generator=gen)
+        query_pos = 2 * N + 2 * slots
+        ids.scatter_(1, query_pos, keys.gather(1, which))
+        ids.scatter_(1, query_pos + 1, values.gather(1, which))
+        mask = torch.zeros(n, self.seq_len, dtype=torch.bool)
+        mask.scatter_(1, query_pos + 1, True)
+        return _batch(ids, mask)
+
+
+def mqar_answers(input_ids: torch.Tensor, task: MQAR) -> torch.Tensor:
+    """Checker: read the pairs at the start; after any later occurrence of a key, its value is due."""
+    N = task.num_kv_pairs
+    expected = []
+    for row in input_ids.tolist():
+        bindings = dict(zip(row[0:2 * N:2], row[1:2 * N:2]))
+        if len(bindings) != N or task.noise_id in bindings:
+            raise ValueError(f"the first {2 * N} tokens must be {N} key-value pairs with distinct keys")
+        labels = [IGNORE_INDEX] * len(row)
+        t = 2 * N
+        while t < len(row):
+            tok = row[t]
+            if tok in bindings:                       # a query: the next token is the answer
+                if t + 1 == len(row):
+                    raise ValueError(f"query of key {tok} at the last position has no answer")
+                labels[t + 1] = bindings[tok]
+                t += 2
+            elif tok == task.noise_id:
+                t += 1
+            else:
+                raise ValueError(f"token {tok} at position {t} is neither noise nor a key of this sequence")
+        expected.append(labels)
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking, scoring, registry
+# --------------------------------------------------------------------------------------------
+
+_CHECKERS = {SelectiveCopying: selective_copying_answers, InductionHeads: induction_heads_answers, MQAR: mqar_answers}
+
+
+def check(batch: SyntheticBatch, task) -> bool:
+    """True iff the batch is a well-formed batch of ``task``.
+
+    The answers are recomputed from ``batch.input_ids`` by the task's checker
+    (:func:`selective_copying_answers`, :func:`induction_heads_answers`, :func:`mqar_answers`)
+    and must equal ``batch.labels`` and the answer tokens in ``input_ids``; ``answer_mask`` must
+    be ``labels != -100``; shapes must be
+    (n, task.seq_len) and token ids inside the vocabulary.
+    """
+    checker = _CHECKERS.get(type(task))
+    if checker is None:
+        raise TypeError(f"no checker for {type(task).__name__}; tasks: {', '.join(t.__name__ for t in _CHECKERS)}")
+    ids, labels, mask = batch.input_ids, batch.labels, batch.answer_mask
+    if ids.dim() != 2 or ids.shape[1] != task.seq_len or labels.shape != ids.shape or mask.shape != ids.shape:
+        return False
+    if ids.numel() and (ids.min() < 0 or ids.max() >= task.vocab_size):
+        return False
+    try:
+        expected = checker(ids.cpu(), task)
+    except ValueError:
+        return False
+    answers = expected != IGNORE_INDEX
+    return (torch.equal(expected, labels.cpu()) and torch.equal(mask.cpu(), answers)
+            and torch.equal(ids.cpu()[answers], expected[answers]))
+
+
+def accuracy(logits: torch.Tensor, batch: SyntheticBatch) -> float:
+    """Fraction of answer positions predicted right.
+
+    logits: (n, seq_len, vocab) as returned by ``model(batch.input_ids).logits`` (vocab may be
+    padded beyond the task's). The answer at position t is predicted by the logits at t - 1
+    (next-token prediction), so it counts as right when ``logits[:, t-1].argmax(-1) ==
+    input_ids[:, t]``.
+    """
+    n, L = batch.input_ids.shape
+    if logits.dim() != 3 or logits.shape[:2] != (n, L):
+        raise ValueError(f"logits must be (n, seq_len, vocab) = ({n}, {L}, vocab); got {tuple(logits.shape)}")
+    mask = batch.answer_mask[:, 1:].to(logits.device)
+    if not mask.any():
+        raise ValueError("the batch has no answer positions after position 0")
+    predictions = logits[:, :-1].argmax(dim=-1)
+    targets = batch.input_ids[:, 1:].to(logits.device)
+    return (predictions[mask] == targets[mask]).float().mean().item()
+
+
+TASKS = {"selective-copying": SelectiveCopying, "induction-heads": InductionHeads, "mqar": MQAR}
+
+
+def make_task(name: str, **kwargs):
+    """``TASKS[name](**kwargs)``, e.g. ``make_task("mqar", num_kv_pairs=8)``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; valid names: {', '.join(TASKS)}")
+    cls = TASKS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise ValueError(f"{name}: unknown parameter(s) {unknown}; valid parameters: {', '.join(sorted(fields))}")
+    return cls(**kwargs)
