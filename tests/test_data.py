@@ -183,3 +183,21 @@ def test_data_prepare_command(tmp_path):
     assert done.returncode == 0 and "5,000 tokens" in done.stdout, done.stderr
     bad = prepare_cli("nowhere-corpus", tmp_path / "other")
     assert bad.returncode == 1 and "unknown source 'nowhere-corpus'" in bad.stderr
+
+
+def test_local_parquet_txt_and_directory_sources(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["alpha doc", "beta doc"]}), folder / "a.parquet")
+    (folder / "b.txt").write_text("gamma doc")
+    jsonl(folder / "c.jsonl", ["delta doc"])
+    docs = list(D.load_source(str(folder), "all"))
+    assert [d.text for d in docs] == ["alpha doc", "beta doc", "gamma doc", "delta doc"]
+    assert len({d.id for d in docs}) == 4
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no readable text files"):
+        D.load_source(str(empty), "all")

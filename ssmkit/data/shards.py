@@ -61,7 +61,8 @@ def _init_worker(name):
 
 
 def _encode(texts: list[str]) -> list[list[int]]:
-    return [_TOKENIZER(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts]
+    """A batch at once: fast tokenizers encode a list in parallel (Rust threads)."""
+    return _TOKENIZER(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
 
 
 def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: int = 64) -> Iterator[list[int]]:
@@ -95,7 +96,8 @@ def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.
         raise ValueError(f"tokenizer {tokenizer!r} has {vocab} tokens: ids do not fit uint16 (max 65536 tokens); "
                          "use dtype='uint32' or 'auto'")
     dtype = np.uint32 if dtype == "uint32" or vocab > 1 << 16 else np.uint16
-    options = dict(source=str(source), split=split, tokenizer=tokenizer, max_tokens=max_tokens,
+    options = dict(source=source if isinstance(source, str) else "<documents>", split=split, tokenizer=tokenizer,
+                   max_tokens=max_tokens,
                    shard_tokens=shard_tokens)
     if shard_tokens < 1 or (max_tokens is not None and max_tokens < 1):
         raise ValueError("shard_tokens and max_tokens must be positive")
