@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .sources import Document, load_source
 from .tokenizers import get_tokenizer
@@ -122,7 +122,8 @@ def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.
     skip = state["next_offset"]                                     # ... and this much of the next document
     written = sum(s["tokens"] for s in state["shards"])
     buffer: list[int] = []
-    start, last_report = time.perf_counter(), time.perf_counter()
+    bar = tqdm(total=max_tokens, initial=written, unit="tok", unit_scale=True, disable=not progress,
+               desc=f"prepare {state['options']['source']}")
 
     def flush(next_doc: int, next_offset: int):
         nonlocal written, buffer
@@ -145,12 +146,9 @@ def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.
             if len(buffer) == shard_tokens or left() == 0:
                 flush(*((doc_index + 1, 0) if pos == len(ids) else (doc_index, pos)))
         state["documents"] = doc_index + 1
+        bar.update(written + len(buffer) - bar.n)                   # shows tokens/s and, with a budget, ETA
         if left() == 0:
             break
-        if progress and time.perf_counter() - last_report > 2:
-            last_report = time.perf_counter()
-            done = written + len(buffer)
-            print(f"\r{done:,} tokens, {done / (last_report - start):,.0f} tokens/s", end="", flush=True)
     if buffer:
         flush(state["documents"], 0)
     if not state["shards"]:
@@ -160,6 +158,5 @@ def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.
                  shards=state["shards"], options=options)
     _json(out / INDEX, index)
     (out / PROGRESS).unlink(missing_ok=True)
-    if progress:
-        print(f"\r{written:,} tokens in {len(state['shards'])} shards -> {out}")
+    bar.close()
     return index
