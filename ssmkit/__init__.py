@@ -10,12 +10,12 @@
     model.save_pretrained("out", format="hf")                      # or "mamba_ssm"
 """
 
-from . import ops
+from . import data, ops
 from .env import env_report
 from .hub import CheckpointError, from_pretrained
 from .models import InferenceCache, LMOutput, MambaLM, ModelConfig, build_model, generate, presets
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "env_report", "CheckpointError", "from_pretrained", "InferenceCache", "LMOutput", "MambaLM", "ModelConfig", "build_model",
+__all__ = ["data", "ops", "env_report", "CheckpointError", "from_pretrained", "InferenceCache", "LMOutput", "MambaLM", "ModelConfig", "build_model",
            "generate", "presets", "__version__"]
