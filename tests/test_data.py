@@ -201,3 +201,22 @@ def test_local_parquet_txt_and_directory_sources(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="no readable text files"):
         D.load_source(str(empty), "all")
+
+
+def test_remote_corpus_offline_names_the_alternatives(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert set(D.REMOTE) == {"slimpajama", "slimpajama-6b", "fineweb-edu", "pile", "c4", "openwebtext2"}
+    with pytest.raises(ValueError, match="Offline, use 'stdlib-docs' or local files"):
+        D.load_source("fineweb-edu")
+
+
+def test_loader_batches_train_a_model(prepared):
+    import ssmkit
+
+    loader = D.TokenLoader(prepared, seq_len=32, batch_size=4, seed=0)
+    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=1, vocab_size=257))
+    x, y = next(iter(loader))
+    shifted = model(x, labels=y, shift_labels=False).loss
+    aligned = model(torch.cat([x, y[:, -1:]], dim=1), labels=torch.cat([x, y[:, -1:]], dim=1)).loss
+    torch.testing.assert_close(shifted, aligned, atol=1e-5, rtol=0)     # the two label conventions agree
