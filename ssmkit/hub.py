@@ -133,7 +133,7 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
         raise CheckpointError(f"ssm_cfg.layer {layer!r} is not supported; valid: Mamba1, Mamba2")
     mixer = "mamba1" if layer == "Mamba1" else "mamba2"
     known = set(_SSM_FIELDS) | set(_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)
-    ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path", "dt_init_floor"}
+    ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
     unknown = sorted(set(ssm) - known - ignored)
     if unknown:
         raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; known: {sorted(known)}")
@@ -182,24 +182,24 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder: model.safetensors, pytorch_model.bin, or their shards."""
     from safetensors.torch import load_file
 
-    for index_name, loader in (("model.safetensors.index.json", "st"), ("pytorch_model.bin.index.json", "pt")):
-        if (folder / index_name).exists():
-            index = json.loads((folder / index_name).read_text())
-            files = sorted(set(index["weight_map"].values()))
+    loaders = {"model.safetensors": lambda p: load_file(str(p)),
+               "pytorch_model.bin": lambda p: torch.load(p, map_location="cpu", weights_only=True)}
+    for single, load in loaders.items():                       # one file, or shards listed in its index
+        index = folder / f"{single}.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            break
+        if (folder / single).exists():
+            files = [single]
             break
     else:
-        if (folder / "model.safetensors").exists():
-            files, loader = ["model.safetensors"], "st"
-        elif (folder / "pytorch_model.bin").exists():
-            files, loader = ["pytorch_model.bin"], "pt"
-        else:
-            raise CheckpointError(f"no weights in {folder}: expected model.safetensors, pytorch_model.bin or a "
-                                  "*.index.json of shards")
+        raise CheckpointError(f"no weights in {folder}: expected model.safetensors, pytorch_model.bin or a "
+                              "*.index.json of shards")
     state = {}
     for name in files:
         path = folder / name
         try:
-            part = load_file(str(path)) if loader == "st" else torch.load(path, map_location="cpu", weights_only=True)
+            part = load(path)
         except Exception as exc:
             raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} (corrupt or truncated?)") from None
         state.update(part)
