@@ -1,6 +1,6 @@
 """The ``ssmkit`` command line. Subcommands so far: ``env`` (the environment report), ``demo`` (the
-CPU training demo), ``convert`` (checkpoint layouts) and ``data prepare`` (token shards); ``train``,
-``eval``, ``bench`` and ``workbook`` join as their modules land."""
+CPU training demo), ``convert`` (checkpoint layouts), ``data prepare`` (token shards), ``train`` (ssmkit.train.cli) and
+``workbook`` (ssmkit.workbook); the last two parse their own options."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ def main(argv=None):
     sub.add_parser("env", help="torch, device, kernels and the backend of every op")
     sub.add_parser("demo", help="train the tiny preset on CPU for a few hundred steps, then sample",
                    add_help=False)
+    sub.add_parser("train", help="train a model from a YAML config (see configs/); --help for options", add_help=False)
+    sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options", add_help=False)
     conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers or mamba_ssm layout")
     conv.add_argument("src", help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
     conv.add_argument("dst", help="output directory (replaced atomically)")
@@ -61,6 +63,14 @@ def main(argv=None):
         from .demo import main as demo_main
 
         demo_main(rest)
+    elif args.command == "train":
+        from .train.cli import main as train_main
+
+        train_main(rest)
+    elif args.command == "workbook":
+        from .workbook import main as workbook_main
+
+        workbook_main(rest)
 
 
 if __name__ == "__main__":
