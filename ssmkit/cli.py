@@ -30,6 +30,8 @@ def main(argv=None):
     prep.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard")
     prep.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    prep.add_argument("--mds-seq-len", type=int, default=None, metavar="N",
+                      help="also write a MosaicML streaming (MDS) copy of N+1-token windows into OUT/mds")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
         if rest:
@@ -55,10 +57,12 @@ def main(argv=None):
 
         try:
             index = prepare(args.source, args.tokenizer, args.out, split=args.split, max_tokens=args.max_tokens,
-                            shard_tokens=args.shard_tokens, workers=args.workers)
+                            shard_tokens=args.shard_tokens, workers=args.workers, mds_seq_len=args.mds_seq_len)
         except ValueError as exc:
             parser.exit(1, f"ssmkit data prepare: {exc}\n")
         print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents, dtype {index['dtype']}")
+        if args.mds_seq_len is not None:
+            print(f"MDS: {args.out}/mds, samples of {args.mds_seq_len + 1} tokens (streaming.StreamingDataset)")
     elif args.command == "demo":
         from .demo import main as demo_main
 

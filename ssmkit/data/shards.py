@@ -9,6 +9,9 @@ Crash safety and resume: a shard is written to a temporary name and renamed when
 after each shard ``progress.json`` records where in the source the next one starts (document and
 token offset). Re-running the same command keeps the finished shards and redoes only the rest,
 byte for byte the same; re-running a finished one does nothing.
+
+``mds_seq_len=N`` also writes a MosaicML streaming (MDS) copy of ``N + 1``-token windows into
+``out_dir/mds`` (see :mod:`ssmkit.data.mds`).
 """
 
 from __future__ import annotations
@@ -80,11 +83,25 @@ def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: 
 
 def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.PathLike, *, split: str = "train",
             max_tokens: int | None = None, shard_tokens: int = 1 << 24, workers: int = 1,
-            dtype: str = "auto", progress: bool = True) -> dict:
+            dtype: str = "auto", progress: bool = True, mds_seq_len: int | None = None) -> dict:
     """Tokenize ``source`` (a name for :func:`ssmkit.data.sources.load_source`) into ``out_dir``.
 
-    Returns the index (also written to ``out_dir/index.json``).
+    Returns the index (also written to ``out_dir/index.json``). ``mds_seq_len``: also write an MDS copy
+    (:func:`ssmkit.data.write_mds` with that ``seq_len``) into ``out_dir/mds``.
     """
+    if mds_seq_len is not None and (isinstance(mds_seq_len, bool) or not isinstance(mds_seq_len, int)
+                                    or mds_seq_len < 1):
+        raise ValueError(f"mds_seq_len must be a positive int; got {mds_seq_len!r}")
+    index = _prepare(source, tokenizer, out_dir, split=split, max_tokens=max_tokens, shard_tokens=shard_tokens,
+                     workers=workers, dtype=dtype, progress=progress)
+    if mds_seq_len is not None:
+        from .mds import write_mds
+
+        write_mds(out_dir, Path(out_dir) / "mds", mds_seq_len, progress=progress)
+    return index
+
+
+def _prepare(source, tokenizer, out_dir, *, split, max_tokens, shard_tokens, workers, dtype, progress) -> dict:
     out = Path(out_dir)
     tok = get_tokenizer(tokenizer)
     vocab = len(tok)
