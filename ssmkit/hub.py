@@ -270,8 +270,10 @@ def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | None = N
 
 
 def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = "hf",
-                    tokenizer_from: str | os.PathLike | None = None) -> Path:
+                    tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None) -> Path:
     """Write ``model`` as a directory transformers ("hf") or mamba_ssm ("mamba_ssm") loads unchanged.
+
+    ``state_dict`` replaces the model's own tensors (a full state dict gathered from FSDP shards).
 
     Written into a temporary sibling directory, then renamed over ``directory``: a crash leaves
     either the old directory or the new one, never half of one. Tokenizer files found in
@@ -281,7 +283,8 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
         raise ValueError(f"format={format!r} is not supported; valid formats: {', '.join(FORMATS)}")
     directory = Path(directory)
     cfg = model.config
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict() if state_dict is None else state_dict
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if format == "hf":
         config = config_to_hf(cfg)
         state["backbone.embeddings.weight"] = state.pop("backbone.embedding.weight")

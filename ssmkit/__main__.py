@@ -1,0 +1,5 @@
+"""``python -m ssmkit`` = the ``ssmkit`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,204 @@
+"""``TrainConfig``: every knob of a training run, as plain values, loadable from YAML.
+
+    cfg = TrainConfig.from_yaml("configs/cpu-tiny.yaml", overrides=["max_steps=50", "lr=1e-3"])
+    cfg.grad_accum(world_size=1)     # micro-batches per optimizer step, derived from the batch sizes
+
+Batch arithmetic (the plan gives the global batch in tokens, e.g. 0.5M):
+
+    micro_batch x grad_accum x world_size x seq_len = batch_tokens
+
+``grad_accum`` is derived, never set; a batch that cannot be met exactly is an error that names
+the nearest valid values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHOICES = {
+    "schedule": ("cosine", "wsd", "constant"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "strategy": ("single", "ddp", "fsdp"),
+    "tracking": ("none", "wandb"),
+}
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    model: str = "tiny"                   # a preset name (ssmkit.presets()); vocab_size follows the tokenizer
+    model_overrides: dict = field(default_factory=dict)  # ModelConfig fields, e.g. {d_model: 128, n_layer: 4}
+    # --- data ---
+    data: str = "stdlib-docs"             # a prepared shard directory (has index.json), or a source to prepare
+    tokenizer: str = "gpt2"               # used when `data` is a source: gpt2, byte, bpe-<N>, a hub id or a directory
+    data_tokens: int | None = None        # token budget when preparing a source (e.g. 1e9 for "a 1B-token subset")
+    data_workers: int = 1                 # tokenizer processes when preparing a source
+    val_data: str | None = None           # shard directory for evaluation; default: the source's validation split
+    seq_len: int = 256                    # tokens per training window
+    batch_tokens: int = 2048              # global batch in tokens (the plan: 0.5M = 2**19 for 130M)
+    micro_batch: int = 8                  # windows per forward/backward on one device
+    # --- optimizer and schedule (Mamba paper, appendix E.2: AdamW, clip 1.0, wd 0.1, warmup + cosine) ---
+    lr: float = 3e-3                      # peak learning rate
+    min_lr: float = 1e-5                  # the schedule ends here
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1             # not on norms, biases, A_log, D, dt_bias, embeddings
+    warmup_steps: int = 100               # linear warmup from 0
+    schedule: str = "cosine"              # cosine | wsd (warmup-stable-decay) | constant
+    decay_frac: float = 0.2               # wsd: the last fraction of steps decays linearly to min_lr
+    grad_clip: float = 1.0                # max global grad norm (0: off)
+    max_steps: int | None = None          # length of the run: steps ...
+    max_tokens: int | None = None         # ... or tokens (ceil(max_tokens / batch_tokens) steps)
+    # --- numerics and hardware ---
+    precision: str = "fp32"               # fp32 | bf16 (autocast, fp32 master weights) | fp16 (+ grad scaler)
+    device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    strategy: str = "single"              # single | ddp | fsdp (under torchrun)
+    compile: bool = False                 # torch.compile the model
+    max_bad_steps: int = 5                # stop after this many non-finite losses in a row (each is skipped)
+    # --- bookkeeping ---
+    seed: int = 0
+    out_dir: str = "runs/train"           # metrics.jsonl, config.yaml, checkpoints/
+    log_every: int = 10                   # steps between metrics lines
+    eval_every: int = 100                 # steps between evaluations (0: only at the end)
+    eval_batches: int = 8                 # micro-batches per evaluation (per rank)
+    ckpt_every: int = 0                   # steps between checkpoints (0: only at the end)
+    keep_last: int = 3                    # checkpoints kept on disk
+    tracking: str = "none"                # none | wandb (offline unless WANDB_MODE says otherwise)
+    wandb_project: str = "ssmkit"
+    progress: bool = True                 # tqdm progress bar on rank 0
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        self.validate()
+
+    # --- validation -----------------------------------------------------------------------------
+    def validate(self):
+        for name, valid in CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid; valid: {', '.join(valid)}")
+        for name in ("seq_len", "batch_tokens", "micro_batch", "log_every", "eval_batches", "keep_last",
+                     "max_bad_steps", "data_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        for name in ("max_steps", "max_tokens", "data_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or null; got {value!r}")
+        if self.max_steps is None and self.max_tokens is None:
+            raise ValueError("set max_steps or max_tokens (the length of the run)")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number; got {self.lr!r}")
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}]; got {self.min_lr!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas!r}")
+        for name in ("weight_decay", "grad_clip", "eps"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number >= 0; got {getattr(self, name)!r}")
+        if not 0 < self.decay_frac <= 1:
+            raise ValueError(f"decay_frac must be in (0, 1]; got {self.decay_frac!r}")
+        if not isinstance(self.model_overrides, dict):
+            raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; got {self.model_overrides!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N")
+        self.grad_accum(1)                                          # the batch must divide for one process
+
+    def grad_accum(self, world_size: int = 1) -> int:
+        """Micro-batches per optimizer step: batch_tokens / (micro_batch * world_size * seq_len)."""
+        per_pass = self.micro_batch * world_size * self.seq_len
+        if self.batch_tokens % per_pass == 0:
+            return self.batch_tokens // per_pass
+        lower = max(1, self.batch_tokens // per_pass) * per_pass
+        micro = [m for m in range(1, self.micro_batch + 1) if self.batch_tokens % (m * world_size * self.seq_len) == 0]
+        hint = f"micro_batch={micro[-1]}" if micro else "another seq_len"
+        raise ValueError(
+            f"batch_tokens={self.batch_tokens} is not a multiple of micro_batch x world_size x seq_len = "
+            f"{self.micro_batch} x {world_size} x {self.seq_len} = {per_pass}; nearest valid batch_tokens: "
+            f"{lower} or {lower + per_pass}, or keep it with {hint}")
+
+    def total_steps(self) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return math.ceil(self.max_tokens / self.batch_tokens)
+
+    # --- (de)serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, overrides: list[str] | dict | None = None) -> TrainConfig:
+        d = dict(d)
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys: {', '.join(valid)}")
+        for key, value in _parse_overrides(overrides).items():
+            top, _, sub = key.partition(".")
+            if top not in valid:
+                raise ValueError(f"unknown key {key!r} in overrides; valid keys: {', '.join(valid)}")
+            if sub:
+                if top != "model_overrides":
+                    raise ValueError(f"{key!r}: only model_overrides takes sub-keys (model_overrides.d_model=...)")
+                d[top] = {**d.get(top, {}), sub: value}
+            else:
+                d[top] = value
+        for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip", "decay_frac"):   # YAML reads 3e-3 as a str
+            if isinstance(d.get(key), str):
+                try:
+                    d[key] = float(d[key])
+                except ValueError:
+                    raise ValueError(f"{key} must be a number; got {d[key]!r}") from None
+        for key in ("max_tokens", "data_tokens", "batch_tokens"):       # allow 5e8 / 2.5e9 in YAML
+            if isinstance(d.get(key), (float, str)) and not isinstance(d.get(key), bool):
+                try:
+                    f = float(d[key])
+                except ValueError:
+                    raise ValueError(f"{key} must be an integer; got {d[key]!r}") from None
+                if f != int(f):
+                    raise ValueError(f"{key} must be an integer; got {d[key]!r}")
+                d[key] = int(f)
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path, overrides: list[str] | dict | None = None) -> TrainConfig:
+        import yaml
+
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        d = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} must hold a mapping of TrainConfig keys; got {type(d).__name__}")
+        return cls.from_dict(d, overrides)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _parse_overrides(overrides) -> dict:
+    """``["lr=1e-3", "model_overrides.d_model=128"]`` or a dict -> {key: value}; values parsed as YAML."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    import yaml
+
+    out = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return out

@@ -1,0 +1,105 @@
+"""Processes and devices: one process, or several under ``torchrun`` with DDP or FSDP2.
+
+``torchrun --nproc_per_node N -m ssmkit.train --config ...`` sets RANK, WORLD_SIZE and LOCAL_RANK;
+:func:`setup` joins the process group (nccl on CUDA, gloo on CPU). :func:`wrap` then applies
+
+- ``ddp``:  ``DistributedDataParallel``: every rank holds the whole model, gradients all-reduced;
+- ``fsdp``: FSDP2's ``fully_shard`` on every block, then on the root, so each rank holds 1/N of
+  the parameters, gradients and optimizer state; bf16/fp16 through a ``MixedPrecisionPolicy``
+  (parameters gathered in low precision, gradients reduced in fp32, fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self):
+        if self.enabled:
+            dist.barrier()
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.world_size
+        return value
+
+
+def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """``auto``: cuda (this rank's GPU) when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name!r} but torch sees no CUDA device (torch {torch.__version__}); "
+                             "use device: auto or cpu")
+        return torch.device(name if ":" in name else f"cuda:{local_rank}")
+    return torch.device(name)
+
+
+def setup(strategy: str, device: str = "auto") -> Dist:
+    """Join the torchrun process group if there is one; check the strategy fits."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local)
+    if world > 1 and strategy == "single":
+        raise ValueError(f"WORLD_SIZE={world} (torchrun) needs strategy ddp or fsdp; got strategy=single")
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def teardown():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
+    """The module to call for forward/backward (``model`` itself is modified in place by FSDP).
+
+    With one process both strategies are the plain model: nothing to split or reduce."""
+    if d.world_size == 1:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+        blocks = getattr(getattr(model, "backbone", None), "layers", None) or getattr(getattr(model, "model", None),
+                                                                                   "layers", None)
+        if blocks is None:
+            raise ValueError(f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
+                             f"{type(model).__name__} has neither")
+        for block in blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    return model

@@ -1,0 +1,324 @@
+"""``Trainer(model, config, data).fit()``: the plan's training loop, on one CPU or many GPUs.
+
+One optimizer step (global batch B tokens = micro_batch x grad_accum x world_size x seq_len):
+
+    for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
+        loss = CE(model(x).logits, y) / grad_accum       # bf16/fp16 autocast, fp32 master weights
+        loss.backward()                                  # DDP/FSDP reduce on the last micro-batch only
+    if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
+    clip the global grad norm to grad_clip; AdamW step at lr_at(step)
+
+Every ``log_every`` steps a line goes to ``out_dir/metrics.jsonl`` (and the progress bar, callbacks,
+wandb); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a checkpoint.
+Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
+``on_end(trainer)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data import TokenLoader, prepare
+from ..data.tokenizers import cache_dir
+from ..models import ModelConfig, build_model
+from . import checkpoint
+from .config import TrainConfig
+from .distributed import DTYPES, setup, wrap
+from .optim import build_optimizer, flops_per_token, lr_at, peak_flops
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss stayed non-finite for max_bad_steps steps in a row)."""
+
+
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``labels`` are already the targets of each position."""
+    out = model(input_ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")[-80:]
+
+
+def prepare_data(cfg: TrainConfig, is_main: bool = True, barrier=lambda: None) -> tuple[Path, Path | None]:
+    """Shard directories (train, validation) for ``cfg.data``: used as is when it holds an index.json,
+    else the source is prepared once into ``$SSMKIT_CACHE/shards/`` (re-runs reuse it)."""
+    if (Path(cfg.data) / "index.json").exists():
+        return Path(cfg.data), Path(cfg.val_data) if cfg.val_data else None
+    budget = f"-{cfg.data_tokens}" if cfg.data_tokens else ""
+    base = cache_dir() / "shards" / f"{_slug(cfg.data)}-{_slug(cfg.tokenizer)}{budget}"
+    if is_main:
+        prepare(cfg.data, cfg.tokenizer, base / "train", split="train", max_tokens=cfg.data_tokens,
+                workers=cfg.data_workers, progress=cfg.progress)
+        if not cfg.val_data:
+            val_budget = None if cfg.data_tokens is None else max(1, cfg.data_tokens // 100)
+            prepare(cfg.data, cfg.tokenizer, base / "validation", split="validation", max_tokens=val_budget,
+                    workers=cfg.data_workers, progress=cfg.progress)
+    barrier()
+    return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
+
+
+class Trainer:
+    """Train ``model`` (None: built from ``config.model``) on ``data`` (None: ``config.data``; or a shard
+    directory). ``resume=True`` continues from the latest checkpoint in ``config.out_dir``."""
+
+    def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None, val_data=None,
+                 callbacks=(), resume: bool = False):
+        cfg = self.config = config or TrainConfig()
+        self.dist = d = setup(cfg.strategy, cfg.device)
+        self.grad_accum = cfg.grad_accum(d.world_size)
+        torch.manual_seed(cfg.seed + d.rank)
+        if data is None:
+            data, default_val = prepare_data(cfg, d.is_main, d.barrier)
+            val_data = val_data or default_val
+        self.loader = TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=cfg.seed)
+        self.val_loader = None
+        if val_data is not None and cfg.eval_batches:
+            self.val_loader = TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=0)
+        vocab = self.loader.index["vocab_size"]
+        if model is None:
+            torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
+            model = build_model(ModelConfig.preset(cfg.model, **{"vocab_size": vocab, **cfg.model_overrides}))
+        rows = getattr(model.config, "padded_vocab_size", None) or getattr(model.config, "vocab_size", vocab)
+        if rows < vocab:
+            raise ValueError(f"the model has {rows} vocabulary rows but the data's tokenizer "
+                             f"{self.loader.index['tokenizer']!r} has {vocab} tokens")
+        self.model = model.to(d.device)                              # fp32 master weights
+        self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
+        if cfg.compile:
+            self.module = torch.compile(self.module)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.precision == "fp16")
+        self.callbacks = list(callbacks)
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.step = self.tokens = self.skipped = self.bad_in_row = 0
+        self.history: list[dict] = []
+        self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
+        self.peak_flops = peak_flops(d.device, cfg.precision)
+        self._wandb = None
+        if d.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
+        if resume:
+            self.resume()
+
+    # --- pieces of a step -----------------------------------------------------------------------
+    def _autocast(self):
+        if self.config.precision == "fp32" or self.config.strategy == "fsdp" and self.dist.world_size > 1:
+            return contextlib.nullcontext()                          # FSDP casts through its MixedPrecisionPolicy
+        return torch.autocast(self.dist.device.type, dtype=DTYPES[self.config.precision])
+
+    def _sync(self, last: bool):
+        """Reduce gradients across ranks only on the last micro-batch of a step."""
+        if hasattr(self.module, "no_sync") and not last:
+            return self.module.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):       # FSDP2
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _batches(self, loader: TokenLoader):
+        for x, y in loader:
+            yield x.to(self.dist.device, non_blocking=True), y.to(self.dist.device, non_blocking=True)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def fit(self, until: int | None = None) -> list[dict]:
+        """Train to ``config.max_steps`` (or ``until``: stop early, e.g. to look at a notebook's plot, with
+        a checkpoint; the schedule is still the full run's). Returns the records of this call."""
+        cfg, d = self.config, self.dist
+        total = cfg.total_steps()
+        stop = total if until is None else min(until, total)
+        first_record = len(self.history)
+        batches = self._batches(self.loader)
+        self._start_tracking()
+        bar = tqdm(total=stop, initial=self.step, unit="step", disable=not (d.is_main and cfg.progress),
+                   desc=f"train {cfg.model}", dynamic_ncols=True)
+        if self.step == 0 and cfg.eval_every and self.val_loader is not None:
+            self.evaluate()
+        window, t0, tokens0 = [], time.perf_counter(), self.tokens
+        try:
+            while self.step < stop:
+                lr = lr_at(self.step, cfg, total)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), device=d.device)
+                for micro in range(self.grad_accum):
+                    x, y = next(batches)
+                    with self._sync(micro == self.grad_accum - 1), self._autocast():
+                        loss = lm_loss(self.module, x, y)
+                    self.scaler.scale(loss / self.grad_accum).backward()
+                    loss_sum += loss.detach()
+                loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
+                self.step += 1
+                self.tokens += cfg.batch_tokens
+                bar.update(1)
+                if not math.isfinite(loss):
+                    self._skip(loss)
+                    continue
+                self.bad_in_row = 0
+                self.scaler.unscale_(self.optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                window.append((loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
+                if self.step % cfg.log_every == 0 or self.step == stop:
+                    elapsed = time.perf_counter() - t0
+                    record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                    window = []
+                if not window:
+                    t0, tokens0 = time.perf_counter(), self.tokens
+                pause = time.perf_counter()                               # rates exclude eval and checkpoints
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != stop:
+                    self.evaluate()
+                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step != stop:
+                    self.save_checkpoint()
+                t0 += time.perf_counter() - pause
+            if self.val_loader is not None:
+                self.evaluate()
+            self.save_checkpoint()
+        finally:
+            bar.close()
+        for cb in self.callbacks:
+            getattr(cb, "on_end", lambda t: None)(self)
+        if self._wandb is not None and self.step == total:
+            self._wandb.finish()
+        return self.history[first_record:]
+
+    def _skip(self, loss: float):
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped += 1
+        self.bad_in_row += 1
+        self._emit({"kind": "skip", "step": self.step, "tokens": self.tokens, "loss": loss, "skipped": self.skipped})
+        if self.dist.is_main:
+            warnings.warn(f"step {self.step}: loss is {loss}; step skipped ({self.bad_in_row} in a row)", stacklevel=2)
+        if self.bad_in_row >= self.config.max_bad_steps:
+            raise TrainingError(f"the loss was not finite for {self.bad_in_row} steps in a row (up to step "
+                                f"{self.step}); lower lr (now {self.config.lr}), use bf16 instead of fp16, or raise "
+                                f"max_bad_steps ({self.config.max_bad_steps})")
+
+    def _log_record(self, window, lr: float, tokens_per_s: float) -> dict:
+        tflops = self.flops_per_token * tokens_per_s
+        record = {"kind": "train", "step": self.step, "tokens": self.tokens,
+                  "loss": sum(w[0] for w in window) / len(window), "lr": lr,
+                  "grad_norm": sum(w[1] for w in window) / len(window), "tokens_per_s": tokens_per_s,
+                  "mfu": tflops / (self.peak_flops * self.dist.world_size) if self.peak_flops else None,
+                  "peak_mem_mb": _peak_memory_mb(self.dist.device), "skipped": self.skipped}
+        self._emit(record)
+        for cb in self.callbacks:
+            getattr(cb, "on_log", lambda t, r: None)(self, record)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards."""
+        if self.val_loader is None:
+            return None
+        self.module.eval()
+        self.val_loader.epoch = self.val_loader.step = 0                 # the same windows every time
+        n = min(self.config.eval_batches, self.val_loader.batches_per_epoch)
+        total = torch.zeros((), device=self.dist.device)
+        batches = self._batches(self.val_loader)
+        for _ in range(n):
+            x, y = next(batches)
+            with self._autocast():
+                total += lm_loss(self.module, x, y)
+        self.module.train()
+        loss = self.dist.all_reduce_mean(total / n).item()
+        record = {"kind": "eval", "step": self.step, "tokens": self.tokens, "val_loss": loss,
+                  "val_ppl": math.exp(min(loss, 50.0))}
+        self._emit(record)
+        for cb in self.callbacks:
+            getattr(cb, "on_eval", lambda t, r: None)(self, record)
+        return record
+
+    # --- records, tracking, checkpoints ---------------------------------------------------------
+    def _emit(self, record: dict):
+        self.history.append(record)
+        if self.dist.is_main:
+            with open(self.out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self._wandb is not None:
+                self._wandb.log({k: v for k, v in record.items() if k not in ("kind", "step") and v is not None},
+                                step=record["step"])
+
+    def _start_tracking(self):
+        if self.config.tracking != "wandb" or not self.dist.is_main or self._wandb is not None:
+            return
+        try:
+            import wandb
+        except ImportError:
+            warnings.warn("tracking=wandb but wandb is not installed (pip install wandb); training goes on without it",
+                          stacklevel=2)
+            return
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self._wandb = wandb.init(project=self.config.wandb_project, config=self.config.to_dict(),
+                                 dir=str(self.out_dir), resume="allow")
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped, "bad_in_row": self.bad_in_row,
+                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
+                 "world_size": self.dist.world_size, "config": self.config.to_dict()}
+        return checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
+                               self.config.keep_last)
+
+    def resume(self) -> bool:
+        """Continue from the latest checkpoint in ``out_dir``; False (and a fresh start) when there is none."""
+        path = checkpoint.latest(self.ckpt_dir)
+        if path is None:
+            if self.dist.is_main:
+                print(f"no checkpoint in {self.ckpt_dir}: starting from step 0")
+            return False
+        state = checkpoint.load(path, self.model, self.optimizer, self.dist)
+        self.step, self.tokens, self.skipped = state["step"], state["tokens"], state["skipped"]
+        self.bad_in_row = state["bad_in_row"]
+        self.scaler.load_state_dict(state["scaler"])
+        saved = state["loader"]
+        mine = self.loader.state_dict()
+        for key in ("seed", "seq_len", "total_tokens"):
+            if saved[key] != mine[key]:
+                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved[key]!r}, this run has "
+                                 f"{mine[key]!r} (same data, seq_len and seed are needed)")
+        windows = saved["step"] * saved["batch_size"] * saved["world_size"]   # consumed this epoch, all ranks
+        per_step = self.loader.batch_size * self.loader.world_size
+        if windows % per_step:
+            raise ValueError(f"cannot resume {path}: {windows} windows consumed is not a multiple of "
+                             f"micro_batch x world_size = {per_step}")
+        self.loader.epoch, self.loader.step = saved["epoch"], windows // per_step
+        if self.dist.is_main:
+            self._truncate_metrics(self.step)
+            print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
+        return True
+
+    def _truncate_metrics(self, step: int):
+        """Drop metrics lines written after the checkpoint by the run that was interrupted."""
+        path = self.out_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+            self.history = [json.loads(line) for line in keep]

@@ -1,0 +1,251 @@
+"""The training engine: config, schedule, parameter groups, accumulation, exact resume, NaN guard, CLI.
+
+Runs are tiny (byte tokenizer, d_model 32, seq_len 32) so the whole file takes seconds; the
+loss-falls test uses the real cpu-tiny recipe (GPT-2 tokenizer, embedded corpus) cut short.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ssmkit
+from ssmkit.data import prepare
+from ssmkit.train import Trainer, TrainConfig, TrainingError, flops_per_token, lr_at, split_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    base = tmp_path_factory.mktemp("shards")
+    prepare("stdlib-docs", "byte", base / "train", max_tokens=60_000, shard_tokens=20_000, progress=False)
+    prepare("stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False)
+    return base
+
+
+def small(tmp_path, shards, **kw) -> TrainConfig:
+    base = dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
+                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=256, lr=3e-3, min_lr=3e-4,
+                warmup_steps=2, max_steps=6, log_every=1, eval_every=0, eval_batches=2, progress=False,
+                out_dir=str(tmp_path / "run"))
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(history):
+    return [r["loss"] for r in history if r["kind"] == "train"]
+
+
+# --- configuration ------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = TrainConfig.from_yaml(path)
+    ssmkit.ModelConfig.preset(cfg.model, **cfg.model_overrides)       # the model part is valid too
+    assert cfg.total_steps() > 0
+
+
+def test_plan_presets_carry_the_plan_numbers():
+    c = TrainConfig.from_yaml(ROOT / "configs" / "mamba-130m.yaml")
+    assert (c.model, c.lr, c.batch_tokens, c.warmup_steps, c.betas, c.weight_decay, c.grad_clip) == (
+        "mamba-130m", 3e-3, 2**19, 2000, (0.9, 0.95), 0.1, 1.0)
+    big = TrainConfig.from_yaml(ROOT / "configs" / "mamba-1.4b.yaml")
+    model = ssmkit.ModelConfig.preset(big.model, **big.model_overrides)
+    assert (big.lr, model.n_layer, model.d_model) == (1.5e-3, 48, 2048)
+    assert TrainConfig.from_yaml(ROOT / "configs" / "mamba2-130m.yaml").model == "mamba2-130m"
+
+
+def test_overrides_and_yaml_numbers(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_tokens: 5e8\nlr: 3e-3\nseq_len: 128\nbatch_tokens: 1024\nmicro_batch: 8\n")
+    cfg = TrainConfig.from_yaml(path, overrides=["lr=1e-3", "model_overrides.d_model=96", "schedule=wsd"])
+    assert (cfg.max_tokens, cfg.lr, cfg.model_overrides, cfg.schedule) == (500_000_000, 1e-3, {"d_model": 96}, "wsd")
+    assert cfg.total_steps() == math.ceil(5e8 / 1024)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(lr=-1.0), "lr must be a positive number"),
+    (dict(precision="fp8"), "valid: fp32, bf16, fp16"),
+    (dict(strategy="zero3"), "valid: single, ddp, fsdp"),
+    (dict(max_steps=None), "set max_steps or max_tokens"),
+    (dict(batch_tokens=1000), "nearest valid batch_tokens: 768 or 1024"),
+    (dict(micro_batch=0), "micro_batch must be a positive integer"),
+    (dict(min_lr=1.0), "min_lr must be in"),
+])
+def test_bad_configs(kw, message):
+    base = dict(seq_len=64, micro_batch=4, batch_tokens=512, max_steps=10)
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{**base, **kw})
+
+
+def test_unknown_keys_list_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig keys \['learning_rate'\].*valid keys: model"):
+        TrainConfig.from_dict({"learning_rate": 1e-3, "max_steps": 1})
+    with pytest.raises(ValueError, match="unknown key 'nope'"):
+        TrainConfig.from_dict({"max_steps": 1}, overrides=["nope=1"])
+    with pytest.raises(ValueError, match="does not exist"):
+        TrainConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_grad_accum_derivation():
+    cfg = TrainConfig(seq_len=2048, batch_tokens=2**19, micro_batch=16, max_steps=1)
+    assert [cfg.grad_accum(w) for w in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 1]
+    with pytest.raises(ValueError, match="micro_batch x world_size x seq_len"):
+        cfg.grad_accum(3)
+
+
+# --- schedule and parameter groups --------------------------------------------------------------
+def test_schedule_values_at_known_steps():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)                                  # cosine starts at the peak
+    assert lr_at(60, cfg) == pytest.approx(0.5 * (1e-3 + 1e-4))                   # halfway: the mean
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    wsd = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2)
+    assert lr_at(50, wsd) == lr_at(79, wsd) == 1e-3
+    assert lr_at(89, wsd) == pytest.approx(0.5e-3) and lr_at(99, wsd) == pytest.approx(0.0)
+    assert lr_at(50, TrainConfig(lr=2e-3, warmup_steps=0, max_steps=100, schedule="constant")) == 2e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])
+def test_weight_decay_groups(preset):
+    model = ssmkit.build_model(preset)
+    decay, no_decay = split_parameters(model)
+    assert all(n.endswith(".weight") and "norm" not in n and "embedding" not in n for n in decay)
+    assert "backbone.embedding.weight" in no_decay and "lm_head.weight" not in decay + no_decay   # tied: once
+    kinds = {n.split(".")[-1] if "norm" not in n else "norm" for n in no_decay if "embedding" not in n}
+    expected = {"A_log", "D", "bias", "norm"} | ({"dt_bias"} if preset == "tiny-mamba2" else set())
+    assert kinds == expected
+    assert any("in_proj" in n for n in decay) and any("conv1d" in n for n in decay)
+    opt = ssmkit.train.build_optimizer(model, TrainConfig(max_steps=1))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def test_flops_per_token():
+    model = ssmkit.build_model("tiny")
+    cfg = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
+    assert flops_per_token(model, 128) == 6 * linear + cfg.n_layer * 3 * 9 * cfg.d_inner * cfg.d_state
+
+
+# --- the loop -----------------------------------------------------------------------------------
+def test_accumulation_equals_the_large_batch(tmp_path, shards):
+    runs = {}
+    for micro in (8, 4, 2):                   # 1, 2 and 4 micro-batches per step, same 8 windows
+        cfg = small(tmp_path / str(micro), shards, micro_batch=micro, max_steps=3)
+        trainer = Trainer(config=cfg)
+        assert trainer.grad_accum == 8 // micro
+        runs[micro] = (losses(trainer.fit()), trainer.model.state_dict())
+    for micro in (4, 2):
+        assert runs[micro][0] == pytest.approx(runs[8][0], abs=1e-5)
+        for k, v in runs[8][1].items():
+            torch.testing.assert_close(runs[micro][1][k], v, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_is_exact(tmp_path, shards):
+    straight = losses(Trainer(config=small(tmp_path / "a", shards, max_steps=8)).fit())
+    half = Trainer(config=small(tmp_path / "b", shards, max_steps=8))
+    part1 = losses(half.fit(until=4))                                # stops at 4 with a checkpoint
+    resumed = Trainer(config=small(tmp_path / "b", shards, max_steps=8), resume=True)
+    assert resumed.step == 4 and resumed.loader.step == 4 * resumed.grad_accum
+    part2 = losses(resumed.fit())
+    assert len(part1) == len(part2) == 4
+    assert part1 + part2 == pytest.approx(straight, abs=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_checkpoint_loads_with_from_pretrained(tmp_path, shards):
+    trainer = Trainer(config=small(tmp_path, shards, max_steps=2))
+    trainer.fit()
+    ckpts = tmp_path / "run" / "checkpoints"
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    assert latest.name == "step_00000002"
+    loaded = ssmkit.from_pretrained(latest / "model")
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, atol=1e-6, rtol=0)
+    state = json.loads((latest / "trainer.json").read_text())
+    assert (state["step"], state["tokens"]) == (2, 512)
+
+
+def test_keep_last_and_metrics(tmp_path, shards):
+    trainer = Trainer(config=small(tmp_path, shards, max_steps=6, ckpt_every=1, keep_last=2, eval_every=3))
+    history = trainer.fit()
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert names == ["step_00000005", "step_00000006"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    evals = [r for r in history if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+    train = [r for r in history if r["kind"] == "train"]
+    assert set(train[0]) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
+
+
+class Poisoned(torch.nn.Module):
+    """The tiny model, with a NaN loss on chosen calls."""
+
+    def __init__(self, bad_calls):
+        super().__init__()
+        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257))
+        self.config, self.bad, self.calls = self.inner.config, set(bad_calls), 0
+
+    def forward(self, x):
+        self.calls += 1
+        logits = self.inner(x).logits
+        return logits * float("nan") if self.calls in self.bad and self.training else logits
+
+
+def test_nan_guard_skips_and_stops(tmp_path, shards):
+    model = Poisoned({3})                                    # the 3rd step (micro_batch 8: one call a step)
+    trainer = Trainer(model, small(tmp_path / "a", shards, micro_batch=8), data=shards / "train")
+    with pytest.warns(UserWarning, match="step 3: loss is nan; step skipped"):
+        history = trainer.fit()
+    assert trainer.skipped == 1 and len(losses(history)) == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    stuck = Trainer(Poisoned(range(2, 100)), small(tmp_path / "b", shards, micro_batch=8, max_bad_steps=3),
+                    data=shards / "train")
+    with pytest.warns(UserWarning), pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
+        stuck.fit()
+
+
+def test_wandb_missing_only_warns(tmp_path, shards, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)          # import wandb -> ImportError
+    with pytest.warns(UserWarning, match="wandb is not installed"):
+        Trainer(config=small(tmp_path, shards, max_steps=1, tracking="wandb")).fit()
+
+
+def test_vocab_mismatch_is_an_error(tmp_path, shards):
+    model = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=100))
+    with pytest.raises(ValueError, match="104 vocabulary rows but the data's tokenizer 'byte' has 257"):
+        Trainer(model, small(tmp_path, shards))
+
+
+def test_loss_falls_with_cpu_tiny_on_the_embedded_corpus(tmp_path):
+    cfg = TrainConfig.from_yaml(ROOT / "configs" / "cpu-tiny.yaml", overrides=[
+        "seq_len=128", "micro_batch=2", "batch_tokens=256", "max_steps=30", "warmup_steps=5", "eval_every=30",
+        "eval_batches=4", "log_every=5", "progress=false", f"out_dir={tmp_path}"])
+    history = Trainer(config=cfg).fit()
+    evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
+    assert evals[0] > 10.0 and evals[-1] < evals[0] - 2.0, evals     # ln(50257) = 10.8 at init
+
+
+# --- command line -------------------------------------------------------------------------------
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "ssmkit", "train", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, **kw)
+
+
+def test_cli_trains_and_resumes(tmp_path, shards):
+    config = tmp_path / "c.yaml"
+    config.write_text(small(tmp_path, shards, max_steps=4, ckpt_every=2).to_yaml())
+    first = run_cli("--config", str(config), "--set", "max_steps=2")
+    assert first.returncode == 0, first.stderr
+    again = run_cli("--config", str(config), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "done: 4 steps" in again.stdout
+    bad = run_cli("--config", str(config), "--set", "lr=-1")
+    assert bad.returncode == 2 and "lr must be a positive number" in bad.stderr
