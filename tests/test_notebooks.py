@@ -1,0 +1,132 @@
+"""Every notebook in notebooks/: committed clean and well-formed, and it runs top to bottom under papermill.
+
+Structure (DESIGN.md, "Conventions"): no outputs or execution counts; exactly one cell tagged
+``parameters`` holding plain values with a comment each, including preset, data, max_tokens,
+device ("auto"), out_dir and seed; no ``sys.path`` hacks; no hard-coded "cuda" device strings;
+imports of ssmkit's public API only; no functions or classes defined in cells (they belong in the
+library); short cells. Execution: each notebook under papermill on CPU with params/ci.yaml (the
+keys it declares), failing on any cell error, writing out_dir/metrics.json; and a bad ``device``
+stops it in the first cell after the parameters with ssmkit's error.
+
+New notebooks are picked up automatically; params/ci.yaml holds their small CI parameters.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("papermill")
+
+from ssmkit import workbook  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+IDS = [p.stem for p in NOTEBOOKS]
+REQUIRED = {"preset", "data", "max_tokens", "device", "out_dir", "seed"}
+MAX_CELL_LINES = 15          # lines of logic per code cell; longer belongs in ssmkit
+DEVICE_STRING = re.compile(r"cuda(:\d*)?", re.IGNORECASE)
+
+
+def code_cells(nb):
+    """(index in the notebook, cell) of every code cell."""
+    return [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+def parse(source: str) -> ast.Module:
+    """A cell's Python, with IPython magics / shell escapes (``%time``, ``!ls``) blanked out."""
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
+    return ast.parse("\n".join(lines))
+
+
+def test_there_are_notebooks():
+    assert (ROOT / "notebooks" / "00_setup.ipynb") in NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_structure(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", "kernelspec must be python3"
+    assert re.fullmatch(r"\d\d_[a-z0-9_]+", path.stem), "name notebooks NN_topic.ipynb"
+    for i, cell in code_cells(nb):
+        assert not cell.outputs and cell.execution_count is None, f"cell {i} has outputs: run `make strip`"
+    assert "papermill" not in nb.metadata, "metadata of a papermill run: run `make strip`"
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{len(tagged)} cells tagged `parameters`; exactly one is needed"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_parameters_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert cell.cell_type == "code"
+    tree = parse(cell.source)
+    names = {}
+    for node in tree.body:
+        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), \
+            f"parameters cell: only `name = value` lines, got {ast.unparse(node)!r}"
+        try:
+            names[node.targets[0].id] = ast.literal_eval(node.value)
+        except ValueError:
+            raise AssertionError(f"parameters cell: plain values only, got {ast.unparse(node)!r}") from None
+    for line in cell.source.splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line, f"parameters cell: every value needs a comment: {line!r}"
+    assert REQUIRED <= set(names), f"parameters cell lacks {sorted(REQUIRED - set(names))}"
+    assert names["device"] == "auto", "the default device must be 'auto' (a fallback, never hard-coded)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_code_uses_the_library_and_hardcodes_nothing(path):
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in code_cells(nb):
+        where = f"cell {i}"
+        assert "sys.path" not in cell.source, f"{where}: no sys.path hacks; `pip install -e .` instead"
+        tree = parse(cell.source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not DEVICE_STRING.fullmatch(node.value), \
+                    f"{where}: hard-coded device {node.value!r}; use workbook.check_params(device=...)"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                raise AssertionError(f"{where}: defines {node.name!r}; helpers belong in ssmkit, not in a notebook")
+            modules = []
+            if isinstance(node, ast.Import):
+                modules = [(a.name, []) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{where}: relative import"
+                modules = [(node.module or "", [a.name for a in node.names])]
+            for module, names in modules:
+                if module.split(".")[0] == "ssmkit":
+                    parts = module.split(".")
+                    assert len(parts) <= 2 and not any(p.startswith("_") for p in parts + names), \
+                        f"{where}: import the public API (ssmkit or ssmkit.<module>), not {module} {names}"
+        assert not re.search(r"\bssmkit(\.\w+)*\._\w", cell.source), f"{where}: uses a private ssmkit name"
+        logic = [ln for ln in cell.source.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        assert len(logic) <= MAX_CELL_LINES, f"{where} has {len(logic)} lines; move the logic into ssmkit"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_runs_under_papermill(path, tmp_path):
+    ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
+    summary = workbook.run_workbook([path], out=tmp_path / "run", shared=ci, cell_timeout=600)
+    (entry,) = summary["notebooks"]
+    assert entry["status"] == "ok", (f"{path.name} failed at cell {entry.get('cell')}:\n{entry.get('source')}\n"
+                                     f"{entry.get('error')}")
+    assert entry["metrics_file"], "the notebook must write out_dir/metrics.json"
+    assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), "metrics.json outside out_dir"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_bad_parameter_fails_in_the_first_cell(path, tmp_path):
+    summary = workbook.run_workbook([path], parameters={"device": "tpu"}, out=tmp_path / "run")
+    (entry,) = summary["notebooks"]
+    nb = nbformat.read(path, as_version=4)
+    first = 1 + next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    first += next(i for i, c in enumerate(nb.cells[first:]) if c.cell_type == "code")
+    assert entry["status"] == "failed" and entry["cell"] == first, entry
+    assert entry["error"].startswith("WorkbookError: device='tpu' is not valid; valid: auto, cpu, cuda")
