@@ -1,4 +1,4 @@
-# Two commands: `make run` (the headless demo/workbook) and `make test`.
+# Two commands: `make run` (the whole workbook, headless) and `make test`.
 # Each creates .venv on first use and installs what it needs.
 
 PYTHON ?= python3
@@ -8,8 +8,11 @@ PY     := $(VENV)/bin/python
 # machines; on a GPU node install a CUDA torch first (see environment.yml) or set TORCH=torch.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ssmkit-installed
+# `make run` writes runs/$(RUN)/ (executed notebooks, figures, metrics, summary.md)
+RUN    ?= $(shell date +%Y%m%d-%H%M%S)
+PARAMS ?= params/cpu.yaml
 
-.PHONY: run test bench env clean
+.PHONY: run test lab strip demo bench env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,14 +20,23 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,workbook]"
 	touch $@
 
-run: $(STAMP)            ## train the tiny preset on CPU for a few hundred steps, then sample
-	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
+run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN)
 
-test: $(STAMP)           ## the whole test suite (CPU, offline)
+test: $(STAMP)           ## the whole test suite (CPU, offline), notebooks included
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Python)
+	$(VENV)/bin/jupyter lab notebooks/
+
+strip: $(STAMP)          ## clear outputs and execution counts of notebooks/*.ipynb before committing
+	$(PY) -m ssmkit.cli workbook strip
+
+demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (< 2 min)
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
 
 bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps, as ratios
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py
