@@ -123,11 +123,11 @@ class MambaLM(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    def save_pretrained(self, directory, format: str = "hf", tokenizer_from=None):
+    def save_pretrained(self, directory, format: str = "hf", tokenizer_from=None, state_dict=None):
         """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see :mod:`ssmkit.hub`."""
         from ..hub import save_pretrained  # hub builds on models: imported at call time
 
-        return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from)
+        return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}          # tied weights counted once

@@ -107,10 +107,13 @@ def latest(root: Path) -> Path | None:
 def load(path: Path, model: nn.Module, optimizer, d: Dist) -> dict:
     """Restore model, optimizer and this rank's RNG from ``path``; return trainer.json's contents."""
     path = Path(path)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     _quiet(dcp.load, state, checkpoint_id=str(path / "state"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, h in zip(optimizer.param_groups, hyper):    # torch 2.13 drops a group's lr/betas/eps/weight_decay
+        group.update({k: v for k, v in h.items() if k not in group})   # when an FSDP save loads unsharded
     rng = path / "rng" / f"rank_{d.rank:05d}.pt"
     if rng.exists():                       # a rank new to this run (world size grew) keeps its seeded RNG
         set_rng_state(torch.load(rng, weights_only=False))

@@ -63,7 +63,7 @@ class TrainConfig:
     out_dir: str = "runs/train"           # metrics.jsonl, config.yaml, checkpoints/
     log_every: int = 10                   # steps between metrics lines
     eval_every: int = 100                 # steps between evaluations (0: only at the end)
-    eval_batches: int = 8                 # micro-batches per evaluation (per rank)
+    eval_batches: int = 8                 # micro-batches per evaluation, all ranks together
     ckpt_every: int = 0                   # steps between checkpoints (0: only at the end)
     keep_last: int = 3                    # checkpoints kept on disk
     tracking: str = "none"                # none | wandb (offline unless WANDB_MODE says otherwise)

@@ -234,12 +234,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards."""
+        """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards (all
+        ranks together, so any world size evaluates the same windows)."""
         if self.val_loader is None:
             return None
         self.module.eval()
         self.val_loader.epoch = self.val_loader.step = 0                 # the same windows every time
-        n = min(self.config.eval_batches, self.val_loader.batches_per_epoch)
+        n = min(max(1, self.config.eval_batches // self.dist.world_size), self.val_loader.batches_per_epoch)
         total = torch.zeros((), device=self.dist.device)
         batches = self._batches(self.val_loader)
         for _ in range(n):
