@@ -233,6 +233,34 @@ def test_loss_falls_with_cpu_tiny_on_the_embedded_corpus(tmp_path):
     assert evals[0] > 10.0 and evals[-1] < evals[0] - 2.0, evals     # ln(50257) = 10.8 at init
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu(tmp_path, shards, precision):
+    history = Trainer(config=small(tmp_path, shards, precision=precision, max_steps=4, eval_every=4)).fit()
+    assert all(math.isfinite(x) for x in losses(history))
+    evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
+    assert evals[-1] < evals[0]
+    trainer_dtypes = {p.dtype for p in Trainer(config=small(tmp_path / "b", shards, precision=precision)).model.parameters()}
+    assert trainer_dtypes == {torch.float32}                          # fp32 master weights
+
+
+def test_matched_transformer_baseline_trains(tmp_path, shards):
+    from transformers import LlamaForCausalLM
+
+    mamba = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=64, n_layer=4, vocab_size=257))
+    llama = ssmkit.models.matched_transformer(mamba)
+    rows = {r["model"]: r for r in ssmkit.models.parameter_report({"mamba": mamba, "llama": llama})}
+    assert abs(rows["llama"]["non_embedding"] / rows["mamba"]["non_embedding"] - 1) < 0.25
+    assert llama.config.vocab_size == mamba.config.padded_vocab_size and llama.config.hidden_size == 64
+    trainer = Trainer(llama, small(tmp_path, shards, max_steps=4, eval_every=4))
+    history = trainer.fit()
+    evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
+    assert evals[-1] < evals[0]
+    latest = tmp_path / "run" / "checkpoints" / "step_00000004" / "model"
+    reloaded = LlamaForCausalLM.from_pretrained(latest)
+    x = torch.randint(0, 257, (1, 8))
+    torch.testing.assert_close(reloaded(x).logits, trainer.model(x).logits, atol=1e-5, rtol=0)
+
+
 # --- command line -------------------------------------------------------------------------------
 def run_cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "ssmkit", "train", *args], capture_output=True, text=True,

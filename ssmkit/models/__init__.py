@@ -1,5 +1,7 @@
-"""Model configs and presets, the Mamba-1 / Mamba-2 mixers, the LM, its cache and generation."""
+"""Model configs and presets, the Mamba-1 / Mamba-2 mixers, the LM, its cache and generation, and a
+Transformer baseline of matched size."""
 
+from .baseline import matched_transformer, parameter_report
 from .cache import InferenceCache, LayerState
 from .config import MIXERS, PRESETS, ModelConfig, presets
 from .generate import generate, sample_next
@@ -11,4 +13,5 @@ from .norms import RMSNorm, RMSNormGated
 __all__ = [
     "InferenceCache", "LayerState", "MIXERS", "PRESETS", "ModelConfig", "presets", "generate", "sample_next",
     "Block", "LMOutput", "MambaLM", "build_model", "Mamba1", "Mamba2", "RMSNorm", "RMSNormGated",
+    "matched_transformer", "parameter_report",
 ]
