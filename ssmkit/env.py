@@ -39,3 +39,36 @@ def env_report() -> str:
     lines.append(f"backends on {device}:")
     lines += [f"  {op:<24} {choice}" for op, choice in _backend.describe(device).items()]
     return "\n".join(lines)
+
+
+_MALLOC_TUNED = False
+
+
+def reuse_freed_memory() -> bool:
+    """Keep freed CPU memory in the process instead of handing it back to the OS (glibc only).
+
+    glibc serves blocks above a threshold (at most 32 MiB by default) with ``mmap`` and returns
+    them with ``munmap`` when freed, so every training step maps its large activations (the
+    logits of a 50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in: measured here,
+    40% of a CPU step's time in the kernel and 1.7x fewer tokens/s. Raising the mmap and trim
+    thresholds lets freed blocks be reused. Process-wide and idempotent; ``SSMKIT_REUSE_MEMORY=0``
+    turns it off. Returns whether it is in effect.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return True
+    import os
+
+    if os.environ.get("SSMKIT_REUSE_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
+    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to do
+        return False
+    _MALLOC_TUNED = ok
+    return ok

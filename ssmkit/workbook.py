@@ -19,7 +19,8 @@ in JupyterLab, on a kernel of the Python that runs this module (so ssmkit is imp
 
 Notebook helpers (cells stay short; logic lives here): :func:`check_params` (validate the
 ``parameters`` cell, resolve ``device="auto"``), :func:`pick_device`, :func:`system_info`,
-:func:`preset_info`, :func:`format_duration`, :func:`write_metrics`. papermill, matplotlib and the
+:func:`preset_info`, :func:`train_config`, :func:`sample_text`, :func:`markdown_table`,
+:func:`format_duration`, :func:`write_metrics`. papermill, matplotlib and the
 Jupyter machinery are imported only when a notebook is run.
 """
 
@@ -226,6 +227,51 @@ def write_metrics(out_dir: str | Path, metrics: dict) -> Path:
     tmp.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def train_config(preset: str, **overrides):
+    """The :class:`ssmkit.train.TrainConfig` of ``preset``: ``configs/<preset>.yaml`` with ``overrides``,
+    or, for a bare model preset (``tiny``, ``mamba-130m``, ...), the default recipe around that model.
+
+    ``max_tokens`` replaces the config's ``max_steps``/``max_tokens`` (the notebooks budget in tokens).
+    """
+    from .train import TrainConfig
+
+    if "max_tokens" in overrides:
+        overrides.setdefault("max_steps", None)
+    path = _config_dir() / f"{preset}.yaml"
+    if path.exists():
+        return TrainConfig.from_yaml(path, overrides=overrides)
+    if preset not in preset_names():
+        raise WorkbookError(f"unknown preset {preset!r}; valid: {', '.join(preset_names())}")
+    return TrainConfig.from_dict({"model": preset}, overrides=overrides)
+
+
+def sample_text(model, tokenizer, prompts: list[str], max_new_tokens: int = 40, temperature: float = 0.8,
+                top_k: int = 40, seed: int = 0) -> list[str]:
+    """Continue each prompt with :func:`ssmkit.generate` (seeded sampling) and decode prompt + continuation."""
+    import torch
+
+    from .models import generate
+
+    device = next(model.parameters()).device
+    out, gen = [], torch.Generator(device=device).manual_seed(seed)
+    model.eval()
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+        new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+        out.append(tokenizer.decode(new[0].tolist()))
+    model.train()
+    return out
+
+
+def markdown_table(rows: list[dict], floats: str = ".4g") -> str:
+    """A list of dicts as a Markdown table (display it with ``IPython.display.Markdown``)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    cell = lambda v: format(v, floats) if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 # --- notebooks on disk --------------------------------------------------------------------------

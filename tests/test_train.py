@@ -277,3 +277,12 @@ def test_cli_trains_and_resumes(tmp_path, shards):
     assert "resumed from" in again.stdout and "done: 4 steps" in again.stdout
     bad = run_cli("--config", str(config), "--set", "lr=-1")
     assert bad.returncode == 2 and "lr must be a positive number" in bad.stderr
+
+
+def test_cpu_training_reuses_freed_memory():
+    import platform
+
+    from ssmkit.env import reuse_freed_memory
+
+    expected = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert reuse_freed_memory() is expected

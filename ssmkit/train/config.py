@@ -54,7 +54,7 @@ class TrainConfig:
     max_tokens: int | None = None         # ... or tokens (ceil(max_tokens / batch_tokens) steps)
     # --- numerics and hardware ---
     precision: str = "fp32"               # fp32 | bf16 (autocast, fp32 master weights) | fp16 (+ grad scaler)
-    device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps
     strategy: str = "single"              # single | ddp | fsdp (under torchrun)
     compile: bool = False                 # torch.compile the model
     max_bad_steps: int = 5                # stop after this many non-finite losses in a row (each is skipped)
@@ -107,8 +107,8 @@ class TrainConfig:
             raise ValueError(f"decay_frac must be in (0, 1]; got {self.decay_frac!r}")
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; got {self.model_overrides!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
-            raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N")
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or str(self.device).startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N, mps")
         self.grad_accum(1)                                          # the batch must divide for one process
 
     def grad_accum(self, world_size: int = 1) -> int:

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..data import TokenLoader, prepare
 from ..data.tokenizers import cache_dir
+from ..env import reuse_freed_memory
 from ..models import ModelConfig, build_model
 from . import checkpoint
 from .config import TrainConfig
@@ -89,6 +90,8 @@ class Trainer:
         cfg = self.config = config or TrainConfig()
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
+        if d.device.type == "cpu":
+            reuse_freed_memory()                                     # 1.7x on CPU: see ssmkit.env
         torch.manual_seed(cfg.seed + d.rank)
         if data is None:
             data, default_val = prepare_data(cfg, d.is_main, d.barrier)
