@@ -30,7 +30,7 @@ test: $(STAMP)           ## the whole test suite (CPU, offline), notebooks inclu
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Python)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 strip: $(STAMP)          ## clear outputs and execution counts of notebooks/*.ipynb before committing
 	$(PY) -m ssmkit.cli workbook strip
