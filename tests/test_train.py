@@ -286,3 +286,11 @@ def test_cpu_training_reuses_freed_memory():
 
     expected = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert reuse_freed_memory() is expected
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_losses(tmp_path, shards):
+    eager = losses(Trainer(config=small(tmp_path / "a", shards, max_steps=3)).fit())
+    compiled = Trainer(config=small(tmp_path / "b", shards, max_steps=3, compile=True))
+    assert compiled.module is not compiled.model                     # the compiled wrapper runs the steps
+    assert losses(compiled.fit()) == pytest.approx(eager, abs=1e-4)
