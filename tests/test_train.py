@@ -212,6 +212,17 @@ def test_nan_guard_skips_and_stops(tmp_path, shards):
         stuck.fit()
 
 
+def test_a_new_run_never_mixes_with_an_old_one(tmp_path, shards):
+    Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
+    with pytest.raises(ValueError, match=r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"):
+        Trainer(config=small(tmp_path, shards, max_steps=2))
+    again = Trainer(config=small(tmp_path, shards, max_steps=3, overwrite=True))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    again.fit()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if json.loads(x)["kind"] == "train"] == [1, 2, 3]
+
+
 def test_wandb_missing_only_warns(tmp_path, shards, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)          # import wandb -> ImportError
     with pytest.warns(UserWarning, match="wandb is not installed"):

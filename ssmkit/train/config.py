@@ -61,6 +61,7 @@ class TrainConfig:
     # --- bookkeeping ---
     seed: int = 0
     out_dir: str = "runs/train"           # metrics.jsonl, config.yaml, checkpoints/
+    overwrite: bool = False               # a new run in an out_dir holding one: False = error, True = replace it
     log_every: int = 10                   # steps between metrics lines
     eval_every: int = 100                 # steps between evaluations (0: only at the end)
     eval_batches: int = 8                 # micro-batches per evaluation, all ranks together

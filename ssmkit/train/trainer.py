@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -123,10 +124,27 @@ class Trainer:
         self.peak_flops = peak_flops(d.device, cfg.precision)
         self._wandb = None
         if d.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._claim_out_dir(resume)
             (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
+        d.barrier()
         if resume:
             self.resume()
+
+    def _claim_out_dir(self, resume: bool):
+        """A new run never mixes with an old one: its checkpoints and metrics are resumed (resume=True),
+        replaced (overwrite=True), or kept, with an error."""
+        old = sorted(p.name for p in self.ckpt_dir.glob("step_*")) if self.ckpt_dir.exists() else []
+        metrics = self.out_dir / "metrics.jsonl"
+        if not resume and (old or metrics.exists()):
+            if not self.config.overwrite:
+                raise ValueError(f"{self.out_dir} already holds a run ({len(old)} checkpoints, "
+                                 f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
+                                 f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
+            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+            metrics.unlink(missing_ok=True)
+        if resume and not old:
+            metrics.unlink(missing_ok=True)                             # nothing to resume: a fresh start
+        self.out_dir.mkdir(parents=True, exist_ok=True)
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast(self):
