@@ -9,6 +9,8 @@ import torch
 
 from .ops import backend as _backend
 
+DEVICES = "auto, cpu, cuda, cuda:N, mps"
+
 
 def _version(module: str) -> str:
     try:
@@ -72,3 +74,26 @@ def reuse_freed_memory() -> bool:
         return False
     _MALLOC_TUNED = ok
     return ok
+
+
+def pick_device(device: str = "auto") -> str:
+    """``"auto"`` -> ``"cuda"`` if a GPU is visible, else ``"mps"`` (Apple), else ``"cpu"``.
+
+    An explicit device that is not available raises ValueError saying what is.
+    """
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"device={device!r} is not valid; valid: {DEVICES}")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device={device!r} is not valid; valid: {DEVICES}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available here "
+                         f"(torch {torch.__version__}); use device='auto' or 'cpu'")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} GPU(s) visible")
+    if kind == "mps" and not mps:
+        raise ValueError(f"device={device!r} requested but MPS is not available; use 'auto' or 'cpu'")
+    return device

@@ -38,7 +38,6 @@ from datetime import datetime
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent   # a source checkout: notebooks/, configs/, params/
-DEVICES = "auto, cpu, cuda, cuda:N, mps"
 
 
 class WorkbookError(ValueError):
@@ -48,28 +47,13 @@ class WorkbookError(ValueError):
 # --- helpers for the notebooks ------------------------------------------------------------------
 
 def pick_device(device: str = "auto") -> str:
-    """``"auto"`` -> ``"cuda"`` if a GPU is visible, else ``"mps"`` (Apple), else ``"cpu"``.
+    """:func:`ssmkit.env.pick_device` (``"auto"`` -> cuda, else mps, else cpu), raising :class:`WorkbookError`."""
+    from .env import pick_device as _pick
 
-    An explicit device that is not available raises :class:`WorkbookError` saying what is.
-    """
-    import torch
-
-    if not isinstance(device, str) or not device:
-        raise WorkbookError(f"device={device!r} is not valid; valid: {DEVICES}")
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
-        raise WorkbookError(f"device={device!r} is not valid; valid: {DEVICES}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise WorkbookError(f"device={device!r} requested but CUDA is not available here "
-                            f"(torch {torch.__version__}); use device='auto' or 'cpu'")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        raise WorkbookError(f"device={device!r}: only {torch.cuda.device_count()} GPU(s) visible")
-    if kind == "mps" and not mps:
-        raise WorkbookError(f"device={device!r} requested but MPS is not available; use 'auto' or 'cpu'")
-    return device
+    try:
+        return _pick(device)
+    except ValueError as exc:
+        raise WorkbookError(str(exc)) from None
 
 
 def _config_dir() -> Path:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..env import pick_device
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -48,23 +50,12 @@ class Dist:
         return value
 
 
-def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    """``auto``: cuda (this rank's GPU) when available, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={name!r} but torch sees no CUDA device (torch {torch.__version__}); "
-                             "use device: auto or cpu")
-        return torch.device(name if ":" in name else f"cuda:{local_rank}")
-    return torch.device(name)
-
-
 def setup(strategy: str, device: str = "auto") -> Dist:
     """Join the torchrun process group if there is one; check the strategy fits."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    dev = pick_device(device, local)
+    name = pick_device(device)                                       # "auto" -> cuda, else mps, else cpu
+    dev = torch.device(f"cuda:{local}" if name == "cuda" else name)   # each rank its own GPU
     if world > 1 and strategy == "single":
         raise ValueError(f"WORLD_SIZE={world} (torchrun) needs strategy ddp or fsdp; got strategy=single")
     if world > 1 and not dist.is_initialized():
