@@ -46,7 +46,11 @@ class TrainingError(RuntimeError):
 
 
 def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` are already the targets of each position."""
+    """Mean next-token cross-entropy over all positions, in fp32.
+
+    input_ids, labels: (batch, seqlen) int64; ``labels[b, t]`` is the target of position t (the loader's
+    windows are already shifted). ``model(input_ids)`` returns logits (batch, seqlen, vocab) or an
+    object with ``.logits`` (ssmkit's LMOutput, transformers' outputs)."""
     out = model(input_ids)
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -123,27 +127,29 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
         self.peak_flops = peak_flops(d.device, cfg.precision)
         self._wandb = None
+        self._claim_out_dir(resume, d.is_main)                       # every rank checks; rank 0 writes
         if d.is_main:
-            self._claim_out_dir(resume)
             (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
         d.barrier()
         if resume:
             self.resume()
 
-    def _claim_out_dir(self, resume: bool):
+    def _claim_out_dir(self, resume: bool, write: bool):
         """A new run never mixes with an old one: its checkpoints and metrics are resumed (resume=True),
         replaced (overwrite=True), or kept, with an error."""
         old = sorted(p.name for p in self.ckpt_dir.glob("step_*")) if self.ckpt_dir.exists() else []
         metrics = self.out_dir / "metrics.jsonl"
-        if not resume and (old or metrics.exists()):
-            if not self.config.overwrite:
-                raise ValueError(f"{self.out_dir} already holds a run ({len(old)} checkpoints, "
-                                 f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
-                                 f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
+        replace = not resume and bool(old or metrics.exists())
+        if replace and not self.config.overwrite:
+            raise ValueError(f"{self.out_dir} already holds a run ({len(old)} checkpoints, "
+                             f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
+                             f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
+        if not write:
+            return
+        if replace:
             shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+        if replace or (resume and not old):                             # resume with nothing to resume: fresh
             metrics.unlink(missing_ok=True)
-        if resume and not old:
-            metrics.unlink(missing_ok=True)                             # nothing to resume: a fresh start
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
     # --- pieces of a step -----------------------------------------------------------------------
