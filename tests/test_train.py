@@ -146,11 +146,12 @@ def test_accumulation_equals_the_large_batch(tmp_path, shards):
             torch.testing.assert_close(runs[micro][1][k], v, atol=1e-5, rtol=1e-5)
 
 
-def test_resume_is_exact(tmp_path, shards):
-    straight = losses(Trainer(config=small(tmp_path / "a", shards, max_steps=8)).fit())
-    half = Trainer(config=small(tmp_path / "b", shards, max_steps=8))
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])
+def test_resume_is_exact(tmp_path, shards, preset):
+    straight = losses(Trainer(config=small(tmp_path / "a", shards, model=preset, max_steps=8)).fit())
+    half = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))
     part1 = losses(half.fit(until=4))                                # stops at 4 with a checkpoint
-    resumed = Trainer(config=small(tmp_path / "b", shards, max_steps=8), resume=True)
+    resumed = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8), resume=True)
     assert resumed.step == 4 and resumed.loader.step == 4 * resumed.grad_accum
     part2 = losses(resumed.fit())
     assert len(part1) == len(part2) == 4
