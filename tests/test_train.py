@@ -230,6 +230,17 @@ def test_wandb_missing_only_warns(tmp_path, shards, monkeypatch):
         Trainer(config=small(tmp_path, shards, max_steps=1, tracking="wandb")).fit()
 
 
+def test_data_as_a_token_loader(tmp_path, shards):
+    from ssmkit.data import TokenLoader
+
+    cfg = small(tmp_path, shards, max_steps=2)
+    by_dir = losses(Trainer(config=cfg).fit())
+    loader = TokenLoader(shards / "train", cfg.seq_len, cfg.micro_batch, seed=cfg.seed)
+    assert losses(Trainer(config=small(tmp_path / "b", shards, max_steps=2), data=loader).fit()) == by_dir
+    with pytest.raises(ValueError, match="the TokenLoader given has .*'batch_size': 2"):
+        Trainer(config=cfg, data=TokenLoader(shards / "train", cfg.seq_len, 2))
+
+
 def test_vocab_mismatch_is_an_error(tmp_path, shards):
     model = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=100))
     with pytest.raises(ValueError, match="104 vocabulary rows but the data's tokenizer 'byte' has 257"):

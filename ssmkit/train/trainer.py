@@ -87,8 +87,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 class Trainer:
-    """Train ``model`` (None: built from ``config.model``) on ``data`` (None: ``config.data``; or a shard
-    directory). ``resume=True`` continues from the latest checkpoint in ``config.out_dir``."""
+    """Train ``model`` (None: built from ``config.model``) on ``data``: None (``config.data``, prepared if it
+    is a source), a shard directory, or a :class:`~ssmkit.data.TokenLoader` matching the config. ``val_data``:
+    a shard directory (None: ``config.val_data`` or the source's validation split). ``resume=True``
+    continues from the latest checkpoint in ``config.out_dir``."""
 
     def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None, val_data=None,
                  callbacks=(), resume: bool = False):
@@ -101,7 +103,15 @@ class Trainer:
         if data is None:
             data, default_val = prepare_data(cfg, d.is_main, d.barrier)
             val_data = val_data or default_val
-        self.loader = TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=cfg.seed)
+        if isinstance(data, TokenLoader):
+            mine = dict(seq_len=cfg.seq_len, batch_size=cfg.micro_batch, rank=d.rank, world_size=d.world_size)
+            theirs = {k: getattr(data, k) for k in mine}
+            if theirs != mine:
+                raise ValueError(f"the TokenLoader given has {theirs}; this run needs {mine} (seq_len, micro_batch, "
+                                 "rank and world size of the config): pass its shard directory instead")
+            self.loader = data
+        else:
+            self.loader = TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=cfg.seed)
         self.val_loader = None
         if val_data is not None and cfg.eval_batches:
             self.val_loader = TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=0)
