@@ -236,7 +236,8 @@ def test_data_as_a_token_loader(tmp_path, shards):
     cfg = small(tmp_path, shards, max_steps=2)
     by_dir = losses(Trainer(config=cfg).fit())
     loader = TokenLoader(shards / "train", cfg.seq_len, cfg.micro_batch, seed=cfg.seed)
-    assert losses(Trainer(config=small(tmp_path / "b", shards, max_steps=2), data=loader).fit()) == by_dir
+    history = Trainer(config=small(tmp_path / "b", shards, max_steps=2), data=loader).fit()
+    assert losses(history) == by_dir and [r["step"] for r in history if r["kind"] == "eval"] == [2]  # config's val_data
     with pytest.raises(ValueError, match="the TokenLoader given has .*'batch_size': 2"):
         Trainer(config=cfg, data=TokenLoader(shards / "train", cfg.seq_len, 2))
 

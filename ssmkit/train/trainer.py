@@ -103,6 +103,8 @@ class Trainer:
         if data is None:
             data, default_val = prepare_data(cfg, d.is_main, d.barrier)
             val_data = val_data or default_val
+        elif val_data is None:
+            val_data = cfg.val_data
         if isinstance(data, TokenLoader):
             mine = dict(seq_len=cfg.seq_len, batch_size=cfg.micro_batch, rank=d.rank, world_size=d.world_size)
             theirs = {k: getattr(data, k) for k in mine}
