@@ -88,6 +88,12 @@ def test_unknown_keys_list_the_valid_ones(tmp_path):
         TrainConfig.from_dict({"max_steps": 1}, overrides=["nope=1"])
     with pytest.raises(ValueError, match="does not exist"):
         TrainConfig.from_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("lr: [1e-3\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        TrainConfig.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping of TrainConfig keys"):
+        TrainConfig.from_yaml(tmp_path / "list.yaml")
 
 
 def test_grad_accum_derivation():

@@ -8,6 +8,7 @@ directly. Errors from bad configs exit with status 2 and one message.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -44,11 +45,17 @@ def main(argv=None):
         rank = os.environ.get("RANK", "0")
         teardown()
         p.exit(1, f"ssmkit train (rank {rank}): {exc}\n")
-    teardown()
-    if trainer.dist.is_main:
-        evals = [r for r in history if r["kind"] == "eval"]
-        last = f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
-        print(f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}")
+    evals = [r for r in history if r["kind"] == "eval"]
+    last = f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
+    done = f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}"
+    is_main = trainer.dist.is_main
+    # Free the model, optimizer and FSDP state (and the collectives they hold) while the interpreter is
+    # fully alive: gloo work objects freed during interpreter shutdown abort the process (SIGABRT).
+    del trainer
+    gc.collect()
+    teardown(sync=True)
+    if is_main:
+        print(done)
 
 
 if __name__ == "__main__":

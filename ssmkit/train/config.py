@@ -177,7 +177,10 @@ class TrainConfig:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"config file {path} does not exist")
-        d = yaml.safe_load(path.read_text()) or {}
+        try:
+            d = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a mapping of TrainConfig keys; got {type(d).__name__}")
         return cls.from_dict(d, overrides)

@@ -65,8 +65,12 @@ def setup(strategy: str, device: str = "auto") -> Dist:
     return Dist(rank=rank, world_size=world, local_rank=local, device=dev)
 
 
-def teardown():
+def teardown(sync: bool = False):
+    """Leave the process group. ``sync=True`` (a run that ended normally) first waits for every rank, so
+    no rank tears down its connections while another still uses them (gloo then aborts that rank)."""
     if dist.is_available() and dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 
