@@ -19,7 +19,7 @@ in JupyterLab, on a kernel of the Python that runs this module (so ssmkit is imp
 
 Notebook helpers (cells stay short; logic lives here): :func:`check_params` (validate the
 ``parameters`` cell, resolve ``device="auto"``), :func:`pick_device`, :func:`system_info`,
-:func:`preset_info`, :func:`train_config`, :func:`sample_text`, :func:`markdown_table`,
+:func:`preset_info`, :func:`train_config`, :func:`sample_text`, :func:`summarize_run`, :func:`markdown_table`,
 :func:`format_duration`, :func:`write_metrics`. papermill, matplotlib and the
 Jupyter machinery are imported only when a notebook is run.
 """
@@ -247,6 +247,18 @@ def sample_text(model, tokenizer, prompts: list[str], max_new_tokens: int = 40, 
         out.append(tokenizer.decode(new[0].tolist()))
     model.train()
     return out
+
+
+def summarize_run(records: list[dict]) -> dict:
+    """The headline numbers of a Trainer history: tokens seen, first and last validation loss, the last
+    perplexity, and the median training tokens/s (``None`` where the history has no such records)."""
+    evals = [r for r in records if r.get("kind") == "eval"]
+    rates = sorted(r["tokens_per_s"] for r in records if r.get("kind") == "train")
+    return {"tokens": evals[-1]["tokens"] if evals else None,
+            "first_val_loss": round(evals[0]["val_loss"], 4) if evals else None,
+            "val_loss": round(evals[-1]["val_loss"], 4) if evals else None,
+            "val_ppl": round(evals[-1]["val_ppl"], 2) if evals else None,
+            "train_tok_s": round(rates[len(rates) // 2]) if rates else None}
 
 
 def markdown_table(rows: list[dict], floats: str = ".4g") -> str:

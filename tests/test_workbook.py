@@ -289,3 +289,14 @@ def test_plot_curves_several_runs(tmp_path):
     assert list(val.axes[0].lines[0].get_ydata()) == [4.1]
     with pytest.raises(ValueError, match="run 'llama' has no records with keys 'tokens' and 'val_loss'"):
         plot_curves({"mamba": mamba, "llama": llama}, None, y="val_loss", show=False)
+
+
+def test_summarize_run():
+    records = [{"kind": "eval", "step": 0, "tokens": 0, "val_loss": 10.0, "val_ppl": 22026.47},
+               {"kind": "train", "step": 1, "tokens": 8, "loss": 9.0, "tokens_per_s": 300.0},
+               {"kind": "train", "step": 2, "tokens": 16, "loss": 8.0, "tokens_per_s": 100.0},
+               {"kind": "train", "step": 3, "tokens": 24, "loss": 7.0, "tokens_per_s": 200.0},
+               {"kind": "eval", "step": 3, "tokens": 24, "val_loss": 7.123456, "val_ppl": 1239.4567}]
+    assert workbook.summarize_run(records) == {"tokens": 24, "first_val_loss": 10.0, "val_loss": 7.1235,
+                                               "val_ppl": 1239.46, "train_tok_s": 200}
+    assert workbook.summarize_run([])["val_loss"] is None
