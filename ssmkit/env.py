@@ -70,7 +70,9 @@ def reuse_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
+        # glibc versions that cap the mmap threshold (at 32 MiB) still reuse blocks up to the cap
+        mmap_ok = any(libc.mallopt(M_MMAP_THRESHOLD, size) == 1 for size in (1 << 30, 1 << 25))
+        ok = mmap_ok and libc.mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
     except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to do
         return False
     _MALLOC_TUNED = ok
