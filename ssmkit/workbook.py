@@ -206,11 +206,9 @@ def write_metrics(out_dir: str | Path, metrics: dict) -> Path:
     """Write ``out_dir/metrics.json`` atomically (temporary name, then rename); returns its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "metrics.json"
-    tmp = path.with_name(f".metrics.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    from .data.shards import write_atomically
+
+    return write_atomically(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
 
 
 def train_config(preset: str, **overrides):
@@ -331,9 +329,9 @@ def strip_notebook(path: str | Path) -> bool:
             cell["outputs"], cell["execution_count"] = [], None
     if json.dumps(nb, sort_keys=True) == before:
         return False
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    from .data.shards import write_atomically
+
+    write_atomically(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     return True
 
 
@@ -529,10 +527,10 @@ def write_summary(summary: dict, out: str | Path) -> Path:
         rows += [f"- {Path(e['notebook']).name} ignores: {', '.join(e['unused_shared'])}"
                  for e in summary["notebooks"] if e["unused_shared"]]
     md, js = out / "summary.md", out / "summary.json"
-    for path, text in ((md, "\n".join(rows) + "\n"), (js, json.dumps(summary, indent=2, default=str) + "\n")):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    from .data.shards import write_atomically
+
+    write_atomically(md, "\n".join(rows) + "\n")
+    write_atomically(js, json.dumps(summary, indent=2, default=str) + "\n")
     return md
 
 

@@ -62,7 +62,7 @@ def test_a_crash_mid_way_then_rerun_gives_identical_shards(tmp_path, monkeypatch
     src = jsonl(tmp_path / "docs.jsonl", TEXTS)
     kw = dict(split="all", shard_tokens=333, progress=False)            # shards end inside documents
     D.prepare(str(src), "byte", tmp_path / "clean", **kw)
-    real, calls = shards_mod._write_atomically, []
+    real, calls = shards_mod.write_atomically, []
 
     def crash_on_fourth(path, data):
         calls.append(path.name)
@@ -70,10 +70,10 @@ def test_a_crash_mid_way_then_rerun_gives_identical_shards(tmp_path, monkeypatch
             raise KeyboardInterrupt("killed")
         real(path, data)
 
-    monkeypatch.setattr(shards_mod, "_write_atomically", crash_on_fourth)
+    monkeypatch.setattr(shards_mod, "write_atomically", crash_on_fourth)
     with pytest.raises(KeyboardInterrupt):
         D.prepare(str(src), "byte", tmp_path / "resumed", **kw)
-    monkeypatch.setattr(shards_mod, "_write_atomically", real)
+    monkeypatch.setattr(shards_mod, "write_atomically", real)
     assert (tmp_path / "resumed" / "progress.json").exists() and not (tmp_path / "resumed" / "index.json").exists()
     kept = (tmp_path / "resumed" / "shard_00000.bin").stat().st_mtime_ns
     D.prepare(str(src), "byte", tmp_path / "resumed", **kw)

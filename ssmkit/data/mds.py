@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .shards import INDEX, _write_atomically, sha256_file
+from .shards import INDEX, write_atomically, sha256_file
 
 META = "ssmkit.json"
 MDS_VERSION = 2
@@ -151,7 +151,7 @@ class _ShardWriter:
 
     def write_index(self):
         obj = {"version": MDS_VERSION, "shards": self.shards}
-        _write_atomically(self.out / INDEX, json.dumps(obj, sort_keys=True).encode())
+        write_atomically(self.out / INDEX, json.dumps(obj, sort_keys=True).encode())
 
 
 def _source(shard_dir: Path, verify: bool) -> tuple[dict, list[np.ndarray]]:
@@ -252,7 +252,7 @@ def write_mds(shard_dir: str | os.PathLike, out_dir: str | os.PathLike, seq_len:
                 source=str(src.resolve()),
                 sample="tokens[i*seq_len : i*seq_len + seq_len + 1] of the source stream; input_ids = s[:-1], "
                        "labels = s[1:]")
-    _write_atomically(out / META, (json.dumps(meta, indent=2) + "\n").encode())
+    write_atomically(out / META, (json.dumps(meta, indent=2) + "\n").encode())
     writer.write_index()                                             # last: its presence means complete
     return meta
 

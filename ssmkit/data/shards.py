@@ -34,17 +34,21 @@ INDEX, PROGRESS = "index.json", "progress.json"
 FORMAT_VERSION = 1
 
 
-def _write_atomically(path: Path, data: bytes):
+def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` (str: UTF-8) to a temporary sibling, fsync, then rename over ``path``: readers see the
+    old file or the new one, never half of one. Used for every small file ssmkit writes."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return path
 
 
 def _json(path: Path, obj):
-    _write_atomically(path, (json.dumps(obj, indent=2) + "\n").encode())
+    write_atomically(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def sha256_file(path: Path) -> str:
@@ -146,7 +150,7 @@ def _prepare(source, tokenizer, out_dir, *, split, max_tokens, shard_tokens, wor
         nonlocal written, buffer
         name = f"shard_{len(state['shards']):05d}.bin"
         data = np.asarray(buffer, dtype=dtype).tobytes()
-        _write_atomically(out / name, data)
+        write_atomically(out / name, data)
         state["shards"].append({"file": name, "tokens": len(buffer), "sha256": hashlib.sha256(data).hexdigest()})
         state.update(next_doc=next_doc, next_offset=next_offset)
         written, buffer = written + len(buffer), []

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from ..data.shards import write_atomically
 from .distributed import Dist
 
 LATEST = "latest"
@@ -55,12 +56,6 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist, keep_last: int = 3) -> Path:
     """Write checkpoint ``step`` under ``root`` (every rank calls this)."""
     root = Path(root)
@@ -84,7 +79,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_text(root / LATEST, name + "\n")
+        write_atomically(root / LATEST, name + "\n")
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
             shutil.rmtree(old)
     d.barrier()

@@ -32,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import TokenLoader, prepare
+from ..data.shards import write_atomically
 from ..data.tokenizers import cache_dir
 from ..env import reuse_freed_memory
 from ..models import ModelConfig, build_model
@@ -149,11 +150,11 @@ class Trainer:
     def _claim_out_dir(self, resume: bool, write: bool):
         """A new run never mixes with an old one: its checkpoints and metrics are resumed (resume=True),
         replaced (overwrite=True), or kept, with an error."""
-        old = sorted(p.name for p in self.ckpt_dir.glob("step_*")) if self.ckpt_dir.exists() else []
+        old = len(list(self.ckpt_dir.glob("step_*")))                  # checkpoints of an earlier run
         metrics = self.out_dir / "metrics.jsonl"
         replace = not resume and bool(old or metrics.exists())
         if replace and not self.config.overwrite:
-            raise ValueError(f"{self.out_dir} already holds a run ({len(old)} checkpoints, "
+            raise ValueError(f"{self.out_dir} already holds a run ({old} checkpoints, "
                              f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
                              f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
         if not write:
@@ -358,7 +359,5 @@ class Trainer:
         path = self.out_dir / "metrics.jsonl"
         if path.exists():
             keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
+            write_atomically(path, "".join(line + "\n" for line in keep))
             self.history = [json.loads(line) for line in keep]
