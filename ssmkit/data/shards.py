@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..io import sha256_file, write_atomically  # noqa: F401  (re-exported: ssmkit.data.shards.write_atomically)
 from .sources import Document, load_source
 from .tokenizers import get_tokenizer
 
@@ -34,29 +35,8 @@ INDEX, PROGRESS = "index.json", "progress.json"
 FORMAT_VERSION = 1
 
 
-def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` (str: UTF-8) to a temporary sibling, fsync, then rename over ``path``: readers see the
-    old file or the new one, never half of one. Used for every small file ssmkit writes."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
 def _json(path: Path, obj):
     write_atomically(path, (json.dumps(obj, indent=2) + "\n").encode())
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 _TOKENIZER = None

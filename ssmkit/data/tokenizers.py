@@ -19,39 +19,16 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from ..io import build_dir_atomically, cache_dir  # noqa: F401  (cache_dir re-exported)
 
 EOS = "<|endoftext|>"
 GPT2_SHA256 = {  # the hashes tiktoken checks for the GPT-2 encoding's files
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SSMKIT_CACHE", Path.home() / ".cache" / "ssmkit"))
-
-
-def _write_dir_atomically(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)`` and move the result to ``target`` (unless another process won)."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:                      # a concurrent writer finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def _from_dir(folder: Path):
@@ -89,7 +66,7 @@ def gpt2_tokenizer():
             {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOS, "eos_token": EOS, "unk_token": EOS,
              "model_max_length": 1024, "add_prefix_space": False}))
 
-    folder = _write_dir_atomically(cache_dir() / "tokenizers" / "gpt2", write)
+    folder = build_dir_atomically(cache_dir() / "tokenizers" / "gpt2", write)
     tok = GPT2TokenizerFast.from_pretrained(str(folder))
     if len(tok) != 50257:
         raise RuntimeError(f"the offline GPT-2 tokenizer in {folder} has {len(tok)} tokens, not 50257; delete that folder")
@@ -138,7 +115,7 @@ def bpe_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "unk_token": EOS}))
 
-    return _from_dir(_write_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}", write))
+    return _from_dir(build_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}", write))
 
 
 def _default_corpus():

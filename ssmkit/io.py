@@ -1,0 +1,250 @@
+"""The base layer: files written whole or not at all, checksums, the cache directory, locks, path checks.
+
+Every other layer may import this module; it imports nothing of ssmkit. The rules it keeps (each
+one has a test that injects the fault):
+
+* a file is written to a temporary sibling, fsynced, then renamed over its name: a reader sees the
+  old file or the new one, never half of one (:func:`write_atomically`);
+* a directory is built under a temporary name and renamed into place (:func:`build_dir_atomically`);
+  new files and directories follow the user's umask (``tempfile.mkdtemp`` alone makes them 0700);
+* a name read from a file ssmkit did not just write (a shard in ``index.json``, the ``latest``
+  pointer of a checkpoint, a weight file in a hub index) is a plain file name, never a path
+  (:func:`plain_name`); a source and a target of a copy never overlap (:func:`overlapping`);
+* two processes never write into one directory at once (:class:`DirLock`: an exclusive lock that the
+  operating system drops when its holder dies, so a stale lock is taken over by itself).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOCK_FILE = ".ssmkit.lock"
+
+
+# --- where ssmkit keeps its caches ------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$SSMKIT_CACHE``, default ``~/.cache/ssmkit`` (tokenizers, prepared shards, verified checksums)."""
+    return Path(os.environ.get("SSMKIT_CACHE", Path.home() / ".cache" / "ssmkit"))
+
+
+# --- files and directories written whole ------------------------------------------------------------
+
+def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` (str: UTF-8) to a temporary sibling, fsync, then rename over ``path``: readers see the
+    old file or the new one, never half of one. The temporary file is removed if writing fails (disk full)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike, obj, indent: int | None = 2) -> Path:
+    """``obj`` as JSON (plus a newline), written atomically."""
+    return write_atomically(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file"):
+    """A JSON file, or ValueError naming it (missing, unreadable, truncated or not JSON)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{what} {path} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
+                         "truncated") from None
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
+    """A new empty directory under ``parent`` with a unique name starting with ``prefix``, with the
+    permissions ``mkdir`` gives under the user's umask (``mkdtemp`` alone would give 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~umask())
+    return tmp
+
+
+def build_dir_atomically(target: str | os.PathLike, write) -> Path:
+    """Call ``write(tmp_dir)`` and rename the result to ``target`` (a cache entry): if another process
+    finished the same entry first, its copy is kept and ours is dropped. An existing ``target`` is
+    returned as is."""
+    target = Path(target)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(target.parent, f".{target.name}.tmp-")
+    try:
+        write(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:                      # a concurrent writer finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# --- checksums ------------------------------------------------------------------------------------
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --- names and paths ------------------------------------------------------------------------------
+
+def plain_name(name, what: str, pattern: str | None = None) -> str:
+    """``name`` if it is a plain file name (no directory part, not ``.``/``..``, no NUL) and, with
+    ``pattern``, matches that regular expression; else ValueError naming ``what`` held it."""
+    ok = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+          and "\x00" not in name and (pattern is None or re.fullmatch(pattern, name) is not None))
+    if not ok:
+        expected = f"a name matching {pattern}" if pattern else "a plain file name"
+        raise ValueError(f"{what} holds {name!r}; expected {expected} (no directories, no '..'): refusing to read "
+                         "outside its folder")
+    return name
+
+
+def overlapping(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """True if ``a`` and ``b`` are the same path or one lies inside the other (symlinks resolved)."""
+    a, b = Path(a).resolve(), Path(b).resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError a user can act on: which file, and what to do about it."""
+    where = f" {exc.filename}" if exc.filename else ""
+    hint = {errno.ENOSPC: "the disk is full: free space or choose another directory",
+            errno.EDQUOT: "the disk quota is exceeded: free space or choose another directory",
+            errno.EROFS: "the file system is read-only: choose a writable directory",
+            errno.EACCES: "permission denied: choose a directory you can write to",
+            errno.EPERM: "operation not permitted: choose a directory you can write to",
+            errno.ENOENT: "no such file or directory"}.get(exc.errno, exc.strerror or type(exc).__name__)
+    return f"cannot write or read{where}: {hint}"
+
+
+# --- locks between processes ----------------------------------------------------------------------
+
+class LockError(ValueError):
+    """Another process (or another object of this one) holds the directory."""
+
+
+class DirLock:
+    """An exclusive lock on a directory for one ``purpose`` ("training", "data prepare", ...).
+
+        with DirLock(out_dir, "training"):
+            ...                                 # no other ssmkit process writes into out_dir now
+
+    The lock is ``flock`` on ``<dir>/.ssmkit.lock``, which records the holder (pid, host, command,
+    start time) for the error message. The operating system releases it when the holder exits or is
+    killed, so a lock left by a crashed run never blocks the next one. ``wait`` seconds > 0: wait for
+    the holder to finish (a cache entry another process is preparing) instead of failing at once.
+    """
+
+    def __init__(self, directory: str | os.PathLike, purpose: str, wait: float = 0.0):
+        self.dir, self.purpose, self.wait = Path(directory), purpose, wait
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads((self.dir / LOCK_FILE).read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if not info:
+            return "another process"
+        same = info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+        who = "this process (another object still holds it: let it finish or delete it)" if same else \
+            f"pid {info.get('pid')} on {info.get('host')}"
+        return f"{who}, {info.get('purpose', '?')} since {info.get('started', '?')}: {info.get('command', '?')}"
+
+    def acquire(self) -> DirLock:
+        if self._fd is not None:
+            return self
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        deadline, told = time.monotonic() + self.wait, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self._holder()
+                    os.close(fd)
+                    raise LockError(f"{self.dir} is in use by {holder}. Two runs must not write into one directory: "
+                                    "wait for it, stop it, or choose another directory") from None
+                if not told:
+                    print(f"waiting for {self.dir}: in use by {self._holder()}", file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.2)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self):
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)               # the file stays (removing it races with a new holder)
+        except OSError:
+            pass
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            try:
+                os.close(self._fd)                  # closing the last descriptor drops the lock
+            except OSError:
+                pass
