@@ -1,16 +1,63 @@
 """``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``.
 
-``--nproc N`` (N > 1) re-launches itself under ``torchrun --nproc_per_node N``; under torchrun already
-(or on several nodes, with torchrun's own ``--nnodes``/``--rdzv-endpoint``), run ``python -m ssmkit.train``
-directly. Errors from bad configs exit with status 2 and one message.
+``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc_per_node N``) in this process;
+under torchrun already (or on several nodes, with torchrun's own ``--nnodes``/``--rdzv-endpoint``), run
+``python -m ssmkit.train`` directly. A user's error (bad config, a locked or foreign out_dir, a corrupt
+checkpoint, a full disk) is one line on stderr: exit status 2 for a bad config, 1 otherwise. Under
+``--nproc`` each rank's line is collected and printed once at the end, instead of torchrun's traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
+
+RANK_ERRORS = "SSMKIT_RANK_ERRORS"          # a directory where each rank leaves its one-line error
+
+
+def _launch(nproc: int, rest: list[str]) -> int:
+    """Run ``python -m ssmkit.train REST`` in ``nproc`` processes; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    errors = Path(tempfile.mkdtemp(prefix="ssmkit-ranks-"))
+    os.environ[RANK_ERRORS] = str(errors)
+    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train", *rest])
+    print(f"launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train "
+          f"{' '.join(rest)}", flush=True)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # we report failures below
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as exc:
+        lines = []
+        for rank, failure in sorted(exc.failures.items()):
+            own = errors / f"rank_{rank}.txt"
+            why = own.read_text().strip() if own.exists() else (
+                f"exit status {failure.exitcode}" if failure.exitcode >= 0 else failure.message)
+            lines.append(f"  rank {rank}: {why}")
+        print(f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines), file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def _fail(parser: argparse.ArgumentParser, status: int, message: str):
+    """Exit with one line; under the launcher also leave it where the launcher collects it."""
+    rank = os.environ.get("RANK")
+    if rank is not None and os.environ.get(RANK_ERRORS):
+        try:
+            (Path(os.environ[RANK_ERRORS]) / f"rank_{rank}.txt").write_text(message + "\n")
+        except OSError:
+            pass
+    where = f" (rank {rank})" if rank is not None else ""
+    parser.exit(status, f"ssmkit train{where}: {message}\n")
 
 
 def main(argv=None):
@@ -22,13 +69,12 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     args = p.parse_args(argv)
+    if args.nproc < 1:
+        p.error(f"--nproc must be >= 1 (processes on this machine); got {args.nproc}")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
                 and not a.startswith("--nproc=")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "ssmkit.train", *rest]
-        print("launching:", " ".join(cmd), flush=True)
-        os.execv(sys.executable, cmd)
+        sys.exit(_launch(args.nproc, rest))
 
     from .config import TrainConfig
     from .distributed import teardown
@@ -37,14 +83,15 @@ def main(argv=None):
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides=args.overrides)
     except ValueError as exc:
-        p.exit(2, f"ssmkit train: {exc}\n")
+        _fail(p, 2, str(exc))
     try:
         trainer = Trainer(config=cfg, resume=args.resume)
         history = trainer.fit()
-    except (ValueError, TrainingError) as exc:
-        rank = os.environ.get("RANK", "0")
+    except (ValueError, TrainingError, OSError) as exc:
+        from ..io import describe_os_error
+
         teardown()
-        p.exit(1, f"ssmkit train (rank {rank}): {exc}\n")
+        _fail(p, 1, describe_os_error(exc) if isinstance(exc, OSError) else str(exc))
     evals = [r for r in history if r["kind"] == "eval"]
     last = f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
     done = f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}"

@@ -72,11 +72,20 @@ class TrainConfig:
     progress: bool = True                 # tqdm progress bar on rank 0
 
     def __post_init__(self):
-        self.betas = tuple(self.betas)
+        if isinstance(self.betas, (list, tuple)):
+            self.betas = tuple(self.betas)
         self.validate()
 
     # --- validation -----------------------------------------------------------------------------
     def validate(self):
+        for name in ("model", "data", "tokenizer", "out_dir", "wandb_project"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string; got {getattr(self, name)!r}")
+        if self.val_data is not None and (not isinstance(self.val_data, str) or not self.val_data):
+            raise ValueError(f"val_data must be a shard directory or null; got {self.val_data!r}")
+        for name in ("compile", "overwrite", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         for name, valid in CHOICES.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not valid; valid: {', '.join(valid)}")
@@ -95,16 +104,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer or null; got {value!r}")
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("set max_steps or max_tokens (the length of the run)")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+        if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0):
             raise ValueError(f"lr must be a positive number; got {self.lr!r}")
         if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"min_lr must be in [0, lr={self.lr}]; got {self.min_lr!r}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas!r}")
         for name in ("weight_decay", "grad_clip", "eps"):
             if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a number >= 0; got {getattr(self, name)!r}")
-        if not 0 < self.decay_frac <= 1:
+        if not (isinstance(self.decay_frac, (int, float)) and 0 < self.decay_frac <= 1):
             raise ValueError(f"decay_frac must be in (0, 1]; got {self.decay_frac!r}")
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; got {self.model_overrides!r}")
@@ -159,6 +169,11 @@ class TrainConfig:
                     d[key] = float(d[key])
                 except ValueError:
                     raise ValueError(f"{key} must be a number; got {d[key]!r}") from None
+        if isinstance(d.get("betas"), list) and all(isinstance(b, str) for b in d["betas"]):
+            try:
+                d["betas"] = [float(b) for b in d["betas"]]
+            except ValueError:
+                raise ValueError(f"betas must be two numbers in [0, 1); got {d['betas']!r}") from None
         for key in ("max_tokens", "data_tokens", "batch_tokens"):       # allow 5e8 / 2.5e9 in YAML
             if isinstance(d.get(key), (float, str)) and not isinstance(d.get(key), bool):
                 try:
@@ -177,9 +192,11 @@ class TrainConfig:
         path = Path(path)
         if not path.exists():
             raise ValueError(f"config file {path} does not exist")
+        if not path.is_file():
+            raise ValueError(f"config file {path} is a directory, not a YAML file (see configs/*.yaml)")
         try:
-            d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+            d = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
             raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a mapping of TrainConfig keys; got {type(d).__name__}")

@@ -42,6 +42,14 @@ class Dist:
         if self.enabled:
             dist.barrier()
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (a collective: every rank must call it)."""
+        if not self.enabled:
+            return bool(flag)
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value)
+        return value.item() > 0
+
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.enabled:
             value = value.clone()

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -32,14 +31,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import TokenLoader, prepare
-from ..data.shards import write_atomically
-from ..data.tokenizers import cache_dir
 from ..env import reuse_freed_memory
+from ..io import cache_dir, read_json, write_atomically
 from ..models import ModelConfig, build_model
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import DTYPES, setup, wrap
 from .optim import build_optimizer, flops_per_token, lr_at, peak_flops
+from .rundir import RunDir
 
 
 class TrainingError(RuntimeError):
@@ -140,30 +139,19 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
         self.peak_flops = peak_flops(d.device, cfg.precision)
         self._wandb = None
-        self._claim_out_dir(resume, d.is_main)                       # every rank checks; rank 0 writes
-        if d.is_main:
-            (self.out_dir / "config.yaml").write_text(cfg.to_yaml())
-        d.barrier()
-        if resume:
-            self.resume()
-
-    def _claim_out_dir(self, resume: bool, write: bool):
-        """A new run never mixes with an old one: its checkpoints and metrics are resumed (resume=True),
-        replaced (overwrite=True), or kept, with an error."""
-        old = len(list(self.ckpt_dir.glob("step_*")))                  # checkpoints of an earlier run
-        metrics = self.out_dir / "metrics.jsonl"
-        replace = not resume and bool(old or metrics.exists())
-        if replace and not self.config.overwrite:
-            raise ValueError(f"{self.out_dir} already holds a run ({old} checkpoints, "
-                             f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
-                             f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
-        if not write:
-            return
-        if replace:
-            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
-        if replace or (resume and not old):                             # resume with nothing to resume: fresh
-            metrics.unlink(missing_ok=True)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = RunDir(self.out_dir, d)                       # locked, claimed, recovered: see rundir
+        self._committed = False                                      # this run has a checkpoint on disk
+        with self.run_dir.hold():
+            self.run_dir.claim(resume, cfg.overwrite)
+            try:
+                if resume:
+                    self._committed = self.resume()
+                if d.is_main:                                          # only once the run has (re)started
+                    write_atomically(self.out_dir / "config.yaml", cfg.to_yaml())
+            except Exception:
+                self.run_dir.restore_previous("this run failed to start")
+                raise
+            d.barrier()
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast(self):
@@ -191,62 +179,73 @@ class Trainer:
         total = cfg.total_steps()
         stop = total if until is None else min(until, total)
         first_record = len(self.history)
-        batches = self._batches(self.loader)
         self._start_tracking()
         bar = tqdm(total=stop, initial=self.step, unit="step", disable=not (d.is_main and cfg.progress),
                    desc=f"train {cfg.model}", dynamic_ncols=True)
-        if self.step == 0 and cfg.eval_every and self.val_loader is not None:
-            self.evaluate()
-        window, t0, tokens0 = [], time.perf_counter(), self.tokens
-        try:
-            while self.step < stop:
-                lr = lr_at(self.step, cfg, total)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=d.device)
-                for micro in range(self.grad_accum):
-                    x, y = next(batches)
-                    with self._sync(micro == self.grad_accum - 1), self._autocast():
-                        loss = lm_loss(self.module, x, y)
-                    self.scaler.scale(loss / self.grad_accum).backward()
-                    loss_sum += loss.detach()
-                loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
-                self.step += 1
-                self.tokens += cfg.batch_tokens
-                bar.update(1)
-                if not math.isfinite(loss):
-                    self._skip(loss)
-                    continue
-                self.bad_in_row = 0
-                self.scaler.unscale_(self.optimizer)
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
-                window.append((loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
-                if self.step % cfg.log_every == 0 or self.step == stop:
-                    elapsed = time.perf_counter() - t0
-                    record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                    window = []
-                if not window:
-                    t0, tokens0 = time.perf_counter(), self.tokens
-                pause = time.perf_counter()                               # rates exclude eval and checkpoints
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != stop:
-                    self.evaluate()
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step != stop:
-                    self.save_checkpoint()
-                t0 += time.perf_counter() - pause
-            if self.val_loader is not None:
-                self.evaluate()
-            self.save_checkpoint()
-        finally:
-            bar.close()
+        with self.run_dir.hold():                                    # no other run writes out_dir meanwhile
+            self.run_dir.check_owner()
+            try:
+                self._loop(bar, stop, total)
+            except Exception:                                        # a failed replacement gives the old run back
+                if not self._committed:
+                    self.run_dir.restore_previous("the run that replaced it failed before its first checkpoint")
+                raise
+            finally:
+                bar.close()
         for cb in self.callbacks:
             getattr(cb, "on_end", lambda t: None)(self)
         if self._wandb is not None and self.step == total:
             self._wandb.finish()
         return self.history[first_record:]
+
+    def _loop(self, bar, stop: int, total: int):
+        """Steps up to ``stop``, then a final evaluation and checkpoint (the loop of the module docstring)."""
+        cfg, d = self.config, self.dist
+        batches = self._batches(self.loader)
+        if self.step == 0 and cfg.eval_every and self.val_loader is not None:
+            self.evaluate()
+        window, t0, tokens0 = [], time.perf_counter(), self.tokens
+        while self.step < stop:
+            lr = lr_at(self.step, cfg, total)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=d.device)
+            for micro in range(self.grad_accum):
+                x, y = next(batches)
+                with self._sync(micro == self.grad_accum - 1), self._autocast():
+                    loss = lm_loss(self.module, x, y)
+                self.scaler.scale(loss / self.grad_accum).backward()
+                loss_sum += loss.detach()
+            loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
+            self.step += 1
+            self.tokens += cfg.batch_tokens
+            bar.update(1)
+            if not math.isfinite(loss):
+                self._skip(loss)
+                continue
+            self.bad_in_row = 0
+            self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            window.append((loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
+            if self.step % cfg.log_every == 0 or self.step == stop:
+                elapsed = time.perf_counter() - t0
+                record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                window = []
+            if not window:
+                t0, tokens0 = time.perf_counter(), self.tokens
+            pause = time.perf_counter()                               # rates exclude eval and checkpoints
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != stop:
+                self.evaluate()
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step != stop:
+                self.save_checkpoint()
+            t0 += time.perf_counter() - pause
+        if self.val_loader is not None:
+            self.evaluate()
+        self.save_checkpoint()
 
     def _skip(self, loss: float):
         self.optimizer.zero_grad(set_to_none=True)
@@ -323,8 +322,12 @@ class Trainer:
         state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped, "bad_in_row": self.bad_in_row,
                  "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                  "world_size": self.dist.world_size, "config": self.config.to_dict()}
-        return checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
-                               self.config.keep_last)
+        with self.run_dir.hold():
+            path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
+                                   self.config.keep_last)
+            self._committed = True
+            self.run_dir.committed()                                 # an overwritten run can go now
+        return path
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint in ``out_dir``; False (and a fresh start) when there is none."""
@@ -333,7 +336,10 @@ class Trainer:
             if self.dist.is_main:
                 print(f"no checkpoint in {self.ckpt_dir}: starting from step 0")
             return False
-        state = checkpoint.load(path, self.model, self.optimizer, self.dist)
+        checkpoint.verify_everywhere(path, self.dist)                  # before anything of it is read
+        saved_config = read_json(path / "trainer.json", "checkpoint state").get("config")
+        checkpoint.check_model(path, self.model, saved_config, self.config.to_dict())
+        state = checkpoint.load(path, self.model, self.optimizer, self.dist, verified=True)
         self.step, self.tokens, self.skipped = state["step"], state["tokens"], state["skipped"]
         self.bad_in_row = state["bad_in_row"]
         self.scaler.load_state_dict(state["scaler"])
@@ -355,9 +361,19 @@ class Trainer:
         return True
 
     def _truncate_metrics(self, step: int):
-        """Drop metrics lines written after the checkpoint by the run that was interrupted."""
+        """Drop metrics lines written after the checkpoint by the run that was interrupted (and a line a
+        kill tore in half)."""
         path = self.out_dir / "metrics.jsonl"
         if path.exists():
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            write_atomically(path, "".join(line + "\n" for line in keep))
-            self.history = [json.loads(line) for line in keep]
+            keep, torn = [], 0
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                    if record["step"] <= step:
+                        keep.append(record)
+                except (ValueError, KeyError, TypeError):
+                    torn += 1
+            if torn:
+                warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)", stacklevel=2)
+            write_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
+            self.history = keep
