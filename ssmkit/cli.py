@@ -6,6 +6,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def _count(text: str) -> int:
+    """argparse type of ``data prepare``'s counts: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def main(argv=None):
@@ -19,18 +31,22 @@ def main(argv=None):
     sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options", add_help=False)
     conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers or mamba_ssm layout")
     conv.add_argument("src", help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
-    conv.add_argument("dst", help="output directory (replaced atomically)")
+    conv.add_argument("dst", help="output directory: new, empty, or a checkpoint ssmkit wrote (replaced atomically)")
     conv.add_argument("--to", required=True, choices=["hf", "mamba_ssm"], help="layout to write")
+    conv.add_argument("--overwrite", action="store_true",
+                      help="DST holds other files too: replace only the checkpoint's files in it, keep the rest")
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     prep = data.add_parser("prepare", help="tokenize a source into packed token shards (resumable)")
     prep.add_argument("--source", default="stdlib-docs", help="stdlib-docs, a remote corpus name, or a local path")
     prep.add_argument("--tokenizer", default="gpt2", help="gpt2, byte, bpe-<N>, a hub id or a directory")
     prep.add_argument("--out", required=True, help="output directory (re-running resumes)")
     prep.add_argument("--split", default="train", choices=["train", "validation", "all"])
-    prep.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
-    prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard")
-    prep.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    prep.add_argument("--mds-seq-len", type=int, default=None, metavar="N",
+    prep.add_argument("--max-tokens", type=_count, default=None, help="stop after this many tokens")
+    prep.add_argument("--shard-tokens", type=_count, default=1 << 24, help="tokens per shard")
+    prep.add_argument("--workers", type=_count, default=1, help="tokenizer processes")
+    prep.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
+                      help="wait this long for another prepare into --out to finish (default: fail at once)")
+    prep.add_argument("--mds-seq-len", type=_count, default=None, metavar="N",
                       help="also write a MosaicML streaming (MDS) copy of N+1-token windows into OUT/mds")
     args, rest = parser.parse_known_args(argv)
     if args.command == "env":
@@ -42,25 +58,35 @@ def main(argv=None):
     elif args.command == "convert":
         if rest:
             parser.error(f"unrecognized arguments for convert: {' '.join(rest)}")
-        from .hub import CheckpointError, from_pretrained
+        from .hub import from_pretrained
+        from .io import describe_os_error, overlapping
 
+        if Path(args.src).exists() and overlapping(args.src, args.dst):   # writing DST would destroy SRC
+            parser.exit(1, f"ssmkit convert: source {args.src} and target {args.dst} overlap (the same directory, or "
+                           "one inside the other); choose a target outside the source\n")
         try:
             model = from_pretrained(args.src)
-            out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=args.src)
-        except CheckpointError as exc:
+            out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=args.src, overwrite=args.overwrite)
+        except ValueError as exc:                     # CheckpointError, a refused target, an unsupported layout
             parser.exit(1, f"ssmkit convert: {exc}\n")
+        except OSError as exc:                        # disk full, read-only, permission denied
+            parser.exit(1, f"ssmkit convert: {describe_os_error(exc)}\n")
         print(f"wrote {out} ({args.to} layout, {model.num_parameters():,} parameters)")
     elif args.command == "data":
         if rest:
             parser.error(f"unrecognized arguments for data prepare: {' '.join(rest)}")
         from .data import prepare
+        from .io import describe_os_error
 
-        try:
+        try:       # the user's mistakes (bad source, corrupt file, busy directory, full disk): one line, status 1
             index = prepare(args.source, args.tokenizer, args.out, split=args.split, max_tokens=args.max_tokens,
-                            shard_tokens=args.shard_tokens, workers=args.workers, mds_seq_len=args.mds_seq_len)
-        except ValueError as exc:
-            parser.exit(1, f"ssmkit data prepare: {exc}\n")
-        print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents, dtype {index['dtype']}")
+                            shard_tokens=args.shard_tokens, workers=args.workers, mds_seq_len=args.mds_seq_len,
+                            lock_wait=args.lock_wait)
+        except (ValueError, OSError) as exc:
+            message = describe_os_error(exc) if isinstance(exc, OSError) else " ".join(str(exc).split("\n"))
+            parser.exit(1, f"ssmkit data prepare: {message}\n")
+        empty = f" ({index['empty_documents']:,} blank ones skipped)" if index.get("empty_documents") else ""
+        print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents{empty}, dtype {index['dtype']}")
         if args.mds_seq_len is not None:
             print(f"MDS: {args.out}/mds, samples of {args.mds_seq_len + 1} tokens (streaming.StreamingDataset)")
     elif args.command == "demo":

@@ -11,6 +11,7 @@ import torch
 import ssmkit.data as D
 from ssmkit.data import shards as shards_mod
 from ssmkit.data.sources import in_validation
+from ssmkit.io import LOCK_FILE
 
 
 @pytest.fixture(autouse=True)
@@ -48,9 +49,9 @@ def test_prepare_counts_every_token_plus_eos(tmp_path):
     assert index["total_tokens"] == len(expected) and index["documents"] == len(TEXTS)
     assert index["dtype"] == "uint16" and all(s["tokens"] == 500 for s in index["shards"][:-1])
     assert read_tokens(tmp_path / "out").tolist() == expected
-    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK_FILE}
     assert D.prepare(str(src), "byte", tmp_path / "out", split="all", shard_tokens=500, progress=False) == index
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == mtimes   # no work redone
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK_FILE} == mtimes
 
 
 def test_max_tokens_budget(tmp_path):
@@ -148,9 +149,10 @@ def test_clear_errors(prepared, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is corrupt: 1998 bytes, the index says 2000"):
         D.TokenLoader(prepared, seq_len=8, batch_size=1)
     shard.write_bytes(bytes([blob[0] ^ 1]) + blob[1:])
-    D.TokenLoader(prepared, seq_len=8, batch_size=1)                     # the size check alone passes
-    with pytest.raises(ValueError, match="sha256 differs"):
-        D.TokenLoader(prepared, seq_len=8, batch_size=1, verify=True)
+    D.TokenLoader(prepared, seq_len=8, batch_size=1, verify=False)       # the size check alone passes
+    for verify in ("auto", True):                                        # the default checks the sha256 too
+        with pytest.raises(ValueError, match="sha256 differs"):
+            D.TokenLoader(prepared, seq_len=8, batch_size=1, verify=verify)
     with pytest.raises(ValueError, match="has no documents"):
         D.prepare(str(jsonl(tmp_path / "empty.jsonl", [])), "byte", tmp_path / "e", split="all", progress=False)
     with pytest.raises(ValueError, match="unknown source 'wikipedia-9000'; valid: 'stdlib-docs'"):

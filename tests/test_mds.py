@@ -20,6 +20,7 @@ import pytest
 
 import ssmkit.data as D
 from ssmkit.data import mds as M
+from ssmkit.io import LOCK_FILE
 
 
 @pytest.fixture(autouse=True)
@@ -126,9 +127,9 @@ def test_prepare_with_mds_round_trips_the_loader_windows(tmp_path):
         assert (s == loader._tokens(i * 50, i * 50 + 51)).all()          # the loader's window i
     meta = json.loads((out / "mds" / "ssmkit.json").read_text())
     assert meta["tokenizer"] == "byte" and meta["eos_token_id"] == 256 and meta["options"]["seq_len"] == 50
-    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir()}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE}
     D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False, mds_seq_len=50)
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir()} == mtimes   # nothing redone
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE} == mtimes
     with pytest.raises(ValueError, match="other options"):
         D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False,
                   mds_seq_len=64)
@@ -150,7 +151,8 @@ def test_an_interrupted_conversion_is_redone_cleanly(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         D.write_mds(src, tmp_path / "again", **kw)
     monkeypatch.setattr(M._ShardWriter, "write_shard", real)
-    assert not (tmp_path / "again" / "index.json").exists() and len(list((tmp_path / "again").iterdir())) == 3
+    left = [p for p in (tmp_path / "again").iterdir() if p.name != LOCK_FILE]
+    assert not (tmp_path / "again" / "index.json").exists() and len(left) == 3
     (tmp_path / "again" / "shard.09999.mds").write_bytes(b"stale")            # e.g. from a larger earlier try
     D.write_mds(src, tmp_path / "again", **kw)
     names = sorted(p.name for p in (tmp_path / "clean").iterdir())
@@ -273,8 +275,8 @@ def test_data_prepare_command_writes_mds(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert done.returncode == 0 and "MDS:" in done.stdout, done.stderr
     assert sum(1 for _ in D.read_mds(tmp_path / "o" / "mds", verify=True)) == 30     # (3000 - 1) // 99
-    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 1 and "mds_seq_len must be a positive int" in bad.stderr
+    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, env=env)   # refused by argparse
+    assert bad.returncode == 2 and "argument --mds-seq-len: '0' is not a positive integer" in bad.stderr
 
 
 # ---- against the real mosaicml-streaming ---------------------------------------------------------------------
@@ -354,7 +356,7 @@ def test_against_real_mosaicml_streaming(tmp_path):
         theirs = tmp_path / f"theirs-{dtype}"
         side("write", tmp_path / f"read-{dtype}.npy", theirs, f"ndarray:{dtype}:32", limit, json.dumps(hashes))
         names = sorted(p.name for p in theirs.iterdir())
-        assert names == sorted(p.name for p in ours.iterdir() if p.name != "ssmkit.json")
+        assert names == sorted(p.name for p in ours.iterdir() if p.name not in ("ssmkit.json", LOCK_FILE))
         assert len(names) > 2 or limit is None
         for name in names:                                           # byte-identical shards and index.json
             assert (theirs / name).read_bytes() == (ours / name).read_bytes(), name

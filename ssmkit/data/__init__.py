@@ -6,14 +6,15 @@
     for input_ids, labels in loader:   # labels already shifted: model(x, labels=y, shift_labels=False)
         ...
     ssmkit.data.write_mds("data/stdlib-gpt2", "data/stdlib-gpt2/mds", seq_len=256)   # MosaicML streaming copy
+    ssmkit.data.source_fingerprint("corpus/")  # changes when a local corpus is edited (None: remote names)
 """
 
 from .loader import TokenLoader
 from .mds import read_mds, write_mds
 from .shards import prepare
-from .sources import REMOTE, Document, load_source, stdlib_docs
+from .sources import REMOTE, Document, load_source, source_fingerprint, stdlib_docs
 from .synthetic import TASKS, SyntheticBatch, accuracy, check, make_task
 from .tokenizers import EOS, get_tokenizer
 
 __all__ = ["EOS", "REMOTE", "TASKS", "Document", "SyntheticBatch", "TokenLoader", "accuracy", "check", "get_tokenizer",
-           "load_source", "make_task", "prepare", "read_mds", "stdlib_docs", "write_mds"]
+           "load_source", "make_task", "prepare", "read_mds", "source_fingerprint", "stdlib_docs", "write_mds"]

@@ -10,37 +10,37 @@ ranks get the same number of batches.
 
 from __future__ import annotations
 
-import json
+import numbers
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .shards import INDEX, sha256_file
+from .shards import open_shards
 
 
 class TokenLoader:
+    """Batches ``(input_ids, labels)`` of shape ``(batch_size, seq_len)`` from a prepared directory.
+
+    ``verify``: how much of the shards to check when opening them. ``"auto"`` (default): each file's
+    size, and its sha256 and token ids (< the index's ``vocab_size``) the first time this directory is
+    opened, remembered by file (size, mtime, ctime) so later opens only ``stat`` the files. ``True``:
+    read and check every file on every open. ``False``: sizes only. A damaged shard is a ValueError
+    naming the file.
+    """
+
     def __init__(self, shard_dir, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 verify: bool = False):
-        if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need seq_len >= 1, batch_size >= 1, 0 <= rank < world_size; got seq_len={seq_len}, "
-                             f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+                 verify: bool | str = "auto"):
+        ints = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
+        bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, numbers.Integral)}
+        if bad or seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError("need integers seq_len >= 1, batch_size >= 1, 0 <= rank < world_size, and seed; got "
+                             + ", ".join(f"{k}={v!r}" for k, v in ints.items()))
+        seq_len, batch_size, rank, world_size, seed = (int(v) for v in ints.values())
         self.dir = Path(shard_dir)
-        if not (self.dir / INDEX).exists():
-            raise ValueError(f"{self.dir} has no {INDEX}: prepare it first (ssmkit data prepare --out {self.dir})")
-        self.index = json.loads((self.dir / INDEX).read_text())
+        self.index, self.maps = open_shards(self.dir, verify)
         self.dtype = np.dtype(self.index["dtype"])
-        self.maps, self.starts = [], [0]
-        for shard in self.index["shards"]:
-            path = self.dir / shard["file"]
-            expected = shard["tokens"] * self.dtype.itemsize
-            if not path.exists() or path.stat().st_size != expected:
-                size = path.stat().st_size if path.exists() else "missing"
-                raise ValueError(f"shard {path} is corrupt: {size} bytes, the index says {expected}")
-            if verify and sha256_file(path) != shard["sha256"]:
-                raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index")
-            self.maps.append(np.memmap(path, dtype=self.dtype, mode="r"))
-            self.starts.append(self.starts[-1] + shard["tokens"])
+        self.starts = np.cumsum([0] + [len(m) for m in self.maps]).tolist()
         self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = seq_len, batch_size, rank, world_size, seed
         self.n_windows = max(0, (self.starts[-1] - 1) // seq_len)
         self.batches_per_epoch = self.n_windows // world_size // batch_size
@@ -81,8 +81,15 @@ class TokenLoader:
                     seq_len=self.seq_len, batch_size=self.batch_size, total_tokens=self.starts[-1])
 
     def load_state_dict(self, state: dict):
+        if not isinstance(state, dict):
+            raise ValueError(f"loader state must be a dict from state_dict(); got {type(state).__name__}")
         for key in ("seed", "world_size", "seq_len", "batch_size", "total_tokens"):
             mine = self.state_dict()[key]
             if state.get(key) != mine:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
-        self.epoch, self.step = state["epoch"], state["step"]
+        epoch, step = state.get("epoch"), state.get("step")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, step)) \
+                or step > self.batches_per_epoch:
+            raise ValueError(f"loader state has epoch={epoch!r}, step={step!r}; expected integers >= 0 with step <= "
+                             f"{self.batches_per_epoch} (batches per epoch)")
+        self.epoch, self.step = epoch, step

@@ -28,6 +28,7 @@ Files (MDS format version 2, as streaming's ``MDSWriter`` writes it, uncompresse
   byte-identical files for the same samples and options.
 * ``ssmkit.json`` (ignored by streaming): the options and the source (tokenizer, vocabulary,
   dtype, EOS id, fingerprint of the source shards), so a re-run with the same options does nothing.
+* ``.ssmkit.lock`` (ignored by streaming): the :class:`~ssmkit.io.DirLock` a conversion holds.
 
 Shards are written to temporary names and renamed; ``index.json`` is written last, so a directory
 with an ``index.json`` is complete, and an interrupted conversion is redone from scratch on re-run.
@@ -44,9 +45,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from .shards import INDEX, write_atomically, sha256_file
+from ..io import LOCK_FILE, DirLock, plain_name, read_json, write_json
+from .shards import INDEX, open_shards, progress_bar, write_atomically
 
 META = "ssmkit.json"
 MDS_VERSION = 2
@@ -83,7 +84,7 @@ def _size_limit(value) -> int | None:
         unit = next((u for u in _UNITS if text.endswith(u)), None)
         try:
             value = int(float(text[: -len(unit)]) * _UNITS[unit]) if unit else int(text.removesuffix("b"))
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ValueError(f"size_limit {value!r} is not a size: use bytes or a number with kb, mb, gb") from None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"size_limit {value!r} is not a size: use bytes or a number with kb, mb, gb")
@@ -137,14 +138,20 @@ class _ShardWriter:
         name = f"shard.{len(self.shards):05d}.mds"
         hashers = {algo: _hashers()[algo]() for algo in self.config["hashes"]}
         tmp = self.out / f".{name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-                for h in hashers.values():
-                    h.update(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / name)
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                    for h in hashers.values():
+                        h.update(part)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.out / name)
+        except BaseException as exc:                                 # disk full, interrupted: no half shard stays
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                exc.filename = exc.filename or str(self.out / name)
+            raise
         raw = {"basename": name, "bytes": start + n * self.sample_bytes,
                "hashes": {a: h.hexdigest() for a, h in hashers.items()}}
         self.shards.append({**self.config, "samples": n, "raw_data": raw, "zip_data": None})
@@ -152,27 +159,6 @@ class _ShardWriter:
     def write_index(self):
         obj = {"version": MDS_VERSION, "shards": self.shards}
         write_atomically(self.out / INDEX, json.dumps(obj, sort_keys=True).encode())
-
-
-def _source(shard_dir: Path, verify: bool) -> tuple[dict, list[np.ndarray]]:
-    """The prepared directory's index and its shards as memory maps, checked against the index."""
-    if not (shard_dir / INDEX).exists():
-        raise ValueError(f"{shard_dir} has no {INDEX}: prepare it first (ssmkit data prepare --out {shard_dir})")
-    index = json.loads((shard_dir / INDEX).read_text())
-    if "dtype" not in index or "shards" not in index:
-        raise ValueError(f"{shard_dir / INDEX} is not an index of ssmkit token shards (no dtype / shards)")
-    dtype = np.dtype(index["dtype"])
-    maps = []
-    for shard in index["shards"]:
-        path = shard_dir / shard["file"]
-        expected = shard["tokens"] * dtype.itemsize
-        if not path.exists() or path.stat().st_size != expected:
-            size = path.stat().st_size if path.exists() else "missing"
-            raise ValueError(f"shard {path} is corrupt: {size} bytes, the index says {expected}")
-        if verify and sha256_file(path) != shard["sha256"]:
-            raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index")
-        maps.append(np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype))
-    return index, maps
 
 
 def _span(maps: list[np.ndarray], starts: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -187,25 +173,28 @@ def _span(maps: list[np.ndarray], starts: np.ndarray, lo: int, hi: int) -> np.nd
 
 def _clear_partial(out: Path):
     """Remove what an interrupted conversion left (it had no index.json yet); refuse foreign files."""
-    foreign = [p.name for p in out.iterdir()
-               if not (_SHARD.fullmatch(p.name) or p.name == META or p.name.startswith((".shard.", f".{META}.",
-                                                                                        f".{INDEX}.")))]
+    ours = lambda name: (_SHARD.fullmatch(name) or name in (META, LOCK_FILE)  # noqa: E731
+                         or name.startswith((".shard.", f".{META}.", f".{INDEX}.")))
+    foreign = [p.name for p in out.iterdir() if not ours(p.name)]
     if foreign:
         raise ValueError(f"{out} is not empty ({', '.join(sorted(foreign)[:5])}...) and holds no MDS dataset: "
                          "use another directory")
     for p in out.iterdir():
-        p.unlink()
+        if p.name != LOCK_FILE:
+            p.unlink()
 
 
 def write_mds(shard_dir: str | os.PathLike, out_dir: str | os.PathLike, seq_len: int, *,
               size_limit: int | str | None = 1 << 26, hashes: Sequence[str] | str | None = ("sha256",),
-              verify: bool = True, progress: bool = True) -> dict:
+              verify: bool | str = True, progress: bool = True) -> dict:
     """Write the prepared shards of ``shard_dir`` as an MDS dataset of ``seq_len + 1``-token windows.
 
     ``size_limit``: bytes per MDS shard (an int or e.g. ``"64mb"``; ``None``: one shard), as streaming's
     ``MDSWriter`` (default ``1 << 26``). ``hashes``: algorithms whose digests of each shard file go into
-    ``index.json`` (streaming's ``validate_hash``). ``verify``: check the source shards' sha256 first.
-    Returns the contents of ``out_dir/ssmkit.json``; re-running with the same options does nothing.
+    ``index.json`` (streaming's ``validate_hash``). ``verify``: check the source shards first, as
+    :func:`~ssmkit.data.shards.check_shards` does (True: sha256 and token ids of every file; "auto": once,
+    remembered; False: sizes only). Returns the contents of ``out_dir/ssmkit.json``; re-running with the same
+    options does nothing. The conversion holds ``out_dir``'s :class:`~ssmkit.io.DirLock`.
     """
     src, out = Path(shard_dir), Path(out_dir)
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
@@ -213,46 +202,51 @@ def write_mds(shard_dir: str | os.PathLike, out_dir: str | os.PathLike, seq_len:
     seq_len, limit, hash_names = int(seq_len), _size_limit(size_limit), _hash_names(hashes)
     if out.resolve() == src.resolve():
         raise ValueError(f"write the MDS copy into its own directory, not {src} itself (e.g. {src / 'mds'})")
-    index, maps = _source(src, verify=False)                         # cheap checks before anything is written
+    index, maps = open_shards(src, verify=False)                     # cheap checks before anything is written
     dtype = np.dtype(index["dtype"]).name
     fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()
     options = dict(seq_len=seq_len, size_limit=limit, hashes=hash_names, column=COLUMN,
                    encoding=f"ndarray:{dtype}:{seq_len + 1}", source_fingerprint=fingerprint)
+    samples = max(0, (index["total_tokens"] - 1) // seq_len)
+    if samples == 0:
+        raise ValueError(f"{src} holds {index['total_tokens']} tokens: not one sample of seq_len + 1 = {seq_len + 1} "
+                         "tokens")
+    sample_bytes = (seq_len + 1) * np.dtype(dtype).itemsize
+    writer = _ShardWriter(out, shard_config(dtype, seq_len, limit, hash_names), sample_bytes)
+    with DirLock(out, "MDS conversion"):
+        return _write_mds(src, out, index, maps, options, writer, samples, verify, progress)
+
+
+def _write_mds(src: Path, out: Path, index: dict, maps: list, options: dict, writer: _ShardWriter, samples: int,
+               verify, progress: bool) -> dict:
+    seq_len, dtype, total = options["seq_len"], np.dtype(index["dtype"]).name, index["total_tokens"]
     if (out / INDEX).exists():
-        meta = json.loads((out / META).read_text()) if (out / META).exists() else {}
-        if meta.get("options") == options:
+        meta = read_json(out / META, "MDS metadata") if (out / META).exists() else {}
+        if isinstance(meta, dict) and meta.get("options") == options:
             return meta                                             # finished before: nothing to do
-        if not meta:
+        if not isinstance(meta, dict) or not meta:
             raise ValueError(f"{out} already holds a dataset not written by ssmkit: use another directory")
         raise ValueError(f"{out} already holds an MDS copy made with other options {meta.get('options')}; "
                          "use another directory or delete it")
-    total = int(index["total_tokens"])
-    samples = max(0, (total - 1) // seq_len)
-    if samples == 0:
-        raise ValueError(f"{src} holds {total} tokens: not one sample of seq_len + 1 = {seq_len + 1} tokens")
-    if verify:
-        _source(src, verify=True)
-    config = shard_config(dtype, seq_len, limit, hash_names)
+    if verify is not False:
+        open_shards(src, verify)
     width = seq_len + 1
-    out.mkdir(parents=True, exist_ok=True)
     _clear_partial(out)
-    writer = _ShardWriter(out, config, width * np.dtype(dtype).itemsize)
     starts = np.cumsum([0] + [len(m) for m in maps])
     per_shard = writer.per_shard or samples
-    bar = tqdm(total=samples, unit="sample", unit_scale=True, disable=not progress, desc=f"mds {out}")
-    for first in range(0, samples, per_shard):
-        n = min(per_shard, samples - first)
-        span = _span(maps, starts, first * seq_len, (first + n) * seq_len + 1)
-        writer.write_shard(np.lib.stride_tricks.sliding_window_view(span, width)[::seq_len])
-        bar.update(n)
-    bar.close()
+    with progress_bar(total=samples, unit="sample", unit_scale=True, disable=not progress, desc=f"mds {out}") as bar:
+        for first in range(0, samples, per_shard):
+            n = min(per_shard, samples - first)
+            span = _span(maps, starts, first * seq_len, (first + n) * seq_len + 1)
+            writer.write_shard(np.lib.stride_tricks.sliding_window_view(span, width)[::seq_len])
+            bar.update(n)
     meta = dict(options=options, samples=samples, tokens_covered=samples * seq_len + 1, total_tokens=total,
                 shards=len(writer.shards), dtype=dtype, tokenizer=index.get("tokenizer"),
                 vocab_size=index.get("vocab_size"), eos_token_id=index.get("eos_token_id"),
                 source=str(src.resolve()),
                 sample="tokens[i*seq_len : i*seq_len + seq_len + 1] of the source stream; input_ids = s[:-1], "
                        "labels = s[1:]")
-    write_atomically(out / META, (json.dumps(meta, indent=2) + "\n").encode())
+    write_json(out / META, meta)
     writer.write_index()                                             # last: its presence means complete
     return meta
 
@@ -304,37 +298,47 @@ def read_mds(mds_dir: str | os.PathLike, *, verify: bool = False) -> Iterator[di
     root = Path(mds_dir)
     if not (root / INDEX).exists():
         raise ValueError(f"{root} has no {INDEX}: not an MDS dataset (write one with ssmkit.data.write_mds)")
-    index = json.loads((root / INDEX).read_text())
-    if index.get("version") != MDS_VERSION:
-        raise ValueError(f"{root / INDEX}: MDS index version {index.get('version')!r}, expected {MDS_VERSION}")
+    index = read_json(root / INDEX, "MDS index")
+    if not isinstance(index, dict) or index.get("version") != MDS_VERSION or not isinstance(index.get("shards"), list):
+        version = index.get("version") if isinstance(index, dict) else None
+        raise ValueError(f"{root / INDEX}: MDS index version {version!r} with a list of shards expected "
+                         f"(version {MDS_VERSION})")
     algos = _hashers()
     for shard in index["shards"]:
-        if shard.get("format") != "mds" or shard.get("version") != MDS_VERSION:
-            raise ValueError(f"{root / INDEX}: shard format {shard.get('format')!r} version {shard.get('version')!r}, "
-                             f"expected 'mds' version {MDS_VERSION}")
-        if shard.get("zip_data") or shard.get("compression"):
-            raise ValueError(f"{root}: shard {shard['raw_data']['basename']} is compressed "
-                             f"({shard.get('compression')}); read it with mosaicml-streaming")
-        columns = list(zip(shard["column_names"], [_decoder(e) for e in shard["column_encodings"]],
-                           shard["column_sizes"]))
-        raw = shard["raw_data"]
-        path = root / raw["basename"]
+        try:
+            if shard.get("format") != "mds" or shard.get("version") != MDS_VERSION:
+                raise ValueError(f"{root / INDEX}: shard format {shard.get('format')!r} version "
+                                 f"{shard.get('version')!r}, expected 'mds' version {MDS_VERSION}")
+            raw = shard["raw_data"]
+            name = plain_name(raw["basename"], f"{root / INDEX}")
+            if shard.get("zip_data") or shard.get("compression"):
+                raise ValueError(f"{root}: shard {name} is compressed ({shard.get('compression')}); read it with "
+                                 "mosaicml-streaming")
+            names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
+            if not len(names) == len(encodings) == len(sizes):
+                raise TypeError("column_names, column_encodings and column_sizes differ in length")
+            columns = list(zip(names, [_decoder(e) for e in encodings], sizes))
+            expected, hashes, samples = int(raw["bytes"]), dict(raw.get("hashes") or {}), int(shard["samples"])
+            config = {k: shard[k] for k in ("column_encodings", "column_names", "column_sizes", "compression",
+                                            "format", "hashes", "size_limit", "version")}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{root / INDEX}: a shard entry is malformed ({type(exc).__name__}: {exc}); not an index "
+                             "written by streaming or ssmkit") from None
+        path = root / name
         data = path.read_bytes() if path.exists() else None
-        if data is None or len(data) != raw["bytes"]:
+        if data is None or len(data) != expected:
             raise ValueError(f"MDS shard {path} is corrupt: {'missing' if data is None else f'{len(data)} bytes'}, "
-                             f"the index says {raw['bytes']}")
+                             f"the index says {expected}")
         if verify:
-            for algo, digest in raw.get("hashes", {}).items():
+            for algo, digest in hashes.items():
                 if algo not in algos:
                     raise ValueError(f"cannot verify {path}: hash algorithm {algo!r} is not available")
                 if algos[algo](data).hexdigest() != digest:
                     raise ValueError(f"MDS shard {path} is corrupt: its {algo} differs from the index")
         n = int(np.frombuffer(data, "<u4", 1)[0]) if len(data) >= 4 else -1
-        if n != shard["samples"] or len(data) < 4 * (n + 2):
-            raise ValueError(f"MDS shard {path} is corrupt: header says {n} samples, the index {shard['samples']}")
+        if n != samples or len(data) < 4 * (n + 2):
+            raise ValueError(f"MDS shard {path} is corrupt: header says {n} samples, the index {samples}")
         offsets = np.frombuffer(data, "<u4", n + 1, 4).astype(np.int64)
-        config = {k: shard[k] for k in ("column_encodings", "column_names", "column_sizes", "compression",
-                                        "format", "hashes", "size_limit", "version")}
         config_data = json.dumps(config, sort_keys=True).encode()
         head = 4 * (n + 2)
         if (data[head : head + len(config_data)] != config_data or offsets[0] != head + len(config_data)
@@ -351,7 +355,7 @@ def read_mds(mds_dir: str | os.PathLike, *, verify: bool = False) -> Iterator[di
                 raise ValueError(f"MDS shard {path} is corrupt: a sample of {len(sample)} bytes, its columns "
                                  f"need {i + sum(sizes)}")
             record = {}
-            for (name, decode, _), size in zip(columns, sizes):
-                record[name] = decode(sample[i : i + size])
+            for (column, decode, _), size in zip(columns, sizes):
+                record[column] = decode(sample[i : i + size])
                 i += size
             yield record

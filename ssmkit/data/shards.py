@@ -2,13 +2,21 @@
 
 Documents are tokenized in worker processes (in order), each followed by EOS, and packed into one
 flat token stream cut into shards of ``shard_tokens`` tokens, stored as raw ``uint16`` (vocabulary
-below 65536) or ``uint32``. ``index.json`` records the tokenizer, vocabulary size, dtype, every
-shard's token count and sha256, the source and the options.
+below 65536) or ``uint32``. Blank documents are skipped. ``index.json`` records the tokenizer,
+vocabulary size, dtype, every shard's token count and sha256, the source, its fingerprint
+(:func:`~ssmkit.data.sources.source_fingerprint`) and the options.
 
 Crash safety and resume: a shard is written to a temporary name and renamed when complete, and
 after each shard ``progress.json`` records where in the source the next one starts (document and
-token offset). Re-running the same command keeps the finished shards and redoes only the rest,
-byte for byte the same; re-running a finished one does nothing.
+token offset). Re-running the same command keeps the finished shards (after checking their sha256)
+and redoes only the rest, byte for byte the same; re-running a finished one checks the shards and
+does nothing. A local source edited since is refused. The whole run holds the directory's
+:class:`~ssmkit.io.DirLock`, so two runs never write into one directory.
+
+Checking shards (:func:`check_shards`, used by the loader and the MDS writer): their size always;
+``verify=True`` also their sha256 and that every token id is below the index's ``vocab_size``;
+``verify="auto"`` does that once per file and remembers it under ``$SSMKIT_CACHE/verified/`` by
+(size, mtime, ctime), so a second open costs a ``stat`` per shard.
 
 ``mds_seq_len=N`` also writes a MosaicML streaming (MDS) copy of ``N + 1``-token windows into
 ``out_dir/mds`` (see :mod:`ssmkit.data.mds`).
@@ -17,9 +25,13 @@ byte for byte the same; re-running a finished one does nothing.
 from __future__ import annotations
 
 import hashlib
-import json
+import math
+import numbers
 import os
+import re
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
@@ -27,17 +39,149 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..io import sha256_file, write_atomically  # noqa: F401  (re-exported: ssmkit.data.shards.write_atomically)
-from .sources import Document, load_source
+from ..io import DirLock, cache_dir, plain_name, read_json, write_atomically, write_json
+from .sources import Document, check_source, load_source, source_fingerprint
 from .tokenizers import get_tokenizer
 
 INDEX, PROGRESS = "index.json", "progress.json"
 FORMAT_VERSION = 1
+DTYPES = ("uint16", "uint32")
+RACY_NS = 2 * 10**9        # a file changed less than 2 s before it was hashed is hashed again next time
+_SHARD = re.compile(r"shard_\d{5}\.bin")
+_SHARD_TMP = re.compile(r"\.shard_\d{5}\.bin\.tmp-\d+")
 
 
-def _json(path: Path, obj):
-    write_atomically(path, (json.dumps(obj, indent=2) + "\n").encode())
+# --- checking prepared shards ----------------------------------------------------------------------
 
+def _redo(folder: Path) -> str:
+    return f"prepare the data again into a new directory (or delete {folder} and run ssmkit data prepare again)"
+
+
+def _count(name: str, value, minimum: int = 1, none_ok: bool = False):
+    """``value`` as an int >= ``minimum`` (bool is not an int), or ValueError naming ``name``."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}{' or None' if none_ok else ''}; got {value!r}")
+    return int(value)
+
+
+def _check_entries(shards, where: Path) -> list[dict]:
+    """Shard entries read from ``where``: plain file names, token counts, sha256 strings."""
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise ValueError(f"{where}: 'shards' is not a list of shard entries; {_redo(where.parent)}")
+    for s in shards:
+        plain_name(s.get("file"), str(where))
+        ok = isinstance(s.get("sha256"), str) and isinstance(s.get("tokens"), int) and s["tokens"] >= 0
+        if not ok or isinstance(s["tokens"], bool):
+            raise ValueError(f"{where}: shard entry {s!r} needs tokens (int >= 0) and sha256; {_redo(where.parent)}")
+    return shards
+
+
+def load_index(folder: str | os.PathLike) -> dict:
+    """The ``index.json`` of a prepared directory, checked (dtype, vocab_size, shard entries, total)."""
+    folder = Path(folder)
+    if not (folder / INDEX).exists():
+        raise ValueError(f"{folder} has no {INDEX}: prepare it first (ssmkit data prepare --out {folder})")
+    index = read_json(folder / INDEX, "shard index")
+    if (not isinstance(index, dict) or index.get("dtype") not in DTYPES or "shards" not in index
+            or not isinstance(index.get("vocab_size"), int) or index["vocab_size"] < 1):
+        raise ValueError(f"{folder / INDEX} is not an index of ssmkit token shards (it needs dtype uint16 or uint32, "
+                         f"vocab_size and shards); {_redo(folder)}")
+    _check_entries(index["shards"], folder / INDEX)
+    if index.get("total_tokens") != sum(s["tokens"] for s in index["shards"]):
+        raise ValueError(f"{folder / INDEX}: total_tokens {index.get('total_tokens')!r} is not the sum of the shards' "
+                         f"tokens; {_redo(folder)}")
+    return index
+
+
+def _scan(path: Path, dtype: str) -> tuple[str, int]:
+    """One pass over a shard: its sha256 and its largest token id (-1 if empty)."""
+    h, top = hashlib.sha256(), -1
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            top = max(top, int(np.frombuffer(block, dtype).max()))
+    return h.hexdigest(), top
+
+
+def _verified_file(folder: Path) -> Path:
+    key = str(folder.resolve())
+    return cache_dir() / "verified" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _load_verified(folder: Path) -> dict:
+    try:
+        data = read_json(_verified_file(folder))
+    except ValueError:                                   # none yet, unreadable or corrupt: check again
+        return {}
+    ok = isinstance(data, dict) and data.get("dir") == str(folder.resolve()) and isinstance(data.get("files"), dict)
+    return data["files"] if ok else {}
+
+
+def _save_verified(folder: Path, files: dict):
+    path = _verified_file(folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"dir": str(folder.resolve()), "files": files})
+    except OSError:                                      # a read-only cache only means checking again next time
+        pass
+
+
+def check_shards(folder: str | os.PathLike, shards: list[dict], dtype: str, vocab_size: int,
+                 verify: bool | str = "auto") -> None:
+    """Check the shard files of ``folder`` against their index entries, or raise ValueError naming the file.
+
+    ``verify=False``: each file exists and has the size the index says. ``True``: also its sha256 and
+    that every token id is below ``vocab_size``, reading every byte. ``"auto"``: like True, but a file
+    whose (size, mtime, ctime) is what it was when last found intact is not read again (remembered in
+    ``$SSMKIT_CACHE/verified/``; a cache that cannot be written only costs a re-check)."""
+    if not (verify is True or verify is False or verify == "auto"):
+        raise ValueError(f"verify must be 'auto', True or False; got {verify!r}")
+    folder, itemsize = Path(folder), np.dtype(dtype).itemsize
+    known = _load_verified(folder) if verify == "auto" else {}
+    intact = {}
+    for s in shards:
+        path = folder / s["file"]
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise ValueError(f"shard {path} is missing (its index lists it); {_redo(folder)}") from None
+        if st.st_size != s["tokens"] * itemsize:
+            raise ValueError(f"shard {path} is corrupt: {st.st_size} bytes, the index says {s['tokens'] * itemsize}; "
+                             f"{_redo(folder)}")
+        if verify is False:
+            continue
+        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, s["sha256"], dtype, vocab_size]
+        if known.get(s["file"]) == key:
+            intact[s["file"]] = key
+            continue
+        digest, top = _scan(path, dtype)
+        if digest != s["sha256"]:
+            raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index (changed or damaged since "
+                             f"it was written); {_redo(folder)}")
+        if top >= vocab_size:
+            raise ValueError(f"shard {path} is corrupt: it holds token id {top}, the index's vocab_size is "
+                             f"{vocab_size}; {_redo(folder)}")
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:   # coarse clocks: trust only older stamps
+            intact[s["file"]] = key
+    if verify == "auto" and intact != known:
+        _save_verified(folder, intact)
+
+
+def open_shards(folder: str | os.PathLike, verify: bool | str = "auto") -> tuple[dict, list[np.ndarray]]:
+    """The checked index of a prepared directory and its shards as read-only memory maps (see :func:`check_shards`)."""
+    folder = Path(folder)
+    index = load_index(folder)
+    check_shards(folder, index["shards"], index["dtype"], index["vocab_size"], verify)
+    dtype = np.dtype(index["dtype"])
+    maps = [np.memmap(folder / s["file"], dtype=dtype, mode="r") if s["tokens"] else np.zeros(0, dtype)
+            for s in index["shards"]]
+    return index, maps
+
+
+# --- tokenizing ------------------------------------------------------------------------------------
 
 _TOKENIZER = None
 
@@ -48,13 +192,25 @@ def _init_worker(name):
 
 
 def _encode(texts: list[str]) -> list[list[int]]:
-    """A batch at once: fast tokenizers encode a list in parallel (Rust threads)."""
-    return _TOKENIZER(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+    """A batch at once: fast tokenizers encode a list in parallel (Rust threads). Blank texts give []."""
+    keep = [t for t in texts if t.strip()]
+    ids = iter(_TOKENIZER(keep, add_special_tokens=False, verbose=False)["input_ids"] if keep else [])
+    return [next(ids) if t.strip() else [] for t in texts]
+
+
+def _texts(docs: Iterator[Document], batch: int) -> list[str]:
+    texts = []
+    for d in islice(docs, batch):
+        if not isinstance(getattr(d, "text", None), str):
+            raise ValueError(f"document {getattr(d, 'id', d)!r} has no text string (got "
+                             f"{type(getattr(d, 'text', d)).__name__}); a source yields ssmkit.data.Document(id, text)")
+        texts.append(d.text)
+    return texts
 
 
 def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: int = 64) -> Iterator[list[int]]:
     """Token ids of each document, in order, tokenized by ``workers`` processes."""
-    batches = iter(lambda: [d.text for d in islice(docs, batch)], [])
+    batches = iter(lambda: _texts(docs, batch), [])
     if workers <= 1:
         _init_worker(tokenizer)
         for texts in batches:
@@ -65,99 +221,175 @@ def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: 
             yield from encoded
 
 
+# --- prepare ---------------------------------------------------------------------------------------
+
+@contextmanager
+def progress_bar(**kw):
+    """A tqdm bar that stays when the work finishes and is erased when it fails (so the error reads alone)."""
+    bar = tqdm(**kw)
+    try:
+        yield bar
+    except BaseException:
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
+
+
 def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.PathLike, *, split: str = "train",
             max_tokens: int | None = None, shard_tokens: int = 1 << 24, workers: int = 1,
-            dtype: str = "auto", progress: bool = True, mds_seq_len: int | None = None) -> dict:
-    """Tokenize ``source`` (a name for :func:`ssmkit.data.sources.load_source`) into ``out_dir``.
+            dtype: str = "auto", progress: bool = True, mds_seq_len: int | None = None,
+            lock_wait: float = 0) -> dict:
+    """Tokenize ``source`` (a name for :func:`ssmkit.data.sources.load_source`, or Documents) into ``out_dir``.
 
     Returns the index (also written to ``out_dir/index.json``). ``mds_seq_len``: also write an MDS copy
-    (:func:`ssmkit.data.write_mds` with that ``seq_len``) into ``out_dir/mds``.
+    (:func:`ssmkit.data.write_mds` with that ``seq_len``) into ``out_dir/mds``. ``lock_wait``: seconds to
+    wait for another process preparing into ``out_dir`` (a shared cache) before failing; 0 fails at once.
+    Bad arguments raise ValueError before anything is written.
     """
-    if mds_seq_len is not None and (isinstance(mds_seq_len, bool) or not isinstance(mds_seq_len, int)
-                                    or mds_seq_len < 1):
-        raise ValueError(f"mds_seq_len must be a positive int; got {mds_seq_len!r}")
-    index = _prepare(source, tokenizer, out_dir, split=split, max_tokens=max_tokens, shard_tokens=shard_tokens,
-                     workers=workers, dtype=dtype, progress=progress)
-    if mds_seq_len is not None:
-        from .mds import write_mds
+    max_tokens = _count("max_tokens", max_tokens, none_ok=True)
+    shard_tokens = _count("shard_tokens", shard_tokens)
+    workers = _count("workers", workers)
+    mds_seq_len = _count("mds_seq_len", mds_seq_len, none_ok=True)
+    if dtype not in ("auto", *DTYPES):
+        raise ValueError(f"dtype {dtype!r} is not valid; valid: auto, uint16, uint32")
+    if isinstance(lock_wait, bool) or not isinstance(lock_wait, numbers.Real) or not 0 <= lock_wait < math.inf:
+        raise ValueError(f"lock_wait must be a number of seconds >= 0; got {lock_wait!r}")
+    if not isinstance(tokenizer, str) or not tokenizer:
+        raise ValueError(f"tokenizer must be a name or a directory (str); got {tokenizer!r}")
+    source = os.fspath(source) if isinstance(source, os.PathLike) else source
+    if isinstance(source, str):
+        check_source(source, split)
+    elif isinstance(source, (bytes, dict)) or not isinstance(source, Iterable):
+        raise ValueError(f"source must be a name, a path or an iterable of Document; got {type(source).__name__}")
+    out = Path(out_dir)
+    with DirLock(out, "data prepare", wait=lock_wait):
+        index = _prepare(source, tokenizer, out, split=split, max_tokens=max_tokens, shard_tokens=shard_tokens,
+                         workers=workers, dtype=dtype, progress=progress)
+        if mds_seq_len is not None:
+            from .mds import write_mds
 
-        write_mds(out_dir, Path(out_dir) / "mds", mds_seq_len, progress=progress)
+            write_mds(out, out / "mds", mds_seq_len, progress=progress)
     return index
 
 
-def _prepare(source, tokenizer, out_dir, *, split, max_tokens, shard_tokens, workers, dtype, progress) -> dict:
-    out = Path(out_dir)
+def _same_options(out: Path, what: str, saved, options: dict):
+    """ValueError unless the options saved in ``out`` are ``options``; names what differs."""
+    if saved == options:
+        return
+    if isinstance(saved, dict) and {**saved, "source_fingerprint": None} == {**options, "source_fingerprint": None}:
+        raise ValueError(f"the source {options['source']!r} changed since {out} was prepared (fingerprint "
+                         f"{saved.get('source_fingerprint')} then, {options['source_fingerprint']} now: files edited, "
+                         f"added or removed, or another Python for stdlib-docs); prepare into another directory, "
+                         f"or delete {out} and run again")
+    saved = saved if isinstance(saved, dict) else {}
+    diff = "; ".join(f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in options.items() if saved.get(k) != v)
+    raise ValueError(f"{out} already holds {what} made with other options ({diff}); use another directory")
+
+
+def _load_progress(out: Path, options: dict) -> dict | None:
+    """The state a crashed run saved, checked: same options, sane fields, plain shard names. None if
+    that run wrote no shard (e.g. it stopped at a bad line): then there is nothing to keep."""
+    state = read_json(out / PROGRESS, "progress file")
+    if isinstance(state, dict) and state.get("shards") == []:
+        return None
+    _same_options(out, "a partial run", state.get("options") if isinstance(state, dict) else None, options)
+    for k, shard in enumerate(_check_entries(state.get("shards"), out / PROGRESS)):
+        plain_name(shard["file"], str(out / PROGRESS), pattern=f"shard_{k:05d}\\.bin")   # as flush() names them
+    for key in ("next_doc", "next_offset", "documents", "empty_documents"):
+        _count(f"{out / PROGRESS}: {key}", state.get(key), minimum=0)
+    return state
+
+
+def _prepare(source, tokenizer, out: Path, *, split, max_tokens, shard_tokens, workers, dtype, progress) -> dict:
+    named = isinstance(source, str)
+    options = dict(source=source if named else "<documents>", split=split, tokenizer=tokenizer,
+                   max_tokens=max_tokens, shard_tokens=shard_tokens, dtype=dtype,
+                   source_fingerprint=source_fingerprint(source) if named else None)
+    if (out / INDEX).exists():                                      # finished before: check it, nothing to do
+        index = load_index(out)
+        _same_options(out, "shards", index.get("options"), options)
+        check_shards(out, index["shards"], index["dtype"], index["vocab_size"], verify="auto")
+        return index
     tok = get_tokenizer(tokenizer)
     vocab = len(tok)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer!r} has no EOS token to separate documents")
-    if dtype not in ("auto", "uint16", "uint32"):
-        raise ValueError(f"dtype {dtype!r} is not valid; valid: auto, uint16, uint32")
     if dtype == "uint16" and vocab > 1 << 16:
         raise ValueError(f"tokenizer {tokenizer!r} has {vocab} tokens: ids do not fit uint16 (max 65536 tokens); "
                          "use dtype='uint32' or 'auto'")
-    dtype = np.uint32 if dtype == "uint32" or vocab > 1 << 16 else np.uint16
-    options = dict(source=source if isinstance(source, str) else "<documents>", split=split, tokenizer=tokenizer,
-                   max_tokens=max_tokens,
-                   shard_tokens=shard_tokens)
-    if shard_tokens < 1 or (max_tokens is not None and max_tokens < 1):
-        raise ValueError("shard_tokens and max_tokens must be positive")
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / INDEX).exists():
-        index = json.loads((out / INDEX).read_text())
-        if index.get("options") == options:
-            return index                                            # finished before: nothing to do
-        raise ValueError(f"{out} already holds shards made with other options {index.get('options')}; "
-                         "use another directory")
-    state = {"options": options, "shards": [], "next_doc": 0, "next_offset": 0, "documents": 0}
-    if (out / PROGRESS).exists():
-        saved = json.loads((out / PROGRESS).read_text())
-        if saved.get("options") != options:
-            raise ValueError(f"{out} holds a partial run with other options {saved.get('options')}")
-        state = saved
-        for shard in state["shards"]:                               # finished shards must be intact
-            if sha256_file(out / shard["file"]) != shard["sha256"]:
-                raise ValueError(f"{out / shard['file']} does not match its recorded sha256; delete {out} and rerun")
-    docs = load_source(source, split) if isinstance(source, str) else iter(source)
+    dtype = np.dtype(np.uint32 if dtype == "uint32" or vocab > 1 << 16 else np.uint16)
+    if (out / PROGRESS).exists():                                   # a crashed run: keep its intact shards
+        state = _load_progress(out, options)
+        if state is not None:
+            check_shards(out, state["shards"], dtype.name, vocab, verify=True)
+    else:
+        state, ours = None, sorted(p.name for p in out.iterdir() if _SHARD.fullmatch(p.name))
+        if ours:
+            raise ValueError(f"{out} holds {ours[0]} but no {INDEX} or {PROGRESS}: shards not written by ssmkit "
+                             "prepare; use another directory")
+    if state is None:
+        state = {"options": options, "shards": [], "next_doc": 0, "next_offset": 0, "documents": 0,
+                 "empty_documents": 0}
+        write_json(out / PROGRESS, state)                           # from now on the directory is ours
+    for p in out.iterdir():                                         # temp files of a killed run (we hold the lock)
+        if _SHARD_TMP.fullmatch(p.name):
+            p.unlink(missing_ok=True)
+    docs = load_source(source, split) if named else iter(source)
     docs = islice(docs, state["next_doc"], None)                    # finished shards hold everything before
     skip = state["next_offset"]                                     # ... and this much of the next document
     written = sum(s["tokens"] for s in state["shards"])
     buffer: list[int] = []
-    bar = tqdm(total=max_tokens, initial=written, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"prepare {state['options']['source']}")
 
     def flush(next_doc: int, next_offset: int):
         nonlocal written, buffer
         name = f"shard_{len(state['shards']):05d}.bin"
-        data = np.asarray(buffer, dtype=dtype).tobytes()
-        write_atomically(out / name, data)
+        ids = np.asarray(buffer, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"tokenizer {tokenizer!r} gave token id {ids.max() if ids.max() >= vocab else ids.min()}, "
+                             f"outside its {vocab} tokens")
+        data = ids.astype(dtype).tobytes()
+        try:
+            write_atomically(out / name, data)
+        except OSError as exc:                                      # disk full: name the file in the message
+            exc.filename = exc.filename or str(out / name)
+            raise
         state["shards"].append({"file": name, "tokens": len(buffer), "sha256": hashlib.sha256(data).hexdigest()})
         state.update(next_doc=next_doc, next_offset=next_offset)
         written, buffer = written + len(buffer), []
-        _json(out / PROGRESS, state)
+        write_json(out / PROGRESS, state)
 
     left = lambda: None if max_tokens is None else max_tokens - written - len(buffer)  # noqa: E731
-    for doc_index, ids in enumerate(_token_lists(docs, tokenizer, workers), start=state["next_doc"]):
-        ids.append(tok.eos_token_id)
-        pos, skip = skip, 0                                         # pos: offset inside this document
-        while pos < len(ids) and left() != 0:
-            take = min(shard_tokens - len(buffer), len(ids) - pos, len(ids) if left() is None else left())
-            buffer.extend(ids[pos : pos + take])
-            pos += take
-            if len(buffer) == shard_tokens or left() == 0:
-                flush(*((doc_index + 1, 0) if pos == len(ids) else (doc_index, pos)))
-        state["documents"] = doc_index + 1
-        bar.update(written + len(buffer) - bar.n)                   # shows tokens/s and, with a budget, ETA
-        if left() == 0:
-            break
-    if buffer:
-        flush(state["documents"], 0)
-    if not state["shards"]:
-        raise ValueError(f"source {source!r} ({split}) has no documents")
+    with progress_bar(total=max_tokens, initial=written, unit="tok", unit_scale=True, disable=not progress,
+                      desc=f"prepare {options['source']}") as bar:
+        for doc_index, ids in enumerate(_token_lists(docs, tokenizer, workers), start=state["next_doc"]):
+            state["documents"] = doc_index + 1
+            if not ids:                                             # a blank document: nothing to learn from
+                state["empty_documents"] += 1
+                continue
+            ids.append(tok.eos_token_id)
+            pos, skip = skip, 0                                     # pos: offset inside this document
+            while pos < len(ids) and left() != 0:
+                take = min(shard_tokens - len(buffer), len(ids) - pos, len(ids) if left() is None else left())
+                buffer.extend(ids[pos : pos + take])
+                pos += take
+                if len(buffer) == shard_tokens or left() == 0:
+                    flush(*((doc_index + 1, 0) if pos == len(ids) else (doc_index, pos)))
+            bar.update(written + len(buffer) - bar.n)               # shows tokens/s and, with a budget, ETA
+            if left() == 0:
+                break
+        if buffer:
+            flush(state["documents"], 0)
+        if not state["shards"]:
+            what = f"has no text: its {state['documents']} documents are blank" if state["documents"] else \
+                "has no documents"
+            raise ValueError(f"source {options['source']!r} ({split} split) {what}; nothing to train on")
+    if named and source_fingerprint(source) != options["source_fingerprint"]:
+        raise ValueError(f"the source {source!r} changed while it was being prepared; delete {out} and prepare again "
+                         "when it no longer changes")
     index = dict(version=FORMAT_VERSION, tokenizer=tokenizer, vocab_size=vocab, eos_token_id=tok.eos_token_id,
-                 dtype=np.dtype(dtype).name, total_tokens=written, documents=state["documents"],
-                 shards=state["shards"], options=options)
-    _json(out / INDEX, index)
+                 dtype=dtype.name, total_tokens=written, documents=state["documents"],
+                 empty_documents=state["empty_documents"], shards=state["shards"], options=options)
+    write_json(out / INDEX, index)
     (out / PROGRESS).unlink(missing_ok=True)
-    bar.close()
     return index

@@ -30,15 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..data import TokenLoader, prepare
+from ..data import TokenLoader, prepare, source_fingerprint
 from ..env import reuse_freed_memory
 from ..io import cache_dir, read_json, write_atomically
 from ..models import ModelConfig, build_model
 from . import checkpoint
 from .config import TrainConfig
-from .distributed import DTYPES, setup, wrap
+from .distributed import DTYPES, Dist, setup, wrap
 from .optim import build_optimizer, flops_per_token, lr_at, peak_flops
 from .rundir import RunDir
+
+
+PREPARE_WAIT = 6 * 3600        # seconds to wait for another process preparing the same cached shards
 
 
 class TrainingError(RuntimeError):
@@ -60,21 +63,42 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")[-80:]
 
 
-def prepare_data(cfg: TrainConfig, is_main: bool = True, barrier=lambda: None) -> tuple[Path, Path | None]:
+def _rank0_first(d: Dist, fn):
+    """``fn()`` on rank 0, then on the other ranks (which find its work done: prepared shards, verified
+    checksums); an error on rank 0 stops every rank instead of leaving them waiting."""
+    error = result = None
+    if d.is_main:
+        try:
+            result = fn()
+        except Exception as exc:
+            error = exc
+    if d.any(error is not None):
+        raise error or ValueError("rank 0 stopped while preparing the data (see its message)")
+    return result if d.is_main else fn()
+
+
+def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path | None]:
     """Shard directories (train, validation) for ``cfg.data``: used as is when it holds an index.json,
-    else the source is prepared once into ``$SSMKIT_CACHE/shards/`` (re-runs reuse it)."""
+    else the source is prepared once into ``$SSMKIT_CACHE/shards/``. The cache entry is keyed by the
+    source's content (:func:`ssmkit.data.source_fingerprint`: an edited local corpus is prepared
+    afresh), and a process preparing the same entry is waited for. Under torchrun rank 0 prepares."""
     if (Path(cfg.data) / "index.json").exists():
         return Path(cfg.data), Path(cfg.val_data) if cfg.val_data else None
     budget = f"-{cfg.data_tokens}" if cfg.data_tokens else ""
-    base = cache_dir() / "shards" / f"{_slug(cfg.data)}-{_slug(cfg.tokenizer)}{budget}"
-    if is_main:
+    content = source_fingerprint(cfg.data) or "remote"
+    base = cache_dir() / "shards" / f"{_slug(cfg.data)}-{_slug(cfg.tokenizer)}{budget}-{content}"
+
+    def work():
+        if dist is not None and not dist.is_main:
+            return
         prepare(cfg.data, cfg.tokenizer, base / "train", split="train", max_tokens=cfg.data_tokens,
-                workers=cfg.data_workers, progress=cfg.progress)
+                workers=cfg.data_workers, progress=cfg.progress, lock_wait=PREPARE_WAIT)
         if not cfg.val_data:
             val_budget = None if cfg.data_tokens is None else max(1, cfg.data_tokens // 100)
             prepare(cfg.data, cfg.tokenizer, base / "validation", split="validation", max_tokens=val_budget,
-                    workers=cfg.data_workers, progress=cfg.progress)
-    barrier()
+                    workers=cfg.data_workers, progress=cfg.progress, lock_wait=PREPARE_WAIT)
+
+    _rank0_first(dist or Dist(), work)
     return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
 
 
@@ -101,7 +125,7 @@ class Trainer:
             reuse_freed_memory()                                     # 1.7x on CPU: see ssmkit.env
         torch.manual_seed(cfg.seed + d.rank)
         if data is None:
-            data, default_val = prepare_data(cfg, d.is_main, d.barrier)
+            data, default_val = prepare_data(cfg, d)
             val_data = val_data or default_val
         elif val_data is None:
             val_data = cfg.val_data
@@ -113,10 +137,12 @@ class Trainer:
                                  "rank and world size of the config): pass its shard directory instead")
             self.loader = data
         else:
-            self.loader = TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=cfg.seed)
+            self.loader = _rank0_first(d, lambda: TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank,
+                                                              d.world_size, seed=cfg.seed))   # verified once
         self.val_loader = None
         if val_data is not None and cfg.eval_batches:
-            self.val_loader = TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=0)
+            self.val_loader = _rank0_first(d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank,
+                                                                  d.world_size, seed=0))
         vocab = self.loader.index["vocab_size"]
         if model is None:
             torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
