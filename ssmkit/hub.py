@@ -9,25 +9,38 @@
   and ``pytorch_model.bin`` named as ssmkit's own modules (``backbone.embedding.weight``, ...).
 
 ``from_pretrained`` detects the layout, maps every weight by name, checks every shape and never
-loads partially; ``save_pretrained`` writes into a temporary directory and renames it into place.
+loads partially; every problem with a checkpoint (a config field, a shard index, a weight file) is
+a :class:`CheckpointError` naming the file. ``save_pretrained`` writes only its own files (see
+:data:`OUR_FILES`): a checkpoint of ours is rebuilt beside and swapped in, a directory holding
+anything else is refused unless ``overwrite=True``, and then only our files in it are replaced.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
+import errno
 import math
 import os
+import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from . import io
+from .env import pick_device
 from .models import MambaLM, ModelConfig
+from .models.config import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 FORMATS = ("hf", "mamba_ssm")
+WEIGHT_FILES = {"hf": "model.safetensors", "mamba_ssm": "pytorch_model.bin"}
+OUR_FILES = ("config.json", *WEIGHT_FILES.values(), *TOKENIZER_FILES)    # all save_pretrained ever writes
+SHARD_INDEXES = tuple(f"{name}.index.json" for name in WEIGHT_FILES.values())
+_OUR_TEMP = re.compile(r"\.ssmkit-save-.*")                              # a crashed in-place save's leftover
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -52,9 +65,24 @@ _HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk
               "norm_before_gate": "norm_before_gate"}
 
 
-def _float(v) -> float:
-    """A JSON number, or transformers 5's {"__float__": "Infinity"} encoding of a non-finite one."""
-    return float(v["__float__"] if isinstance(v, dict) else v)
+def _floats(values, field: str) -> tuple[float, ...]:
+    """A JSON list of numbers as floats; transformers 5 writes infinity as {"__float__": "Infinity"},
+    mamba_ssm configs as "inf"."""
+    try:
+        return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in values)
+    except (TypeError, ValueError, KeyError):
+        raise CheckpointError(f"field {field!r} must be a list of numbers; got {values!r}") from None
+
+
+def _build_config(kwargs: dict, names: dict[str, str]) -> ModelConfig:
+    """ModelConfig(**kwargs); a bad value becomes a CheckpointError naming the field as the file
+    spells it (``names``: ssmkit field -> config.json field)."""
+    try:
+        return ModelConfig(**kwargs)
+    except ConfigError as exc:
+        raise CheckpointError(f"field {names.get(exc.field, exc.field)!r}: {exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _json_float(v: float):
@@ -77,20 +105,26 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError("rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in hf]
+    if missing:   # ModelConfig's defaults are a 130M model: never guess the size of someone's checkpoint
+        raise CheckpointError(f"fields {missing} are missing; a transformers config states the model's size")
     fields = {**_HF_FIELDS, **(_HF_MAMBA1 if kind == "mamba" else _HF_MAMBA2)}
+    nulls = [theirs for theirs in fields if theirs in hf and hf[theirs] is None and theirs != "mixer_rms_eps"]
+    if nulls:     # null would silently fall back to a default that may not match the weights
+        raise CheckpointError(f"fields {nulls} are null; give them values or leave them out for the defaults")
     kwargs = {ours: hf[theirs] for theirs, ours in fields.items() if theirs in hf}
     kwargs.update(mixer="mamba1" if kind == "mamba" else "mamba2", pad_vocab_size_multiple=1)
     kwargs.setdefault("tie_embeddings", kind == "mamba")        # transformers' defaults differ per model
     if kwargs.get("dt_limit") is not None:
-        kwargs["dt_limit"] = tuple(_float(v) for v in kwargs["dt_limit"])
-    if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != hf["expand"] * hf["hidden_size"]:
-        raise CheckpointError(f"intermediate_size {hf['intermediate_size']} != expand * hidden_size; "
-                              "ssmkit needs d_inner = expand * d_model")
-    if kind == "mamba2" and "num_heads" in hf:
-        heads = hf["expand"] * hf["hidden_size"] // hf["head_dim"]
-        if hf["num_heads"] != heads:
-            raise CheckpointError(f"num_heads {hf['num_heads']} != expand * hidden_size / head_dim = {heads}")
-    return ModelConfig(**kwargs)
+        kwargs["dt_limit"] = _floats(kwargs["dt_limit"], "time_step_limit")
+    cfg = _build_config(kwargs, {ours: theirs for theirs, ours in fields.items()})
+    if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != cfg.d_inner:
+        raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, but expand * hidden_size = "
+                              f"{cfg.d_inner}; ssmkit needs d_inner = expand * d_model")
+    if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != cfg.nheads:
+        raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, but expand * hidden_size / head_dim = "
+                              f"{cfg.nheads}")
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -127,6 +161,11 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
     if c.get("d_intermediate", 0) or c.get("attn_layer_idx"):
         raise CheckpointError("mamba_ssm configs with MLP blocks (d_intermediate > 0) or attention layers "
                               "(attn_layer_idx) are not supported yet")
+    missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in c]
+    if missing:
+        raise CheckpointError(f"fields {missing} are missing; a mamba_ssm config states the model's size")
+    if not isinstance(c.get("ssm_cfg") or {}, dict):
+        raise CheckpointError(f"field 'ssm_cfg' must be an object of mixer fields; got {c['ssm_cfg']!r}")
     ssm = dict(c.get("ssm_cfg") or {})
     layer = ssm.pop("layer", "Mamba1")
     if layer not in ("Mamba1", "Mamba2"):
@@ -142,12 +181,12 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
     kwargs = {k: ssm[k] for k in known if k in ssm}
     for k in ("A_init_range", "dt_limit"):
         if k in kwargs:
-            kwargs[k] = tuple(float(v) for v in kwargs[k])
+            kwargs[k] = _floats(kwargs[k], f"ssm_cfg.{k}")
     kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
                   pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8), rms_norm=c.get("rms_norm", True),
                   residual_in_fp32=c.get("residual_in_fp32", True), tie_embeddings=c.get("tie_embeddings", True),
                   norm_epsilon=c.get("norm_epsilon", 1e-5))
-    return ModelConfig(**kwargs)
+    return _build_config(kwargs, {k: f"ssm_cfg.{k}" for k in known})
 
 
 def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
@@ -187,7 +226,7 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     for single, load in loaders.items():                       # one file, or shards listed in its index
         index = folder / f"{single}.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = _shard_names(index)
             break
         if (folder / single).exists():
             files = [single]
@@ -198,12 +237,27 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state = {}
     for name in files:
         path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing: a checkpoint without all its weight files cannot load")
         try:
             part = load(path)
         except Exception as exc:
             raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} (corrupt or truncated?)") from None
         state.update(part)
     return state
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an ``*.index.json`` lists: plain names inside the checkpoint folder only (an entry
+    like ``../../secret`` would read a file outside it)."""
+    try:
+        weight_map = io.read_json(index, "shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"shard index {index} has no 'weight_map' object of tensor name -> shard file")
+        return sorted({io.plain_name(name, f"shard index {index}") for name in weight_map.values()})
+    except (ValueError, AttributeError) as exc:      # AttributeError: the JSON is not an object
+        raise CheckpointError(str(exc) if isinstance(exc, ValueError) else
+                              f"shard index {index} is not a JSON object with a 'weight_map'") from None
 
 
 def _load_into(model: MambaLM, state: dict[str, torch.Tensor], source: str):
@@ -241,23 +295,49 @@ def _resolve(path_or_id: str | os.PathLike) -> Path:
         ) from None
 
 
-def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> MambaLM:
-    """Load a transformers (Mamba / Mamba2) or mamba_ssm checkpoint directory, or a hub id."""
-    folder = _resolve(path_or_id)
-    config_path = folder / "config.json"
-    if not config_path.exists():
+def _read_config(folder: Path) -> tuple[ModelConfig, dict]:
+    """The ModelConfig of a checkpoint folder and the weight renames of its layout; any problem is a
+    CheckpointError naming config.json (and the field)."""
+    path = folder / "config.json"
+    if not path.exists():
         raise CheckpointError(f"{folder} has no config.json")
     try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
-    if "model_type" in raw:
-        cfg, rename = config_from_hf(raw), {"backbone.embeddings.weight": "backbone.embedding.weight"}
-    elif "d_model" in raw and "n_layer" in raw:
-        cfg, rename = config_from_mamba_ssm(raw), {}
-    else:
-        raise CheckpointError(f"{config_path}: unknown layout; expected a transformers config (model_type) or a "
-                              "mamba_ssm config (d_model, n_layer, ssm_cfg)")
+        raw = io.read_json(path, "config")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"it holds a JSON {type(raw).__name__}, not an object of config fields")
+        if "model_type" in raw:
+            return config_from_hf(raw), {"backbone.embeddings.weight": "backbone.embedding.weight"}
+        if "d_model" in raw and "n_layer" in raw:
+            return config_from_mamba_ssm(raw), {}
+        raise CheckpointError("unknown layout; expected a transformers config (model_type) or a mamba_ssm config "
+                              "(d_model, n_layer, ssm_cfg)")
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    """None, a floating torch.dtype, or one of the names in :data:`DTYPES` ("bf16", "torch.float16", ...)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is not supported; valid: {', '.join(DTYPES)} or a floating torch.dtype")
+
+
+def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None) -> MambaLM:
+    """Load a transformers (Mamba / Mamba2) or mamba_ssm checkpoint directory, or a hub id.
+
+    dtype: a torch.dtype or a name (float32/fp32, bfloat16/bf16, float16/fp16/half); device: "cpu",
+    "cuda", "cuda:N", "mps", "auto" or a torch.device. Both are checked before anything is read.
+    """
+    dtype = _dtype(dtype)
+    if device is not None:
+        device = pick_device(str(device) if isinstance(device, torch.device) else device)
+    folder = _resolve(path_or_id)
+    cfg, rename = _read_config(folder)
     state = {rename.get(k, k): v for k, v in _read_state_dict(folder).items()}
     with torch.device("meta"):
         model = MambaLM(cfg)
@@ -269,19 +349,100 @@ def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | None = N
     return model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
 
 
+# --------------------------------------------------------------------------------------------
+# saving: only our files, whole or not at all
+# --------------------------------------------------------------------------------------------
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader of either path
+    sees the old tree or the new one, never neither. False where the system or file system lacks it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(tmp: Path, directory: Path):
+    """Put the finished ``tmp`` at ``directory``, replacing a checkpoint of ours there."""
+    if not directory.exists():
+        tmp.rename(directory)
+        return
+    if _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)                  # tmp now holds the old checkpoint
+        return
+    # Two renames: for the instant between them the old checkpoint lies whole at .NAME.old-*
+    old = io.make_temp_dir(directory.parent, f".{directory.name}.old-")
+    directory.rename(old)                                       # onto an empty directory: allowed
+    try:
+        tmp.rename(directory)
+    except BaseException:
+        old.rename(directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace_in_place(tmp: Path, directory: Path, weights: str):
+    """Move the finished files of ``tmp`` (a folder inside ``directory``) over their names one by one.
+
+    Every file is complete and synced before the first rename. The new weights go first, then the other
+    format's weight file is removed (it would shadow them: loaders prefer model.safetensors), config.json
+    last: a crash among these renames leaves at worst the new weights beside the old config.json, which
+    loads when the architecture is unchanged. Files that are not ours are never touched.
+    """
+    os.replace(tmp / weights, directory / weights)
+    for other in WEIGHT_FILES.values():
+        if other != weights:
+            (directory / other).unlink(missing_ok=True)
+    for path in sorted(tmp.iterdir()):
+        if path.name != "config.json":
+            os.replace(path, directory / path.name)             # tokenizer files
+    os.replace(tmp / "config.json", directory / "config.json")
+
+
 def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = "hf",
-                    tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None) -> Path:
+                    tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
+                    overwrite: bool = False) -> Path:
     """Write ``model`` as a directory transformers ("hf") or mamba_ssm ("mamba_ssm") loads unchanged.
 
     ``state_dict`` replaces the model's own tensors (a full state dict gathered from FSDP shards).
+    Tokenizer files found in ``tokenizer_from`` (default: where the model was loaded from) are copied
+    along. Files follow the user's umask.
 
-    Written into a temporary sibling directory, then renamed over ``directory``: a crash leaves
-    either the old directory or the new one, never half of one. Tokenizer files found in
-    ``tokenizer_from`` (default: where the model was loaded from) are copied along.
+    ``directory`` may be new, empty, or hold only files this function writes (:data:`OUR_FILES`): then
+    the checkpoint is built in a temporary sibling and swapped in (one atomic exchange on Linux), so
+    a crash leaves the old checkpoint or the new one; tokenizer files there that this save does not
+    bring stay. A directory holding anything else is refused, naming those files, unless
+    ``overwrite=True``: then only our files are replaced in it, one rename each, and the rest stay
+    untouched. The other format's weight file is removed either way, so it cannot shadow the new one.
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not supported; valid formats: {', '.join(FORMATS)}")
-    directory = Path(directory)
+    given = directory = Path(directory)
+    if directory.is_symlink() and directory.is_dir():
+        directory = directory.resolve()                         # swap the folder the link points at, not the link
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise ValueError(f"{directory} exists and is not a directory; save_pretrained writes a directory of "
+                         "files there: choose a new or empty directory")
+    existing = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    foreign = [n for n in existing if n not in OUR_FILES and not _OUR_TEMP.fullmatch(n)]
+    if foreign and not overwrite:
+        raise ValueError(f"{directory} holds files save_pretrained does not write: {foreign[:8]}"
+                         f"{' ...' if len(foreign) > 8 else ''}. Choose a new or empty directory, or pass "
+                         f"overwrite=True to replace only the checkpoint's files ({', '.join(OUR_FILES[:3])}, "
+                         "tokenizer files) and leave the rest")
+    shadowing = [n for n in existing if n in SHARD_INDEXES]
+    if shadowing:
+        raise ValueError(f"{directory} holds the shard index {shadowing}, which loaders read before a single "
+                         "weight file: the new weights would be ignored. Remove it and its shards, or choose another "
+                         "directory")
     cfg = model.config
     state = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -292,29 +453,36 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
             state.pop("lm_head.weight")
     else:
         config = config_to_mamba_ssm(cfg)
+    source = tokenizer_from or getattr(model, "name_or_path", None)
+    source = Path(source) if source is not None and Path(source).is_dir() else None
+
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    in_place = bool(foreign)
+    tmp = io.make_temp_dir(directory if in_place else directory.parent,
+                           ".ssmkit-save-" if in_place else f".{directory.name}.tmp-")
     try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        io.write_json(tmp / "config.json", config)
+        weights = tmp / WEIGHT_FILES[format]
         if format == "hf":
             from safetensors.torch import save_file
 
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_file(state, str(weights), metadata={"format": "pt"})
         else:
-            torch.save(state, tmp / "pytorch_model.bin")
-        source = tokenizer_from or getattr(model, "name_or_path", None)
-        if source is not None and Path(source).is_dir():
-            for name in TOKENIZER_FILES:
-                if (Path(source) / name).exists():
-                    shutil.copy2(Path(source) / name, tmp / name)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            directory.rename(old)
-            tmp.rename(directory)
-            shutil.rmtree(old)
+            torch.save(state, weights)
+        for name in TOKENIZER_FILES:
+            if source is not None and (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+            elif not in_place and (directory / name).is_file():    # kept: the swap must not drop them
+                shutil.copyfile(directory / name, tmp / name)
+        mode = 0o666 & ~io.umask()                  # safetensors creates 0600; every other tool follows the umask
+        for path in tmp.iterdir():
+            os.chmod(path, mode)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())                # on disk before any rename makes it visible
+        if in_place:
+            _replace_in_place(tmp, directory, weights.name)
         else:
-            tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+            _swap_in(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)      # the leftover (old checkpoint, or nothing) or the failed build
+    return given

@@ -13,6 +13,37 @@ from dataclasses import dataclass
 
 MIXERS = ("mamba1", "mamba2")
 DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128}   # mamba_ssm's Mamba and Mamba2 defaults
+INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand", "headdim",
+              "ngroups", "chunk_size")
+BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias", "bias",
+               "D_has_hdim", "norm_before_gate")
+
+
+class ConfigError(ValueError):
+    """A field of :class:`ModelConfig` with a value it cannot take; ``field`` names it (the hub maps it
+    back to the name in a transformers config.json)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+def _real(value) -> bool:
+    """A finite int or float (bool is not a number here: True as a width is a bug)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pair(name: str, value, low_min: float, low_strict: bool, high_may_be_inf: bool = False) -> tuple[float, float]:
+    """``value`` as a (low, high) pair of numbers with low > low_min (or >= with ``low_strict=False``) and
+    low <= high, else ConfigError naming ``name`` and the valid range."""
+    pair = tuple(value) if isinstance(value, (list, tuple)) else ()
+    ok = (len(pair) == 2 and _real(pair[0]) and (_real(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
+          and (pair[0] > low_min if low_strict else pair[0] >= low_min) and pair[0] <= pair[1])
+    if not ok:
+        bound = f"{'>' if low_strict else '>='} {low_min:g}"
+        raise ConfigError(name, f"must be a pair (low, high) of numbers with low {bound} and low <= high"
+                                f"{' (high may be inf)' if high_may_be_inf else ''}; got {value!r}")
+    return float(pair[0]), float(pair[1])
 
 
 @dataclass
@@ -59,22 +90,39 @@ class ModelConfig:
             self.layout = list(self.layout)
             if len(self.layout) != self.n_layer:
                 raise ValueError(f"layout has {len(self.layout)} entries but n_layer={self.n_layer}")
-            bad = sorted(set(self.layout) - set(MIXERS))
+            bad = [m for m in self.layout if m not in MIXERS]
             if bad:
                 raise ValueError(f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}")
         if self.d_state is None:
             self.d_state = DEFAULT_D_STATE[self.mixer]
-        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv",
-                     "expand", "headdim", "ngroups", "chunk_size"):
+        for name in INT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
-        if self.dt_rank != "auto" and (not isinstance(self.dt_rank, int) or self.dt_rank < 1):
-            raise ValueError(f"dt_rank must be 'auto' or a positive integer; got {self.dt_rank!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(name, f"must be a positive integer; got {value!r}")
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
+        if self.dt_rank != "auto" and (not isinstance(self.dt_rank, int) or isinstance(self.dt_rank, bool)
+                                       or self.dt_rank < 1):
+            raise ConfigError("dt_rank", f"must be 'auto' or a positive integer; got {self.dt_rank!r}")
         if self.dt_init not in ("random", "constant"):
-            raise ValueError(f"dt_init must be 'random' or 'constant'; got {self.dt_init!r}")
-        self.A_init_range = tuple(self.A_init_range)
-        self.dt_limit = tuple(self.dt_limit)
+            raise ConfigError("dt_init", f"must be 'random' or 'constant'; got {self.dt_init!r}")
+        # Float fields a typo can break silently: a zero epsilon or a non-positive A gives NaN logits,
+        # dt_min > dt_max an empty init range. Each is checked against the range it is meaningful in.
+        for name, positive in (("norm_epsilon", True), ("dt_init_floor", True), ("dt_scale", False),
+                               ("initializer_range", False), ("mixer_rms_eps", True)):
+            value = getattr(self, name)
+            if name == "mixer_rms_eps" and value is None:
+                continue
+            if not _real(value) or (value <= 0 if positive else value < 0):
+                raise ConfigError(name, f"must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
+        if not _real(self.dt_min) or self.dt_min <= 0:
+            raise ConfigError("dt_min", f"must be a finite number > 0 (Δ is initialised log-uniform); "
+                                        f"got {self.dt_min!r}")
+        if not _real(self.dt_max) or self.dt_max < self.dt_min:
+            raise ConfigError("dt_max", f"must be a finite number >= dt_min = {self.dt_min}; got {self.dt_max!r}")
+        self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
+        self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
         if "mamba2" in self.mixers:
             if self.d_inner % self.headdim:
                 raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = {self.d_inner}; "
@@ -164,4 +212,4 @@ def presets() -> list[str]:
     return list(PRESETS)
 
 
-__all__ = ["ModelConfig", "PRESETS", "MIXERS", "presets"]
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MIXERS", "presets"]

@@ -41,13 +41,14 @@ class Block(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
         self.mixer = MIXER_CLASSES[mixer](cfg)
 
-    def forward(self, hidden, residual, state: LayerState | None = None):
-        """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further."""
+    def forward(self, hidden, residual, state: LayerState | None = None, mask: torch.Tensor | None = None):
+        """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
+        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`)."""
         residual = hidden if residual is None else residual + hidden
         hidden = self.norm(residual.to(self.norm.weight.dtype))
         if self.residual_in_fp32:
             residual = residual.float()
-        return self.mixer(hidden, state), residual
+        return self.mixer(hidden, state, mask), residual
 
 
 class Backbone(nn.Module):
@@ -57,12 +58,46 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
 
-    def forward(self, input_ids, cache: InferenceCache | None = None):
+    def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
         hidden, residual = self.embedding(input_ids), None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i])
+            hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask)
         residual = hidden if residual is None else residual + hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+
+def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):
+    """One clear error for ids the embedding cannot look up (instead of an IndexError deep inside)."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids; got dtype {input_ids.dtype}")
+    rows = cfg.padded_vocab_size
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= rows):
+        bad = input_ids[(input_ids < 0) | (input_ids >= rows)]
+        padded = f", padded to {rows} rows" if rows != cfg.vocab_size else ""
+        raise ValueError(f"input_ids holds token id {int(bad[0])}, outside the model's vocabulary: valid ids are "
+                         f"0..{rows - 1} (vocab_size {cfg.vocab_size}{padded})")
+
+
+def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
+    """mask: (batch, seqlen) of 0/1 (or bool), shaped as left padding: each row 0s, then 1s.
+
+    Right padding is refused rather than handled: a recurrent state read after trailing padding
+    would be the state of the padding, and generation continues from the last position."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}; "
+                         f"got {got}")
+    if not values:
+        return
+    if mask.dtype.is_floating_point or mask.dtype.is_complex or not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), as an integer or bool tensor")
+    m = mask.to(torch.int8)
+    after_token = (m[:, 1:] < m[:, :-1]).nonzero()          # a 0 right after a 1: padding after a token
+    if len(after_token):
+        row, pos = (int(v) for v in after_token[0])
+        raise ValueError(f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: only LEFT padding is "
+                         "supported (each row 0s, then 1s; tokenizer.padding_side = 'left'), since a recurrent "
+                         "state runs left to right")
 
 
 class MambaLM(nn.Module):
@@ -95,7 +130,8 @@ class MambaLM(nn.Module):
         return InferenceCache.allocate(self, batch_size, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache: InferenceCache | None = None,
-                logits_to_keep: int = 0, shift_labels: bool = True) -> LMOutput:
+                logits_to_keep: int = 0, shift_labels: bool = True,
+                attention_mask: torch.Tensor | None = None) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
         labels: (batch, seqlen) aligned with input_ids as in transformers (shifted here, so
@@ -103,10 +139,24 @@ class MambaLM(nn.Module):
         already the targets of each position. -100 marks positions without a loss.
         cache: continue from and update these states (prefill or one-token steps).
         logits_to_keep: compute logits for the last k positions only (0 = all).
+        attention_mask: (batch, seqlen), 1 for real tokens and 0 for LEFT padding: the logits of the
+        real positions then equal those of the row run alone, unpadded. Only on a fresh cache (the
+        prefill): padding in the middle of a sequence has no such meaning for a recurrent state.
+        Labels at padded positions are not masked here: set them to -100.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}")
-        hidden = self.backbone(input_ids, cache)
+        # Checking values reads the tensor: on a GPU that is a sync, under torch.compile a graph break.
+        # So only CPU tensors outside compilation are checked here; generate() checks always.
+        check_values = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()
+        if check_values:
+            check_token_ids(input_ids, self.config)
+        if attention_mask is not None:
+            if cache is not None and cache.seqlen_offset > 0:
+                raise ValueError("attention_mask applies to the first call on a cache (the prefill) only; the "
+                                 "steps after it continue real tokens: pass attention_mask=None")
+            check_attention_mask(attention_mask, input_ids, values=check_values)
+        hidden = self.backbone(input_ids, cache, attention_mask)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if logits_to_keep:
@@ -123,11 +173,15 @@ class MambaLM(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    def save_pretrained(self, directory, format: str = "hf", tokenizer_from=None, state_dict=None):
-        """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see :mod:`ssmkit.hub`."""
+    def save_pretrained(self, directory, format: str = "hf", tokenizer_from=None, state_dict=None,
+                        overwrite: bool = False):
+        """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see
+        :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
+        ``overwrite=True``, which keeps those files)."""
         from ..hub import save_pretrained  # hub builds on models: imported at call time
 
-        return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict)
+        return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict,
+                               overwrite=overwrite)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}          # tied weights counted once

@@ -42,6 +42,15 @@ def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return ops.rms_norm(x, torch.ones(x.shape[-1], device=x.device), eps=eps)
 
 
+def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """x: (batch, seqlen, channels) with the positions where mask (batch, seqlen) is 0 set to zero.
+
+    Left padding must leave no trace in a recurrent layer: a zero conv input is what an unpadded
+    run sees left of its first token, and a zero SSM input keeps the zero start state at zero.
+    (transformers' Mamba does the same: apply_mask_to_padding_states.)"""
+    return x if mask is None else x * mask[:, :, None].to(x.dtype)
+
+
 def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state: LayerState | None) -> torch.Tensor:
     """SiLU(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if given,
     which is then replaced by the last d_conv inputs."""
@@ -100,16 +109,20 @@ class Mamba1(nn.Module):
         return LayerState(conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
                           ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32, device=device))
 
-    def forward(self, hidden: torch.Tensor, state: LayerState | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model). With ``state`` the layer
-        continues from it and leaves the new conv and SSM state there."""
-        if state is not None and hidden.shape[1] == 1:
+        continues from it and leaves the new conv and SSM state there. mask: (batch, seqlen), 0 at
+        left padding, which then leaves the conv and SSM states as if the row started later."""
+        if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (d_inner, d_state)
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels, seqlen)
         # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
         x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
+        x = zero_padding(x, mask)                                            # the conv sees zeros left of a row
         x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)   # (batch, seqlen, d_inner)
+        x = zero_padding(x, mask)                                            # Δ B x = 0: h stays at its zero start
         dt, B, C = self._select(x)
         dt = F.linear(dt, self.dt_proj.weight)                               # Δ before its bias: (b, l, d_inner)
         out = ops.selective_scan(

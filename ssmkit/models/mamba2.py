@@ -20,7 +20,7 @@ from einops import rearrange
 from .. import ops
 from .cache import LayerState
 from .config import ModelConfig
-from .mamba1 import conv_with_state, init_dt_bias
+from .mamba1 import conv_with_state, init_dt_bias, zero_padding
 from .norms import RMSNormGated
 
 
@@ -63,19 +63,30 @@ class Mamba2(nn.Module):
             ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32, device=device),
         )
 
-    def forward(self, hidden: torch.Tensor, state: LayerState | None = None) -> torch.Tensor:
-        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given."""
-        if state is not None and hidden.shape[1] == 1:
+    def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given.
+        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or SSM state."""
+        if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (nheads,)
         z, xBC, dt = torch.split(self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        xBC = zero_padding(xBC, mask)                                        # the conv sees zeros left of a row
         xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state), "b d l -> b l d")
         x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        dt_args = dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        if mask is not None:
+            # Δ = 0 at padding: such a step neither feeds nor decays the state, an exact identity (the
+            # scan pads its own tail the same way), so what the conv left there (SiLU of its bias) never
+            # enters it. Zeroing x instead would keep the padding's decay in the chunk's prefix sums of
+            # Δ·A, which costs precision when the padding is long.
+            dt = ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit) * mask[:, :, None]
+            dt_args = dict(dt_bias=None, dt_softplus=False)
         out = ops.ssd_scan(
             rearrange(x, "b l (h p) -> b l h p", p=self.headdim), dt, A,
             rearrange(B, "b l (g n) -> b l g n", g=self.ngroups), rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
-            self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-            initial_states=None if state is None else state.ssm, return_final_states=state is not None,
+            self.chunk_size, D=self.D, initial_states=None if state is None else state.ssm,
+            return_final_states=state is not None, **dt_args,
         )
         if state is not None:
             out, h = out
