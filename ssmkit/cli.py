@@ -82,7 +82,7 @@ def main(argv=None):
             index = prepare(args.source, args.tokenizer, args.out, split=args.split, max_tokens=args.max_tokens,
                             shard_tokens=args.shard_tokens, workers=args.workers, mds_seq_len=args.mds_seq_len,
                             lock_wait=args.lock_wait)
-        except (ValueError, OSError) as exc:
+        except (ValueError, RuntimeError, OSError) as exc:      # RuntimeError: the offline GPT-2 files are missing
             message = describe_os_error(exc) if isinstance(exc, OSError) else " ".join(str(exc).split("\n"))
             parser.exit(1, f"ssmkit data prepare: {message}\n")
         empty = f" ({index['empty_documents']:,} blank ones skipped)" if index.get("empty_documents") else ""
