@@ -149,8 +149,11 @@ def test_cell_timeout_fails_the_notebook(tmp_path):
     slow = make_notebook(tmp_path / "01_slow.ipynb", "x = 0", "import time\ntime.sleep(60)")
     summary = workbook.run_workbook([slow], out=tmp_path / "run", cell_timeout=2)
     (entry,) = summary["notebooks"]
-    assert entry["status"] == "failed" and "Timeout" in entry["error"] and entry["seconds"] < 30, entry
-    assert "01_slow.ipynb failed" in (tmp_path / "run" / "summary.md").read_text()
+    assert entry["status"] == "failed" and entry["error"].startswith("timeout after 2 s") and entry["seconds"] < 30, \
+        entry
+    assert entry["cell"] == 2 and "time.sleep(60)" in entry["source"]        # markdown, parameters, the slow cell
+    md = (tmp_path / "run" / "summary.md").read_text()
+    assert "## 01_slow.ipynb failed" in md and "Cell 2 " in md and "timeout after 2 s" in md
 
 
 def test_strip_clears_an_executed_copy(tmp_path):
