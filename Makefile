@@ -11,6 +11,8 @@ STAMP  := $(VENV)/.ssmkit-installed
 # `make run` writes runs/$(RUN)/ (executed notebooks, figures, metrics, summary.md)
 RUN    ?= $(shell date +%Y%m%d-%H%M%S)
 PARAMS ?= params/cpu.yaml
+# `make run RUN=name OVERWRITE=1` replaces an earlier run of that name (only the files a run writes)
+OVERWRITE ?=
 
 .PHONY: run test lab strip demo bench env clean
 
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
-	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN)
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN) $(if $(OVERWRITE),--overwrite)
 
 test: $(STAMP)           ## the whole test suite (CPU, offline), notebooks included
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
