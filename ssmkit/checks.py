@@ -1,0 +1,147 @@
+"""Checks at the door: one validator per kind of value, and one grammar for values typed on a command line.
+
+Every entry point that takes a user's value (TrainConfig, ModelConfig, notebook parameters, the CLIs,
+``prepare``, ``generate``) checks it here, so a mistake gets the same one-line message wherever it is
+made, and ``True`` is never taken for the integer 1. Like :mod:`ssmkit.io`, this module imports
+nothing of ssmkit: every layer may use it.
+
+    integer(5e5, "max_tokens")              -> 500000        (a float with an integer value is fine)
+    integer(True, "seed", minimum=0)        -> ValueError: seed must be an integer >= 0; got True
+    number("x", "lr", low=0, low_open=True) -> ValueError: lr must be a number > 0; got 'x'
+    parse_value("1e3"), parse_value("none"), parse_value("[1, 2]")  -> 1000.0, None, [1, 2]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+DEVICES = "auto, cpu, cuda, cuda:N, mps"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int (ints, numpy ints, floats with an integer value like 2e5); never a bool."""
+    if _is_real(value) and not _is_int(value) and math.isfinite(value) and float(value).is_integer():
+        value = int(value)
+    ok = _is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        if maximum is None:
+            what = "a positive integer" if minimum == 1 else "an integer" if minimum is None else \
+                f"an integer >= {minimum}"
+        else:
+            what = f"an integer <= {maximum}" if minimum is None else f"an integer in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return int(value)
+
+
+def number(value, name: str, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False, finite: bool = True) -> float:
+    """``value`` as a float within [low, high] (``low_open``/``high_open``: strict); never a bool or NaN."""
+    ok = _is_real(value) and not math.isnan(value) and (not finite or math.isfinite(value))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        parts = []
+        if low is not None:
+            parts.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            parts.append(f"{'<' if high_open else '<='} {high:g}")
+        raise ValueError(f"{name} must be a number{' ' + ' and '.join(parts) if parts else ''}; got {value!r}")
+    return float(value)
+
+
+def probability(value, name: str, zero: bool = True, one: bool = True) -> float:
+    """A number in [0, 1] (``zero``/``one`` False: the end is excluded)."""
+    return number(value, name, 0.0, 1.0, low_open=not zero, high_open=not one)
+
+
+def boolean(value, name: str) -> bool:
+    """True / False, or the words "true" / "false" in any case (what papermill and YAML hand over)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{name} must be true or false; got {value!r}")
+
+
+def choice(value, name: str, valid) -> str:
+    """One of ``valid``."""
+    if value not in tuple(valid):
+        raise ValueError(f"{name}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+    return value
+
+
+def text(value, name: str) -> str:
+    """A non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string; got {value!r}")
+    return value
+
+
+def device_name(value, name: str = "device") -> str:
+    """A device's spelling (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``); whether it exists here is
+    :func:`ssmkit.env.pick_device`'s question."""
+    kind, _, index = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())) or \
+            (value.endswith(":") if isinstance(value, str) else True):
+        raise ValueError(f"{name}={value!r} is not valid; valid: {DEVICES}")
+    return value
+
+
+_LOADER = None
+
+
+def _loader():
+    """PyYAML's SafeLoader with the grammar above: 1e3 is a float, none is null, yes/no/on/off are words."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.yaml_implicit_resolvers = {
+            first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                     list("tTfF"))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                     re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"),
+                                     list("-+0123456789."))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:none|None|NONE)$"), list("nN"))
+        _LOADER = Loader
+    return _LOADER
+
+
+def load_yaml(text_value: str):
+    """A YAML document read with ssmkit's grammar (config files, params files, command-line values):
+    ``1e3`` / ``3e-3`` are floats (YAML 1.1 keeps them strings), ``none`` is null, and only
+    ``true``/``false`` are booleans (YAML 1.1 also reads yes/no/on/off as booleans). Raises yaml.YAMLError."""
+    import yaml
+
+    return yaml.load(text_value, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
+
+
+def parse_value(text_value: str):
+    """A value typed on a command line (``--set key=VALUE``, ``-p key VALUE``), read by :func:`load_yaml`:
+    ``3`` int, ``1e3`` float, ``true`` bool, ``none`` None, ``[1, 2]`` list, ``{a: 1}`` dict, ``"text"``
+    or anything that is not YAML a string; the empty string stays ``""``."""
+    import yaml
+
+    if text_value.strip() == "":
+        return text_value
+    try:
+        return load_yaml(text_value)
+    except yaml.YAMLError:
+        return text_value                            # not YAML (e.g. "a: b: c"): the text itself
