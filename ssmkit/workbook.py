@@ -59,6 +59,8 @@ from pathlib import Path
 
 from .io import DirLock, LockError, describe_os_error, read_json, write_atomically, write_json
 
+from .eval import summarize_run  # noqa: E402,F401  (the notebooks call workbook.summarize_run)
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent   # a source checkout: notebooks/, configs/, params/
 
 
@@ -265,18 +267,6 @@ def sample_text(model, tokenizer, prompts: list[str], max_new_tokens: int = 40, 
         out.append(tokenizer.decode(new[0].tolist()))
     model.train()
     return out
-
-
-def summarize_run(records: list[dict]) -> dict:
-    """The headline numbers of a Trainer history: tokens seen, first and last validation loss, the last
-    perplexity, and the median training tokens/s (``None`` where the history has no such records)."""
-    evals = [r for r in records if r.get("kind") == "eval"]
-    rates = sorted(r["tokens_per_s"] for r in records if r.get("kind") == "train")
-    return {"tokens": evals[-1]["tokens"] if evals else None,
-            "first_val_loss": round(evals[0]["val_loss"], 4) if evals else None,
-            "val_loss": round(evals[-1]["val_loss"], 4) if evals else None,
-            "val_ppl": round(evals[-1]["val_ppl"], 2) if evals else None,
-            "train_tok_s": round(rates[len(rates) // 2]) if rates else None}
 
 
 def markdown_table(rows: list[dict], floats: str = ".4g") -> str:

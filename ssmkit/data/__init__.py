@@ -14,7 +14,8 @@ from .mds import read_mds, write_mds
 from .shards import prepare
 from .sources import REMOTE, Document, load_source, source_fingerprint, stdlib_docs
 from .synthetic import TASKS, SyntheticBatch, accuracy, check, make_task
-from .tokenizers import EOS, get_tokenizer
+from .tokenizers import EOS, get_tokenizer, vocab_size
 
-__all__ = ["EOS", "REMOTE", "TASKS", "Document", "SyntheticBatch", "TokenLoader", "accuracy", "check", "get_tokenizer",
-           "load_source", "make_task", "prepare", "read_mds", "source_fingerprint", "stdlib_docs", "write_mds"]
+__all__ = ["Document", "EOS", "REMOTE", "SyntheticBatch", "TASKS", "TokenLoader", "accuracy", "check",
+           "get_tokenizer", "load_source", "make_task", "prepare", "read_mds", "source_fingerprint",
+           "stdlib_docs", "vocab_size", "write_mds"]

@@ -144,3 +144,14 @@ def get_tokenizer(name: str, corpus: Iterable[str] | None = None):
             f"tokenizer {name!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}). Offline, "
             "use 'gpt2', 'byte', 'bpe-<N>' or a local directory holding tokenizer files."
         ) from None
+
+
+_SIZES: dict[str, int] = {}
+
+
+def vocab_size(name: str) -> int:
+    """The number of tokens of tokenizer ``name`` (what a model's ``vocab_size`` must cover), from the
+    tokenizer itself: loaded once per process (a BPE not trained yet is trained and cached)."""
+    if name not in _SIZES:
+        _SIZES[name] = len(get_tokenizer(name))
+    return _SIZES[name]

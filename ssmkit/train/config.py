@@ -135,6 +135,16 @@ class TrainConfig:
             f"{self.micro_batch} x {world_size} x {self.seq_len} = {per_pass}; nearest valid batch_tokens: "
             f"{lower} or {lower + per_pass}, or keep it with {hint}")
 
+    def model_config(self, vocab_size: int | None = None):
+        """The :class:`~ssmkit.ModelConfig` this run trains: the ``model`` preset with ``model_overrides``, its
+        vocabulary the tokenizer's (``vocab_size``: given, e.g. the prepared shards'; else
+        :func:`ssmkit.data.vocab_size` of ``tokenizer``). An override of vocab_size wins."""
+        from ..data import vocab_size as tokenizer_vocab
+        from ..models import ModelConfig
+
+        vocab = tokenizer_vocab(self.tokenizer) if vocab_size is None else vocab_size
+        return ModelConfig.preset(self.model, **{"vocab_size": vocab, **self.model_overrides})
+
     def total_steps(self) -> int:
         if self.max_steps is not None:
             return self.max_steps

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from ..data import TokenLoader, prepare, source_fingerprint
 from ..env import reuse_freed_memory
 from ..io import cache_dir, read_json, write_atomically
-from ..models import ModelConfig, build_model
+from ..models import build_model
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import DTYPES, Dist, setup, wrap
@@ -146,7 +146,7 @@ class Trainer:
         vocab = self.loader.index["vocab_size"]
         if model is None:
             torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
-            model = build_model(ModelConfig.preset(cfg.model, **{"vocab_size": vocab, **cfg.model_overrides}))
+            model = build_model(cfg.model_config(vocab))
         rows = getattr(model.config, "padded_vocab_size", None) or getattr(model.config, "vocab_size", vocab)
         if rows < vocab:
             raise ValueError(f"the model has {rows} vocabulary rows but the data's tokenizer "
