@@ -20,19 +20,21 @@ import re
 DEVICES = "auto, cpu, cuda, cuda:N, mps"
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
+    """An int (numpy ints too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value) -> bool:
+def is_number(value) -> bool:
+    """A real number (ints, floats, numpy scalars), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as an int (ints, numpy ints, floats with an integer value like 2e5); never a bool."""
-    if _is_real(value) and not _is_int(value) and math.isfinite(value) and float(value).is_integer():
+    if is_number(value) and not is_integer(value) and math.isfinite(value) and float(value).is_integer():
         value = int(value)
-    ok = _is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    ok = is_integer(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
     if not ok:
         if maximum is None:
             what = "a positive integer" if minimum == 1 else "an integer" if minimum is None else \
@@ -46,18 +48,22 @@ def integer(value, name: str, minimum: int | None = None, maximum: int | None = 
 def number(value, name: str, low: float | None = None, high: float | None = None, low_open: bool = False,
            high_open: bool = False, finite: bool = True) -> float:
     """``value`` as a float within [low, high] (``low_open``/``high_open``: strict); never a bool or NaN."""
-    ok = _is_real(value) and not math.isnan(value) and (not finite or math.isfinite(value))
+    ok = is_number(value) and not math.isnan(value) and (not finite or math.isfinite(value))
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
         ok = value < high if high_open else value <= high
     if not ok:
-        parts = []
-        if low is not None:
-            parts.append(f"{'>' if low_open else '>='} {low:g}")
-        if high is not None:
-            parts.append(f"{'<' if high_open else '<='} {high:g}")
-        raise ValueError(f"{name} must be a number{' ' + ' and '.join(parts) if parts else ''}; got {value!r}")
+        if low == 0 and low_open and high is None:
+            raise ValueError(f"{name} must be a positive number; got {value!r}")
+        if low is not None and high is not None:
+            what = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None or high is not None:
+            what = f" {'>' if low_open else '>='} {low:g}" if low is not None else \
+                f" {'<' if high_open else '<='} {high:g}"
+        else:
+            what = ""
+        raise ValueError(f"{name} must be a number{what}; got {value!r}")
     return float(value)
 
 
@@ -76,7 +82,9 @@ def boolean(value, name: str) -> bool:
 
 
 def choice(value, name: str, valid) -> str:
-    """One of ``valid``."""
+    """One of ``valid`` (None stands for a choice spelled "none": the grammar reads ``none`` as null)."""
+    if value is None and "none" in tuple(valid):
+        return "none"
     if value not in tuple(valid):
         raise ValueError(f"{name}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
     return value

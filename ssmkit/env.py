@@ -7,9 +7,8 @@ import sys
 
 import torch
 
+from .checks import DEVICES, device_name
 from .ops import backend as _backend
-
-DEVICES = "auto, cpu, cuda, cuda:N, mps"
 
 
 def _version(module: str) -> str:
@@ -84,14 +83,11 @@ def pick_device(device: str = "auto") -> str:
 
     An explicit device that is not available raises ValueError saying what is.
     """
-    if not isinstance(device, str) or not device:
-        raise ValueError(f"device={device!r} is not valid; valid: {DEVICES}")
+    device_name(device)                                    # the spelling; whether it exists is checked here
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
-        raise ValueError(f"device={device!r} is not valid; valid: {DEVICES}")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} requested but CUDA is not available here "
                          f"(torch {torch.__version__}); use device='auto' or 'cpu'")

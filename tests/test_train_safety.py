@@ -319,7 +319,7 @@ def test_the_lock_is_held_while_training(tmp_path, shards):
     (dict(betas=[0.9]), r"betas must be two numbers"),
     (dict(out_dir=5), "out_dir must be a non-empty string"),
     (dict(compile="yes"), "compile must be true or false"),
-    (dict(decay_frac="x"), "decay_frac must be in"),
+    (dict(decay_frac="x"), r"decay_frac must be a number in \(0, 1\]"),
 ])
 def test_bad_values_are_one_clear_error(kw, message):
     with pytest.raises(ValueError, match=message):

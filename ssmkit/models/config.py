@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .. import checks
+
 MIXERS = ("mamba1", "mamba2")
 DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128}   # mamba_ssm's Mamba and Mamba2 defaults
 INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand", "headdim",
@@ -28,16 +30,20 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def _real(value) -> bool:
-    """A finite int or float (bool is not a number here: True as a width is a bug)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _field(name: str, check, value, **kwargs):
+    """``check(value, name, **kwargs)`` from :mod:`ssmkit.checks`, its error as a ConfigError naming the field."""
+    try:
+        return check(value, name, **kwargs)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc).removeprefix(f"{name} ")) from None
 
 
 def _pair(name: str, value, low_min: float, low_strict: bool, high_may_be_inf: bool = False) -> tuple[float, float]:
     """``value`` as a (low, high) pair of numbers with low > low_min (or >= with ``low_strict=False``) and
     low <= high, else ConfigError naming ``name`` and the valid range."""
     pair = tuple(value) if isinstance(value, (list, tuple)) else ()
-    ok = (len(pair) == 2 and _real(pair[0]) and (_real(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
+    finite = lambda v: checks.is_number(v) and math.isfinite(v)  # noqa: E731
+    ok = (len(pair) == 2 and finite(pair[0]) and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
           and (pair[0] > low_min if low_strict else pair[0] >= low_min) and pair[0] <= pair[1])
     if not ok:
         bound = f"{'>' if low_strict else '>='} {low_min:g}"
@@ -96,31 +102,21 @@ class ModelConfig:
         if self.d_state is None:
             self.d_state = DEFAULT_D_STATE[self.mixer]
         for name in INT_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(name, f"must be a positive integer; got {value!r}")
+            setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
-        if self.dt_rank != "auto" and (not isinstance(self.dt_rank, int) or isinstance(self.dt_rank, bool)
-                                       or self.dt_rank < 1):
-            raise ConfigError("dt_rank", f"must be 'auto' or a positive integer; got {self.dt_rank!r}")
-        if self.dt_init not in ("random", "constant"):
-            raise ConfigError("dt_init", f"must be 'random' or 'constant'; got {self.dt_init!r}")
+        if self.dt_rank != "auto":
+            self.dt_rank = _field("dt_rank", checks.integer, self.dt_rank, minimum=1)
+        _field("dt_init", checks.choice, self.dt_init, valid=("random", "constant"))
         # Float fields a typo can break silently: a zero epsilon or a non-positive A gives NaN logits,
         # dt_min > dt_max an empty init range. Each is checked against the range it is meaningful in.
         for name, positive in (("norm_epsilon", True), ("dt_init_floor", True), ("dt_scale", False),
                                ("initializer_range", False), ("mixer_rms_eps", True)):
-            value = getattr(self, name)
-            if name == "mixer_rms_eps" and value is None:
-                continue
-            if not _real(value) or (value <= 0 if positive else value < 0):
-                raise ConfigError(name, f"must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
-        if not _real(self.dt_min) or self.dt_min <= 0:
-            raise ConfigError("dt_min", f"must be a finite number > 0 (Δ is initialised log-uniform); "
-                                        f"got {self.dt_min!r}")
-        if not _real(self.dt_max) or self.dt_max < self.dt_min:
-            raise ConfigError("dt_max", f"must be a finite number >= dt_min = {self.dt_min}; got {self.dt_max!r}")
+            if name != "mixer_rms_eps" or self.mixer_rms_eps is not None:
+                setattr(self, name, _field(name, checks.number, getattr(self, name), low=0, low_open=positive))
+        self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)   # Δ init is log-uniform
+        self.dt_max = _field("dt_max", checks.number, self.dt_max, low=self.dt_min)
         self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
         self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
         if "mamba2" in self.mixers:

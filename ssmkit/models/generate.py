@@ -12,25 +12,16 @@ prompt are exactly those of the row run alone (see :func:`ssmkit.models.mamba1.z
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ..checks import is_integer, is_number
 from .lm import check_attention_mask, check_token_ids
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)         # numpy ints too; True is no count
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v  # v == v: not NaN
 
 
 def check_sampling(temperature, top_k, top_p):
     """temperature: a number >= 0; top_k: None or an int >= 1; top_p: None or a number in (0, 1]."""
-    if not (_is_number(temperature) and temperature >= 0 and (top_k is None or (_is_int(top_k) and top_k >= 1))
-            and (top_p is None or (_is_number(top_p) and 0 < top_p <= 1))):
+    if not (is_number(temperature) and temperature >= 0 and (top_k is None or (is_integer(top_k) and top_k >= 1))
+            and (top_p is None or (is_number(top_p) and 0 < top_p <= 1))):
         raise ValueError("need temperature a number >= 0, top_k None or an int >= 1, top_p None or a number with "
                          f"0 < top_p <= 1; got temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}")
 
@@ -79,10 +70,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a (batch, prompt_len) tensor with prompt_len >= 1; got {got}")
     check_token_ids(input_ids, cfg)
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
-    if eos_token_id is not None and not (_is_int(eos_token_id) and 0 <= eos_token_id < cfg.vocab_size):
+    if eos_token_id is not None and not (is_integer(eos_token_id) and 0 <= eos_token_id < cfg.vocab_size):
         raise ValueError(f"eos_token_id must be None or a token id in 0..{cfg.vocab_size - 1}; got {eos_token_id!r}")
     if attention_mask is not None:
         check_attention_mask(attention_mask, input_ids)

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import checks
+
 CHOICES = {
     "schedule": ("cosine", "wsd", "constant"),
     "precision": ("fp32", "bf16", "fp16"),
@@ -78,48 +80,37 @@ class TrainConfig:
 
     # --- validation -----------------------------------------------------------------------------
     def validate(self):
+        """Check every field (one clear error naming the first bad one) and normalise numbers (5e8 -> 500000000)."""
         for name in ("model", "data", "tokenizer", "out_dir", "wandb_project"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string; got {getattr(self, name)!r}")
-        if self.val_data is not None and (not isinstance(self.val_data, str) or not self.val_data):
-            raise ValueError(f"val_data must be a shard directory or null; got {self.val_data!r}")
+            checks.text(getattr(self, name), name)
+        if self.val_data is not None:
+            checks.text(self.val_data, "val_data (a shard directory or null)")
         for name in ("compile", "overwrite", "progress"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+            setattr(self, name, checks.boolean(getattr(self, name), name))
         for name, valid in CHOICES.items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not valid; valid: {', '.join(valid)}")
+            setattr(self, name, checks.choice(getattr(self, name), name, valid))
         for name in ("seq_len", "batch_tokens", "micro_batch", "log_every", "eval_batches", "keep_last",
                      "max_bad_steps", "data_workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1))
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+            setattr(self, name, checks.integer(getattr(self, name), name, minimum=0))
         for name in ("max_steps", "max_tokens", "data_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or null; got {value!r}")
+            if getattr(self, name) is not None:
+                setattr(self, name, checks.integer(getattr(self, name), f"{name} (or null)", minimum=1))
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("set max_steps or max_tokens (the length of the run)")
-        if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number; got {self.lr!r}")
-        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
+        self.lr = checks.number(self.lr, "lr", low=0, low_open=True)
+        if not (checks.is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"min_lr must be in [0, lr={self.lr}]; got {self.min_lr!r}")
-        if not (isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas)):
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2
+                and all(checks.is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas!r}")
         for name in ("weight_decay", "grad_clip", "eps"):
-            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be a number >= 0; got {getattr(self, name)!r}")
-        if not (isinstance(self.decay_frac, (int, float)) and 0 < self.decay_frac <= 1):
-            raise ValueError(f"decay_frac must be in (0, 1]; got {self.decay_frac!r}")
+            setattr(self, name, checks.number(getattr(self, name), name, low=0))
+        self.decay_frac = checks.number(self.decay_frac, "decay_frac", low=0, high=1, low_open=True)
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; got {self.model_overrides!r}")
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or str(self.device).startswith("cuda:")):
-            raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N, mps")
+        checks.device_name(self.device)
         self.grad_accum(1)                                          # the batch must divide for one process
 
     def grad_accum(self, world_size: int = 1) -> int:
@@ -173,30 +164,11 @@ class TrainConfig:
                 d[top] = {**d.get(top, {}), sub: value}
             else:
                 d[top] = value
-        for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip", "decay_frac"):   # YAML reads 3e-3 as a str
-            if isinstance(d.get(key), str):
-                try:
-                    d[key] = float(d[key])
-                except ValueError:
-                    raise ValueError(f"{key} must be a number; got {d[key]!r}") from None
-        if isinstance(d.get("betas"), list) and all(isinstance(b, str) for b in d["betas"]):
-            try:
-                d["betas"] = [float(b) for b in d["betas"]]
-            except ValueError:
-                raise ValueError(f"betas must be two numbers in [0, 1); got {d['betas']!r}") from None
-        for key in ("max_tokens", "data_tokens", "batch_tokens"):       # allow 5e8 / 2.5e9 in YAML
-            if isinstance(d.get(key), (float, str)) and not isinstance(d.get(key), bool):
-                try:
-                    f = float(d[key])
-                except ValueError:
-                    raise ValueError(f"{key} must be an integer; got {d[key]!r}") from None
-                if f != int(f):
-                    raise ValueError(f"{key} must be an integer; got {d[key]!r}")
-                d[key] = int(f)
         return cls(**d)
 
     @classmethod
     def from_yaml(cls, path, overrides: list[str] | dict | None = None) -> TrainConfig:
+        """A YAML file of TrainConfig keys (read with :func:`ssmkit.checks.load_yaml`: 3e-3 is a number)."""
         import yaml
 
         path = Path(path)
@@ -205,7 +177,7 @@ class TrainConfig:
         if not path.is_file():
             raise ValueError(f"config file {path} is a directory, not a YAML file (see configs/*.yaml)")
         try:
-            d = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            d = checks.load_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
             raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(d, dict):
@@ -219,17 +191,16 @@ class TrainConfig:
 
 
 def _parse_overrides(overrides) -> dict:
-    """``["lr=1e-3", "model_overrides.d_model=128"]`` or a dict -> {key: value}; values parsed as YAML."""
+    """``["lr=1e-3", "model_overrides.d_model=128"]`` or a dict -> {key: value}; values read with
+    :func:`ssmkit.checks.parse_value` (the grammar of every command line: none, true, 1e3, [1, 2])."""
     if overrides is None:
         return {}
     if isinstance(overrides, dict):
         return dict(overrides)
-    import yaml
-
     out = {}
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"override {item!r} is not key=value")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = checks.parse_value(value)
     return out
