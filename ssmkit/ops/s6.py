@@ -3,16 +3,28 @@ Spaces" (Gu & Dao, 2023), Algorithm 2 and equations (2a), (2b), (4).
 
 Glossary (code name -> paper symbol):
 
-    u      x        the input sequence, one scalar channel per d in D = d_inner
-    delta  Δ        the input-dependent step size, Δ = softplus(Δ_raw + delta_bias)
-    A      A        the (diagonal) state matrix, one row of N = d_state values per channel, A < 0
-    B, C   B, C     input-dependent input / output projections of the state, N values per step
-    D      D        the skip connection y += D * u
-    z      z        the gate branch, y *= silu(z)
-    h      h        the hidden state, (batch, D, N) per time step
+    u           x      the input sequence, one scalar channel per d in D = d_inner (``dim``)
+    delta, dt   Δ      the step size, Δ = softplus(δ + delta_bias) (Algorithm 2: τ_Δ(Parameter +
+                       s_Δ(x)), τ_Δ = softplus); ``delta`` holds the raw δ until discretised, and in
+                       :class:`SelectiveScanFn` ``dt_raw`` = δ + bias, ``dt`` = Δ
+    A           A      the (diagonal) state matrix, one row of N = d_state values per channel, A < 0
+    B, C        B, C   input-dependent input / output projections of the state, N values per step
+    D           D      the skip connection y += D * u
+    z           z      the gate branch, y *= silu(z)
+    h, H        h      the hidden state, (batch, D, N) per time step; H: one chunk's states
+    dA, dB      Ā, B̄   discretised A, B (mamba_ssm's deltaA, deltaB). In ``backward``, ``dA`` is
+                       still Ā, while ``dB, dC, dD, dz, ddt, du`` are gradients ∂L/∂(·) and ∂L/∂A
+                       is ``dA_param``
+    dim, dstate, ngroups   D, N, G: G groups of D / G channels, each group sharing one B_t, C_t
 
-Discretisation as in the official code: Ā = exp(Δ A) (zero-order hold, eq. 4) and
-B̄ = Δ B (the simplification of section 3.5 / appendix C). The recurrence (eq. 2a, 2b):
+Einsum letters and short shapes: ``b`` batch, ``d`` channel (D), ``g`` group (G), ``c`` channel
+within its group (d = g·D/G + c), ``n`` state index (N), ``t`` time step, ``L`` seqlen, ``T``
+steps per chunk. Careful: the local ``k`` (forward) and ``n`` (backward) count a chunk's steps,
+and ``k`` in backward is the chunk index.
+
+Discretisation as in the official code: Ā = exp(Δ A) (zero-order hold, eq. 4) and B̄ = Δ B, the
+first-order (Euler) form of eq. 4's B̄ -- "a mix of ZOH for A and Euler discretization for B"
+(Gu, state-spaces/mamba#114). The recurrence (eq. 2a, 2b):
 
 $$ h_t = \bar A_t \odot h_{t-1} + \bar B_t\, x_t, \qquad y_t = C_t^\top h_t $$
 
@@ -114,8 +126,8 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # loop (Ā, B̄x, y = C h, and all gradients but dL/dh) is computed for a chunk of T time steps at
 # once, into work buffers allocated once per call and reused chunk after chunk (a chunk of
 # T * batch * dim * dstate floats stays in cache). Only the states entering each chunk are kept;
-# backward recomputes one chunk's states at a time, so memory is
-# O(batch * dim * dstate * (seqlen / T + T)) however long the sequence.
+# backward recomputes one chunk's states at a time, so state memory is
+# O(batch * dim * dstate * (seqlen / T + T)) instead of O(batch * dim * dstate * seqlen).
 #
 # Inside a chunk the layout is time-major with channels split by group: (T, batch, groups,
 # dim/groups, ...), so one time step is one contiguous slice and a group's B_t, C_t broadcast
@@ -188,6 +200,41 @@ class SelectiveScanFn(torch.autograd.Function):
         ctx.T, ctx.softplus = T, softplus
         return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
 
+    # Backward, derived. Per batch row, channel d and state index n (A is diagonal, so all is
+    # elementwise in (d, n)); t = 0 .. L-1, h_{-1} = h0; dX means ∂L/∂X. The forward was
+    #   Δ_t = softplus(δ_t + bias)                           (dt, from dt_raw = δ + bias)
+    #   Ā_t = exp(Δ_t A)                                     (eq. 4, ZOH; dA_)
+    #   h_t = Ā_t ⊙ h_{t-1} + Δ_t x_t B_t                    (eq. 2a, B̄_t = Δ_t B_t; H_[1:])
+    #   y_t = Σ_n C_t[n] h_t[n]                              (eq. 2b; ys)
+    #   pre = y + D x,  out = pre ⊙ silu(z)                   (pre saved, out returned)
+    # Gate and skip, from the outside in (the code then overwrites dout with dy):
+    #   dz = dout ⊙ pre ⊙ silu'(z),  dy = dout ⊙ silu(z),  dD = Σ_{t,b} dy ⊙ x,  dx = D ⊙ dy + ...
+    # h_t reaches L through y_t and through h_{t+1}, so g_t = dh_t obeys the adjoint recurrence,
+    # run backward in time (dH_; the only sequential loop):
+    #   g_{L-1} = C_{L-1} dy_{L-1} + dh_L                     (dh_L = dh_last, grad of returned h_L)
+    #   g_t     = C_t dy_t + Ā_{t+1} ⊙ g_{t+1}
+    #   dh0     = Ā_0 ⊙ g_0                                   (``carry`` when the loop ends)
+    # Chunk s..e-1 hands carry = Ā_s ⊙ g_s = dh_{s-1} to the chunk before, which adds it to g_{s-1}.
+    # With g known, the rest is local in t (B, C are per batch row: dB, dC keep b):
+    #   dB_t[n]   = Σ_{d in group} g_t[d,n] Δ_t[d] x_t[d]      (einsum over c)
+    #   dC_t[n]   = Σ_{d in group} h_t[d,n] dy_t[d]
+    #   dBx_t[d]  = Σ_n g_t[d,n] B_t[n]                        = ∂L/∂(Δ_t x_t)
+    #   dDeltaA_t = g_t ⊙ h_{t-1} ⊙ Ā_t                        = ∂L/∂(Δ_t A), as ∂Ā/∂(ΔA) = Ā
+    #   dA        = Σ_{t,b} dDeltaA_t ⊙ Δ_t                    (dA_param)
+    #   dΔ_t      = Σ_n dDeltaA_t[·,n] A[·,n] + dBx_t ⊙ x_t    (ddt)
+    #   dx_t     += dBx_t ⊙ Δ_t                                (du)
+    #   dδ = dΔ ⊙ sigmoid(δ + bias) with softplus (1 above 20, as the forward), else dδ = dΔ;
+    #   dbias = Σ_{t,b} dδ
+    # Why recompute: storing every h_t takes a (batch, d_inner, seqlen, d_state) tensor, N times
+    # the size of x. Forward keeps per chunk only its entering state h_{s-1}, (b, d, n), in
+    # ``starts`` (plus the last chunk's Ā and H buffers); backward reruns _chunk_states on chunk k
+    # from starts[k]: one extra forward pass over every chunk but the last, into T-step buffers
+    # reused chunk after chunk. T is sized for cache (~2^20 floats), not memory: with
+    # batch*dim*dstate = 2^18, T = 4 and ``starts`` holds a quarter of all states.
+    # Numerics: all fp32; Ā is the same exp2 value as in forward, used both in the adjoint and as
+    # ∂Ā/∂(ΔA). dA_param sums over (t, b) per chunk, then chunk by chunk from the last; dD and
+    # dbias sum over all (L, b) at once. dH_ becomes dDeltaA in place only after dB, dBx and
+    # carry have read it, and dDeltaA is scaled by A in place only after dA_param has read it.
     @staticmethod
     def backward(ctx, dout, dh_last):
         u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, last_dA, last_H, *starts = ctx.saved_tensors
