@@ -7,16 +7,18 @@
 Figures are built as ``matplotlib.figure.Figure`` objects rendered by the Agg canvas: no pyplot,
 no global backend, no window, so the same code runs in JupyterLab, under papermill, in a
 terminal and on a headless GPU node. In a Jupyter kernel the PNG is shown through an IPython
-display handle that is updated in place. matplotlib is imported inside the functions, so
-``import ssmkit`` never needs it.
+display handle that is updated in place. A saved figure is written whole
+(:func:`ssmkit.io.write_atomically`): a reader never sees half a PNG. matplotlib is imported inside
+the functions, so ``import ssmkit`` never needs it; of ssmkit, only :mod:`ssmkit.io` is imported.
 """
 
 from __future__ import annotations
 
-import io
-import os
 import time
+from io import BytesIO
 from pathlib import Path
+
+from .io import write_atomically
 
 
 def _in_kernel() -> bool:
@@ -30,17 +32,17 @@ def _in_kernel() -> bool:
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Save atomically (temporary name, then rename); the format follows the suffix (.png, .pdf, .svg)."""
+    """Render in memory, then :func:`ssmkit.io.write_atomically`; the format follows the suffix (.png, .pdf,
+    .svg; none: matplotlib's default, png)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+    buf = BytesIO()
+    fig.savefig(buf, format=path.suffix[1:].lower() or None, dpi=110, bbox_inches="tight")
+    return write_atomically(path, buf.getvalue())
 
 
 def _png(fig) -> bytes:
-    buf = io.BytesIO()
+    buf = BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return buf.getvalue()
 

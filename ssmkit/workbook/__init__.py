@@ -1,0 +1,63 @@
+"""The workbook: small helpers the notebooks call, and the papermill runner that executes them headless.
+
+    from ssmkit import workbook
+    p = workbook.check_params(preset="cpu-tiny", device="auto", out_dir="runs/lab/00", seed=0)   # in a cell
+    summary = workbook.run_workbook(["notebooks/00_setup.ipynb"], parameters={"seed": 1}, out="runs/try")
+
+    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
+    ssmkit workbook strip [NOTEBOOK ...]
+
+Modules, in the order a reader meets them:
+
+* :mod:`~ssmkit.workbook.cells`: what notebook cells call (:func:`check_params`, :func:`pick_device`,
+  :func:`system_info`, :func:`preset_info`, :func:`train_config`, :func:`sample_text`,
+  :func:`markdown_table`, :func:`format_duration`, :func:`write_metrics`; :func:`summarize_run` is
+  :func:`ssmkit.eval.summarize_run`);
+* :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
+  :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`, :func:`parse_value`);
+* :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
+* :mod:`~ssmkit.workbook.rundir`: the run directory's record and :func:`write_summary`;
+* :mod:`~ssmkit.workbook.signals` (SIGINT / SIGTERM -> :class:`Interrupted`) and
+  :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends);
+* :mod:`~ssmkit.workbook.cli`: :func:`main`, ``ssmkit workbook run|strip``.
+
+papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run.
+"""
+
+from .cells import (
+    check_params,
+    format_duration,
+    markdown_table,
+    pick_device,
+    preset_info,
+    preset_names,
+    sample_text,
+    summarize_run,
+    system_info,
+    train_config,
+    write_metrics,
+)
+from .cli import main
+from .notebooks import (
+    PROJECT_ROOT,
+    WorkbookError,
+    declared_parameters,
+    find_notebooks,
+    load_params_file,
+    parse_value,
+    strip_notebook,
+)
+from .rundir import RECORD, write_summary
+from .runner import DEFAULT_CELL_TIMEOUT, default_cell_timeout, run_workbook
+from .signals import Interrupted
+
+__all__ = [
+    # cells
+    "check_params", "format_duration", "markdown_table", "pick_device", "preset_info", "preset_names",
+    "sample_text", "summarize_run", "system_info", "train_config", "write_metrics",
+    # notebooks and params files
+    "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file", "parse_value",
+    "strip_notebook",
+    # the runner and its command line
+    "DEFAULT_CELL_TIMEOUT", "RECORD", "Interrupted", "default_cell_timeout", "main", "run_workbook", "write_summary",
+]

@@ -1,0 +1,88 @@
+"""``ssmkit workbook run|strip``: the command line of the runner.
+
+    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
+                        [--cell-timeout SECONDS] [--kernel NAME] [--progress] [--log-output]
+    ssmkit workbook strip [NOTEBOOK ...]          # clear outputs before committing
+
+Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order. ``-p`` values are read with the
+grammar of ``ssmkit train --set`` (:func:`ssmkit.checks.parse_value`: ``none``, ``true``, ``1e3``,
+``[1, 2]``, ``"text"``); ``-f`` is a YAML params file. Exit status: 0 all ok, 1 a notebook failed
+(or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing),
+128 + signal number when interrupted (130, 143).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..io import describe_os_error
+from .notebooks import WorkbookError, load_params_file, parse_value, strip_notebook
+from .runner import DEFAULT_CELL_TIMEOUT, run_workbook, timeout_seconds
+from .signals import Interrupted
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ssmkit workbook", description="run the notebooks headless with papermill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
+    run.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)")
+    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                     help="a parameter for the notebooks that declare it (repeatable); an undeclared key is an error")
+    run.add_argument("-f", "--params-file", help="YAML file of parameters; each notebook gets the keys it declares")
+    run.add_argument("--out", help="run directory (default: runs/<timestamp>); one that holds a run is refused")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the results of an earlier run in --out (never a file that no run wrote)")
+    run.add_argument("--kernel", help="a Jupyter kernel spec name (default: ipykernel on this Python)")
+    run.add_argument("--cell-timeout", metavar="SECONDS",
+                     help="seconds one cell may run, 0: no limit "
+                          f"(default: $SSMKIT_CELL_TIMEOUT or {DEFAULT_CELL_TIMEOUT})")
+    run.add_argument("--progress", action="store_true", help="papermill's per-cell progress bar")
+    run.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
+    strip = sub.add_parser("strip", help="clear outputs and execution counts in place")
+    strip.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/*.ipynb)")
+    return parser
+
+
+def _strip(notebooks: list[str]) -> None:
+    for p in notebooks or sorted(Path("notebooks").glob("*.ipynb")):
+        if not Path(p).is_file():
+            raise WorkbookError(f"notebook {p} does not exist")
+        print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")
+
+
+def main(argv=None) -> None:
+    """``ssmkit workbook run|strip ...``; exits 1 if a notebook failed (or a file could not be written), 2 on bad
+    arguments or inputs (a refused run touches nothing), 128 + signal number when interrupted (130, 143)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "strip":
+            _strip(args.notebooks)
+            return
+        if args.cell_timeout is not None:
+            timeout_seconds(args.cell_timeout, "--cell-timeout")   # checked here to name the option
+        shared = load_params_file(args.params_file) if args.params_file else {}
+        for key, _ in args.parameter:
+            if not key.isidentifier():
+                raise WorkbookError(f"-p {key}: a parameter name must be a Python identifier")
+        params = {key: parse_value(value) for key, value in args.parameter}
+        if args.log_output:
+            import logging
+
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        summary = run_workbook(args.notebooks or None, params, args.out, shared=shared, kernel_name=args.kernel,
+                               cell_timeout=args.cell_timeout, overwrite=args.overwrite, progress=args.progress,
+                               log_output=args.log_output)
+    except WorkbookError as exc:
+        parser.exit(2, f"ssmkit workbook: {exc}\n")
+    except Interrupted as exc:
+        parser.exit(128 + exc.signum, f"ssmkit workbook: interrupted by {exc}; summary: "
+                                      f"{Path(exc.summary['run']) / 'summary.md'}\n")
+    except OSError as exc:                              # disk full, read-only or vanished directory
+        parser.exit(1, f"ssmkit workbook: {describe_os_error(exc)}\n")
+    print(f"summary: {Path(summary['run']) / 'summary.md'}")
+    if summary["failed"]:
+        parser.exit(1, f"ssmkit workbook: {summary['failed']} of {len(summary['notebooks'])} notebook(s) failed\n")
