@@ -19,6 +19,7 @@ CHILD = r"""
 import json, os, sys, tempfile, time
 os.environ["HF_HUB_OFFLINE"] = "1"
 import ssmkit.data as D
+from ssmkit.eval import peak_memory_mb   # this process's peak RSS (VmHWM)
 which, workers = sys.argv[1], int(sys.argv[2])
 docs = list(D.stdlib_docs("train"))
 tok = D.get_tokenizer("gpt2")
@@ -34,9 +35,7 @@ else:
                     num_proc=workers if workers > 1 else None)
     tokens = sum(len(ids) for ids in mapped["input_ids"]) + len(docs)   # + the EOS ssmkit adds
 seconds = time.perf_counter() - t0
-with open("/proc/self/status") as f:
-    peak = next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
-print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_mb": peak}))
+print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_mb": peak_memory_mb()}))
 """
 
 

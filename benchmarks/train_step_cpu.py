@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no hub kernels / downloads; must precede the import
 import torch
@@ -36,6 +35,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2For
                           MambaConfig, MambaForCausalLM)
 
 import ssmkit  # installed editable by `make bench` / `make test`
+from ssmkit.eval import peak_memory_mb, time_round_robin
 
 CONFIGS = {
     "base": dict(d_model=128, n_layer=4, vocab=1000, batch=8, seqlen=256),
@@ -103,18 +103,11 @@ def n_params(model):
 
 
 def train_step(model, opt, ids):
-    t0 = time.perf_counter()
     loss = model(ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0, loss.item()
-
-
-def vm_hwm_mb():
-    """This process's peak resident set size (Linux /proc/self/status VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    return loss.item()
 
 
 def child_peak_mb(job):
@@ -122,15 +115,15 @@ def child_peak_mb(job):
     holds activations, grads and AdamW state at once). Reports the peak RSS minus the RSS
     after the imports, i.e. the extra peak memory of model + optimizer + activations.
     In-process deltas would be dishonest (a high-water mark never goes down), and
-    ru_maxrss is inherited from the forking parent across exec, so VmHWM is used."""
+    ru_maxrss is inherited from the forking parent across exec, so VmHWM is used (peak_memory_mb)."""
     c = CONFIGS[job["config"]]
-    before = vm_hwm_mb()
+    before = peak_memory_mb()
     model = build(job["model"], c, job["llama_ffn"]).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         train_step(model, opt, ids)
-    return vm_hwm_mb() - before
+    return peak_memory_mb() - before
 
 
 def bench_config(cfg_name, args, log):
@@ -149,31 +142,30 @@ def bench_config(cfg_name, args, log):
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in models.items()}
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=gen)
-    times, losses = {n: [] for n in names}, {}
-    for r in range(args.warmup + args.steps):
-        for n in names:
-            if n == SLOW and r not in (0, args.warmup):  # its 1 warmup + 1 timed step
-                continue
-            models[n].train()
-            dt, losses[n] = train_step(models[n], opts[n], ids)
-            if r >= args.warmup:
-                times[n].append(dt)
-        log(f"[{cfg_name}] train round {r + 1}/{args.warmup + args.steps} done")
+    losses = {}
+
+    def train_call(n, model, opt):  # one train step of model n; its loss is kept for the table
+        def call():
+            losses[n] = train_step(model, opt, ids)
+        return call
+
+    for m in models.values():
+        m.train()
+    times = time_round_robin(
+        {n: train_call(n, models[n], opts[n]) for n in names}, args.steps, args.warmup,
+        skip=lambda n, r: n == SLOW and r not in (0, args.warmup),  # its 1 warmup + 1 timed step
+        on_round=lambda r: log(f"[{cfg_name}] train round {r + 1}/{args.warmup + args.steps} done"))
     tokens = c["batch"] * c["seqlen"]
     train_tps = {n: tokens / statistics.median(times[n]) for n in names}
 
     # Forward only at 2048 tokens, same round-robin scheme.
     fwd_names = [n for n in names if n != SLOW]
     fwd_ids = torch.randint(0, c["vocab"], (1, FWD_SEQLEN), generator=gen)
-    fwd_times = {n: [] for n in fwd_names}
+    for n in fwd_names:
+        models[n].eval()
     with torch.no_grad():
-        for r in range(args.warmup + args.steps):
-            for n in fwd_names:
-                models[n].eval()
-                t0 = time.perf_counter()
-                models[n](fwd_ids)
-                if r >= args.warmup:
-                    fwd_times[n].append(time.perf_counter() - t0)
+        fwd_times = time_round_robin({n: lambda m=models[n]: m(fwd_ids) for n in fwd_names},
+                                     args.steps, args.warmup)
     fwd_tps = {n: FWD_SEQLEN / statistics.median(fwd_times[n]) for n in fwd_names}
     del models, opts
 

@@ -1,9 +1,27 @@
 """Evaluation: how good a model is and how fast it runs. The Trainer calls it for its evaluations; the
 notebooks and benchmarks for their tables.
 
-    ssmkit.eval.summarize_run(history)     # first/last validation loss, perplexity, median tokens/s
+    from ssmkit import eval as ev
+    ev.perplexity(model, val_loader, batches=20)          # {"loss": nats/token, "ppl": exp(loss), "batches"}
+    ev.lm_loss(model, input_ids, labels)                  # mean next-token cross-entropy, a scalar tensor
+    ev.task_accuracy(model, ssmkit.data.make_task("mqar", vocab_size=64, seq_len=64), n=256, seed=1)
+    ev.flops_per_token(model, seq_len=256)                # training FLOPs per token (6N + the scans)
+    ev.mfu(flops, tokens_per_s, ev.peak_flops(device, "bf16"))   # None on CPUs
+    ev.throughput(step, tokens_per_step=8 * 256)          # tokens/s: median over timed calls after warm-up
+    ev.time_round_robin({"ours": a, "peer": b}, steps=7)  # seconds per call, peers interleaved
+    ev.peak_memory_mb(device)                             # MiB: CUDA allocator peak, else peak RSS
+    ev.summarize_run(history)                             # first/last val loss, perplexity, median tokens/s
+
+Modules: ``loss`` (loss, perplexity), ``tasks`` (synthetic-task accuracy), ``flops`` (FLOPs, peak, MFU),
+``measure`` (timing, memory), ``summary`` (a Trainer history's headline numbers). This layer sits above
+models, hub and data and below train: it imports none of train, workbook or cli.
 """
 
+from .flops import PEAK_BF16_FLOPS, flops_per_token, mfu, peak_flops
+from .loss import lm_loss, perplexity
+from .measure import peak_memory_mb, throughput, time_round_robin
 from .summary import summarize_run
+from .tasks import answer_accuracy, task_accuracy
 
-__all__ = ["summarize_run"]
+__all__ = ["PEAK_BF16_FLOPS", "answer_accuracy", "flops_per_token", "lm_loss", "mfu", "peak_flops",
+           "peak_memory_mb", "perplexity", "summarize_run", "task_accuracy", "throughput", "time_round_robin"]

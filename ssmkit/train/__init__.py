@@ -7,9 +7,10 @@
 Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``.
 """
 
+from ..eval import flops_per_token, lm_loss  # still here for old imports; their home is ssmkit.eval
 from .config import TrainConfig
-from .optim import build_optimizer, flops_per_token, lr_at, split_parameters
-from .trainer import Trainer, TrainingError, lm_loss, prepare_data
+from .optim import build_optimizer, lr_at, split_parameters
+from .trainer import Trainer, TrainingError, prepare_data
 
-__all__ = ["TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token", "lm_loss", "lr_at",
-           "prepare_data", "split_parameters"]
+__all__ = ["TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token", "lm_loss",
+           "lr_at", "prepare_data", "split_parameters"]

@@ -1,4 +1,4 @@
-"""AdamW with the official parameter groups, the learning-rate schedules, and FLOPs per token.
+"""AdamW with the official parameter groups and the learning-rate schedules.
 
 Weight decay (Mamba's recipe, as in GPT-2/3 training code): matrices of linear and conv layers
 decay; norms, biases, embeddings and the SSM parameters A_log, D and dt_bias do not (the mixers
@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from ..eval.flops import PEAK_BF16_FLOPS, flops_per_token, peak_flops  # noqa: F401  (old home: ssmkit.eval)
 from .config import TrainConfig
 
 
@@ -40,10 +41,11 @@ def split_parameters(model: nn.Module) -> tuple[list[str], list[str]]:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay, _ = split_parameters(model)
     decay = set(decay)
-    params = dict(model.named_parameters())                          # tied weights once, under their first name
+    params = dict(model.named_parameters())                      # tied weights once, under their first name
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
     groups = [
-        {"params": [p for n, p in params.items() if n in decay and p.requires_grad], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in params.items() if n not in decay and p.requires_grad], "weight_decay": 0.0},
+        {"params": [p for n, p in trainable.items() if n in decay], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in trainable.items() if n not in decay], "weight_decay": 0.0},
     ]
     fused = all(p.is_cuda for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
@@ -64,47 +66,3 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int | None = None) -> float:
         return cfg.lr + (cfg.min_lr - cfg.lr) * min(1.0, (step - start + 1) / (total - start))
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward), an estimate for MFU.
-
-    Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts).
-    Mamba-1 scan: 9 · d_inner · d_state per token forward (Gu & Dao 2023, section 3.3.2).
-    Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P (states).
-    Attention (other models with num_attention_heads): 12 · n_layer · d_model · seq_len (PaLM, appendix B).
-    """
-    cfg = getattr(model, "config", None)
-    matmul = 0
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv1d)):
-            matmul += module.weight.numel()
-    flops = 6.0 * matmul
-    mixers = getattr(cfg, "mixers", None)
-    if mixers is not None:
-        for mixer in mixers:
-            if mixer == "mamba1":
-                flops += 3 * 9 * cfg.d_inner * cfg.d_state
-            else:
-                q = min(cfg.chunk_size, seq_len)
-                flops += 3 * (cfg.ngroups * 2 * q * cfg.d_state
-                              + cfg.nheads * (2 * q * cfg.headdim + 4 * cfg.d_state * cfg.headdim))
-    elif cfg is not None and hasattr(cfg, "num_attention_heads"):
-        flops += 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
-    return flops
-
-
-# dense bf16 tensor-core peaks (vendor datasheets), for MFU on GPUs
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12, "L4": 121e12,
-                   "4090": 165e12, "V100": 125e12}
-
-
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The device's peak FLOP/s for ``precision``, or None when unknown (CPUs: MFU is not reported)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return value if precision != "fp32" else value / 2     # TF32 is half the bf16 rate
-    return None

@@ -9,7 +9,8 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
 
 Every ``log_every`` steps a line goes to ``out_dir/metrics.jsonl`` (and the progress bar, callbacks,
-wandb); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a checkpoint.
+wandb); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a checkpoint. Losses,
+perplexity, FLOPs/MFU and peak memory come from :mod:`ssmkit.eval`.
 Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
 ``on_end(trainer)``.
 """
@@ -26,37 +27,25 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import TokenLoader, prepare, source_fingerprint
 from ..env import reuse_freed_memory
+from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
 from ..io import cache_dir, read_json, write_atomically
 from ..models import build_model
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import DTYPES, Dist, setup, wrap
-from .optim import build_optimizer, flops_per_token, lr_at, peak_flops
+from .optim import build_optimizer, lr_at
 from .rundir import RunDir
-
 
 PREPARE_WAIT = 6 * 3600        # seconds to wait for another process preparing the same cached shards
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for max_bad_steps steps in a row)."""
-
-
-def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all positions, in fp32.
-
-    input_ids, labels: (batch, seqlen) int64; ``labels[b, t]`` is the target of position t (the loader's
-    windows are already shifted). ``model(input_ids)`` returns logits (batch, seqlen, vocab) or an
-    object with ``.logits`` (ssmkit's LMOutput, transformers' outputs)."""
-    out = model(input_ids)
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _slug(text: str) -> str:
@@ -102,22 +91,14 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
     return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
-
-
 class Trainer:
     """Train ``model`` (None: built from ``config.model``) on ``data``: None (``config.data``, prepared if it
     is a source), a shard directory, or a :class:`~ssmkit.data.TokenLoader` matching the config. ``val_data``:
     a shard directory (None: ``config.val_data`` or the source's validation split). ``resume=True``
     continues from the latest checkpoint in ``config.out_dir``."""
 
-    def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None, val_data=None,
-                 callbacks=(), resume: bool = False):
+    def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None,
+                 val_data=None, callbacks=(), resume: bool = False):
         cfg = self.config = config or TrainConfig()
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
@@ -133,16 +114,17 @@ class Trainer:
             mine = dict(seq_len=cfg.seq_len, batch_size=cfg.micro_batch, rank=d.rank, world_size=d.world_size)
             theirs = {k: getattr(data, k) for k in mine}
             if theirs != mine:
-                raise ValueError(f"the TokenLoader given has {theirs}; this run needs {mine} (seq_len, micro_batch, "
-                                 "rank and world size of the config): pass its shard directory instead")
+                raise ValueError(f"the TokenLoader given has {theirs}; this run needs {mine} (seq_len, "
+                                 "micro_batch, rank and world size of the config): pass its shard directory "
+                                 "instead")
             self.loader = data
         else:
             self.loader = _rank0_first(d, lambda: TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank,
                                                               d.world_size, seed=cfg.seed))   # verified once
         self.val_loader = None
         if val_data is not None and cfg.eval_batches:
-            self.val_loader = _rank0_first(d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank,
-                                                                  d.world_size, seed=0))
+            self.val_loader = _rank0_first(d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch,
+                                                                  d.rank, d.world_size, seed=0))
         vocab = self.loader.index["vocab_size"]
         if model is None:
             torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
@@ -180,10 +162,18 @@ class Trainer:
             d.barrier()
 
     # --- pieces of a step -----------------------------------------------------------------------
-    def _autocast(self):
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype forward passes autocast to; None: no autocast (fp32, or FSDP, which casts through its
+        MixedPrecisionPolicy)."""
         if self.config.precision == "fp32" or self.config.strategy == "fsdp" and self.dist.world_size > 1:
-            return contextlib.nullcontext()                          # FSDP casts through its MixedPrecisionPolicy
-        return torch.autocast(self.dist.device.type, dtype=DTYPES[self.config.precision])
+            return None
+        return DTYPES[self.config.precision]
+
+    def _autocast(self):
+        dtype = self._autocast_dtype()
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=dtype)
 
     def _sync(self, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
@@ -212,9 +202,10 @@ class Trainer:
             self.run_dir.check_owner()
             try:
                 self._loop(bar, stop, total)
-            except Exception:                                        # a failed replacement gives the old run back
+            except Exception:                                    # a failed replacement gives back the old run
                 if not self._committed:
-                    self.run_dir.restore_previous("the run that replaced it failed before its first checkpoint")
+                    self.run_dir.restore_previous(
+                        "the run that replaced it failed before its first checkpoint")
                 raise
             finally:
                 bar.close()
@@ -259,7 +250,8 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == stop:
                 elapsed = time.perf_counter() - t0
                 record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",
+                                tok_s=f"{record['tokens_per_s']:,.0f}")
                 window = []
             if not window:
                 t0, tokens0 = time.perf_counter(), self.tokens
@@ -277,45 +269,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped += 1
         self.bad_in_row += 1
-        self._emit({"kind": "skip", "step": self.step, "tokens": self.tokens, "loss": loss, "skipped": self.skipped})
+        self._emit({"kind": "skip", "step": self.step, "tokens": self.tokens, "loss": loss,
+                    "skipped": self.skipped})
         if self.dist.is_main:
-            warnings.warn(f"step {self.step}: loss is {loss}; step skipped ({self.bad_in_row} in a row)", stacklevel=2)
+            warnings.warn(f"step {self.step}: loss is {loss}; step skipped ({self.bad_in_row} in a row)",
+                          stacklevel=2)
         if self.bad_in_row >= self.config.max_bad_steps:
             raise TrainingError(f"the loss was not finite for {self.bad_in_row} steps in a row (up to step "
-                                f"{self.step}); lower lr (now {self.config.lr}), use bf16 instead of fp16, or raise "
-                                f"max_bad_steps ({self.config.max_bad_steps})")
+                                f"{self.step}); lower lr (now {self.config.lr}), use bf16 instead of fp16, "
+                                f"or raise max_bad_steps ({self.config.max_bad_steps})")
 
     def _log_record(self, window, lr: float, tokens_per_s: float) -> dict:
-        tflops = self.flops_per_token * tokens_per_s
         record = {"kind": "train", "step": self.step, "tokens": self.tokens,
                   "loss": sum(w[0] for w in window) / len(window), "lr": lr,
                   "grad_norm": sum(w[1] for w in window) / len(window), "tokens_per_s": tokens_per_s,
-                  "mfu": tflops / (self.peak_flops * self.dist.world_size) if self.peak_flops else None,
-                  "peak_mem_mb": _peak_memory_mb(self.dist.device), "skipped": self.skipped}
+                  "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
+                  "peak_mem_mb": peak_memory_mb(self.dist.device), "skipped": self.skipped}
         self._emit(record)
         for cb in self.callbacks:
             getattr(cb, "on_log", lambda t, r: None)(self, record)
         return record
 
-    @torch.no_grad()
     def evaluate(self) -> dict | None:
         """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards (all
-        ranks together, so any world size evaluates the same windows)."""
+        ranks together, so any world size evaluates the same windows): :func:`ssmkit.eval.perplexity`."""
         if self.val_loader is None:
             return None
-        self.module.eval()
-        self.val_loader.epoch = self.val_loader.step = 0                 # the same windows every time
-        n = min(max(1, self.config.eval_batches // self.dist.world_size), self.val_loader.batches_per_epoch)
-        total = torch.zeros((), device=self.dist.device)
-        batches = self._batches(self.val_loader)
-        for _ in range(n):
-            x, y = next(batches)
-            with self._autocast():
-                total += lm_loss(self.module, x, y)
-        self.module.train()
-        loss = self.dist.all_reduce_mean(total / n).item()
-        record = {"kind": "eval", "step": self.step, "tokens": self.tokens, "val_loss": loss,
-                  "val_ppl": math.exp(min(loss, 50.0))}
+        result = perplexity(self.module, self.val_loader, self.config.eval_batches, device=self.dist.device,
+                            dtype=self._autocast_dtype(), reduce=self.dist.all_reduce_mean)
+        record = {"kind": "eval", "step": self.step, "tokens": self.tokens, "val_loss": result["loss"],
+                  "val_ppl": result["ppl"]}
         self._emit(record)
         for cb in self.callbacks:
             getattr(cb, "on_eval", lambda t, r: None)(self, record)
@@ -328,8 +311,8 @@ class Trainer:
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self._wandb is not None:
-                self._wandb.log({k: v for k, v in record.items() if k not in ("kind", "step") and v is not None},
-                                step=record["step"])
+                values = {k: v for k, v in record.items() if k not in ("kind", "step") and v is not None}
+                self._wandb.log(values, step=record["step"])
 
     def _start_tracking(self):
         if self.config.tracking != "wandb" or not self.dist.is_main or self._wandb is not None:
@@ -337,16 +320,17 @@ class Trainer:
         try:
             import wandb
         except ImportError:
-            warnings.warn("tracking=wandb but wandb is not installed (pip install wandb); training goes on without it",
-                          stacklevel=2)
+            warnings.warn("tracking=wandb but wandb is not installed (pip install wandb); training goes on "
+                          "without it", stacklevel=2)
             return
         os.environ.setdefault("WANDB_MODE", "offline")
         self._wandb = wandb.init(project=self.config.wandb_project, config=self.config.to_dict(),
                                  dir=str(self.out_dir), resume="allow")
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped, "bad_in_row": self.bad_in_row,
-                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
+        state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped,
+                 "bad_in_row": self.bad_in_row, "loader": self.loader.state_dict(),
+                 "scaler": self.scaler.state_dict(),
                  "world_size": self.dist.world_size, "config": self.config.to_dict()}
         with self.run_dir.hold():
             path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
@@ -356,7 +340,8 @@ class Trainer:
         return path
 
     def resume(self) -> bool:
-        """Continue from the latest checkpoint in ``out_dir``; False (and a fresh start) when there is none."""
+        """Continue from the latest checkpoint in ``out_dir``; False (and a fresh start) when there is
+        none."""
         path = checkpoint.latest(self.ckpt_dir)
         if path is None:
             if self.dist.is_main:
@@ -373,8 +358,8 @@ class Trainer:
         mine = self.loader.state_dict()
         for key in ("seed", "seq_len", "total_tokens"):
             if saved[key] != mine[key]:
-                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved[key]!r}, this run has "
-                                 f"{mine[key]!r} (same data, seq_len and seed are needed)")
+                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved[key]!r}, this run "
+                                 f"has {mine[key]!r} (same data, seq_len and seed are needed)")
         windows = saved["step"] * saved["batch_size"] * saved["world_size"]   # consumed this epoch, all ranks
         per_step = self.loader.batch_size * self.loader.world_size
         if windows % per_step:
@@ -400,6 +385,7 @@ class Trainer:
                 except (ValueError, KeyError, TypeError):
                     torn += 1
             if torn:
-                warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)", stacklevel=2)
+                warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)",
+                              stacklevel=2)
             write_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
             self.history = keep

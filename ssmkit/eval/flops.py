@@ -1,0 +1,74 @@
+"""FLOPs per token, the accelerator's peak FLOP/s, and model FLOPs utilisation (MFU).
+
+MFU (PaLM, Chowdhery et al. 2022, appendix B) is the fraction of the hardware's peak that the model's
+own arithmetic uses, counting no rematerialisation:
+
+    MFU = flops_per_token · tokens_per_s / (peak_flops · world_size)
+
+Glossary: ``d_inner`` = E·D (expanded width), ``d_state`` = N, ``headdim`` = P, ``chunk_size`` = Q,
+``ngroups`` = G (heads sharing one B and C), ``nheads`` = H.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), an estimate for MFU.
+
+    Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts).
+    Mamba-1 scan: 9 · d_inner · d_state per token forward (Gu & Dao 2023, section 3.3.2).
+    Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P (states).
+    Attention (other models with num_attention_heads): 12 · n_layer · d_model · seq_len (PaLM, appendix B).
+
+    model: an ssmkit LM (``model.config.mixers`` lists each layer's mixer) or a transformers model;
+    seq_len: the training length L (the SSD chunk is min(Q, L); attention costs grow with L).
+    """
+    cfg = getattr(model, "config", None)
+    matmul = 0
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            matmul += module.weight.numel()
+    flops = 6.0 * matmul
+    mixers = getattr(cfg, "mixers", None)
+    if mixers is not None:
+        for mixer in mixers:
+            if mixer == "mamba1":
+                flops += 3 * 9 * cfg.d_inner * cfg.d_state
+            else:
+                q = min(cfg.chunk_size, seq_len)
+                flops += 3 * (cfg.ngroups * 2 * q * cfg.d_state
+                              + cfg.nheads * (2 * q * cfg.headdim + 4 * cfg.d_state * cfg.headdim))
+    elif cfg is not None and hasattr(cfg, "num_attention_heads"):
+        flops += 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    return flops
+
+
+# dense bf16 tensor-core peaks (vendor datasheets), for MFU on GPUs
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
+                   "L4": 121e12, "4090": 165e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's peak FLOP/s for ``precision`` ("bf16", "fp16", "fp32"), or None when unknown (CPUs:
+    MFU is not reported). fp32 counts TF32, half the bf16 rate (the datasheets' dense figures)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value if precision != "fp32" else value / 2     # TF32 is half the bf16 rate
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None,
+        world_size: int = 1) -> float | None:
+    """Model FLOPs utilisation: flops_per_token · tokens_per_s / (peak · world_size) (PaLM, appendix B).
+
+    tokens_per_s: the whole run's rate (all ranks); peak: one device's FLOP/s (:func:`peak_flops`), None
+    or 0 where unknown, and then the MFU is None too."""
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_s / (peak * world_size)
