@@ -52,7 +52,7 @@ def main(argv=None):
     if args.command == "env":
         if rest:
             parser.error(f"unrecognized arguments for env: {' '.join(rest)}")
-        from . import env_report
+        from .env import env_report
 
         print(env_report())
     elif args.command == "convert":

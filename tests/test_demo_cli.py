@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+ENV = dict(os.environ)   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1 for every test and subprocess
 
 
 def run(*args, check=True):

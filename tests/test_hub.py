@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import (AutoModelForCausalLM, FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config,  # noqa: E402
+from transformers import (AutoModelForCausalLM, FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config,
                           Mamba2ForCausalLM, MambaConfig, MambaForCausalLM)
 
-import ssmkit  # noqa: E402
-from ssmkit import CheckpointError  # noqa: E402
-from ssmkit.models import ModelConfig  # noqa: E402
+import ssmkit
+from ssmkit import CheckpointError
+from ssmkit.models import ModelConfig
 
 ATOL = 1e-4
 # mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)

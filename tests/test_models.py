@@ -8,18 +8,15 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from transformers.models.mamba.modeling_mamba import MambaMixer
+from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM  # noqa: E402
-from transformers.models.mamba.modeling_mamba import MambaMixer  # noqa: E402
-from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
-
-import ssmkit  # noqa: E402
-from ssmkit.models import InferenceCache, Mamba1, Mamba2, ModelConfig  # noqa: E402
+import ssmkit
+from ssmkit.models import InferenceCache, Mamba1, Mamba2, ModelConfig
 
 ATOL = 1e-4  # fp32, max abs difference against transformers
 

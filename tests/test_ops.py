@@ -16,11 +16,8 @@
 from __future__ import annotations
 
 import importlib
-import os
 import random
 import re
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no hub-kernel download
 
 import pytest
 import torch

@@ -12,32 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
-from ssmkit.data import prepare
 from ssmkit.train import Trainer, TrainConfig, TrainingError, flops_per_token, lr_at, split_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    base = tmp_path_factory.mktemp("shards")
-    prepare("stdlib-docs", "byte", base / "train", max_tokens=60_000, shard_tokens=20_000, progress=False)
-    prepare("stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False)
-    return base
-
-
-def small(tmp_path, shards, **kw) -> TrainConfig:
-    base = dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
-                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=256, lr=3e-3, min_lr=3e-4,
-                warmup_steps=2, max_steps=6, log_every=1, eval_every=0, eval_batches=2, progress=False,
-                out_dir=str(tmp_path / "run"))
-    return TrainConfig(**{**base, **kw})
-
-
-def losses(history):
-    return [r["loss"] for r in history if r["kind"] == "train"]
 
 
 # --- configuration ------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
 from ssmkit.train import Trainer, TrainConfig, TrainingError, checkpoint
 from ssmkit.train.checkpoint import CheckpointCorrupt
 from ssmkit.train.rundir import PREVIOUS
-from test_train import losses, shards, small  # noqa: F401  (shards: the module's byte-level shard fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = ["written", "old moved aside", "renamed", "latest written"]

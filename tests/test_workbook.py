@@ -22,7 +22,7 @@ pytest.importorskip("papermill")
 from ssmkit import workbook  # noqa: E402
 from ssmkit.plots import LivePlot, plot_curves  # noqa: E402
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib, sys\n"
           "(pathlib.Path(out_dir) / 'metrics.json').write_text(json.dumps({{k: globals()[k] for k in {names!r}}} "
           "| {{'python': sys.executable}}))")
@@ -209,8 +209,9 @@ def test_pick_device_without_gpu():
 def test_preset_info_counts_like_a_built_model():
     import ssmkit
 
-    info = workbook.preset_info("tiny", max_tokens=1000)
-    assert info["params"] == ssmkit.build_model("tiny").num_parameters()
+    info = workbook.preset_info("tiny", max_tokens=1000)        # what train_config("tiny") would train
+    assert info["params"] == ssmkit.build_model(workbook.train_config("tiny", max_steps=1).model_config()).num_parameters()
+    assert info["vocab_size"] == len(ssmkit.data.get_tokenizer("gpt2")) == 50257
     assert info["train_flops"] == 6 * info["params"] * 1000
     assert info["train_state_gb"] == round(16 * info["params"] / 2**30, 3)
 

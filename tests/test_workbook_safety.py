@@ -24,7 +24,7 @@ from ssmkit import workbook  # noqa: E402
 from ssmkit.io import DirLock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib\n"
           "(pathlib.Path(out_dir) / 'metrics.json').write_text(json.dumps({'x': x}))")
 

@@ -11,7 +11,7 @@
 
 from .loader import TokenLoader
 from .mds import read_mds, write_mds
-from .shards import prepare
+from .pipeline import prepare
 from .sources import REMOTE, Document, load_source, source_fingerprint, stdlib_docs
 from .synthetic import TASKS, SyntheticBatch, accuracy, check, make_task
 from .tokenizers import EOS, get_tokenizer, vocab_size

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import LOCK_FILE, DirLock, plain_name, read_json, write_json
-from .shards import INDEX, open_shards, progress_bar, write_atomically
+from ..io import LOCK_FILE, DirLock, plain_name, read_json, write_atomically, write_json
+from .shards import INDEX, open_shards, progress_bar
 
 META = "ssmkit.json"
 MDS_VERSION = 2

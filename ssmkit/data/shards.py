@@ -1,4 +1,5 @@
-"""Tokenize a source into packed token shards: ``prepare(source, tokenizer, out_dir, ...)``.
+"""Token shards: a source tokenized and packed into shards (:func:`write_shards`), and read back checked
+(:func:`open_shards`). The entry point is :func:`ssmkit.data.prepare` (in :mod:`ssmkit.data.pipeline`).
 
 Documents are tokenized in worker processes (in order), each followed by EOS, and packed into one
 flat token stream cut into shards of ``shard_tokens`` tokens, stored as raw ``uint16`` (vocabulary
@@ -18,19 +19,18 @@ Checking shards (:func:`check_shards`, used by the loader and the MDS writer): t
 ``verify="auto"`` does that once per file and remembers it under ``$SSMKIT_CACHE/verified/`` by
 (size, mtime, ctime), so a second open costs a ``stat`` per shard.
 
-``mds_seq_len=N`` also writes a MosaicML streaming (MDS) copy of ``N + 1``-token windows into
-``out_dir/mds`` (see :mod:`ssmkit.data.mds`).
+The MDS copy (``prepare(..., mds_seq_len=N)``, :mod:`ssmkit.data.mds`) reads the shards through this
+module; it is written by :mod:`ssmkit.data.pipeline`, above both.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import numbers
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import islice
 from multiprocessing import get_context
@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..io import DirLock, cache_dir, plain_name, read_json, write_atomically, write_json
-from .sources import Document, check_source, load_source, source_fingerprint
+from ..io import cache_dir, plain_name, read_json, write_atomically, write_json
+from .sources import Document, load_source, source_fingerprint
 from .tokenizers import get_tokenizer
 
 INDEX, PROGRESS = "index.json", "progress.json"
@@ -57,7 +57,7 @@ def _redo(folder: Path) -> str:
     return f"prepare the data again into a new directory (or delete {folder} and run ssmkit data prepare again)"
 
 
-def _count(name: str, value, minimum: int = 1, none_ok: bool = False):
+def check_count(name: str, value, minimum: int = 1, none_ok: bool = False):
     """``value`` as an int >= ``minimum`` (bool is not an int), or ValueError naming ``name``."""
     if value is None and none_ok:
         return None
@@ -221,7 +221,7 @@ def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: 
             yield from encoded
 
 
-# --- prepare ---------------------------------------------------------------------------------------
+# --- writing shards --------------------------------------------------------------------------------
 
 @contextmanager
 def progress_bar(**kw):
@@ -234,43 +234,6 @@ def progress_bar(**kw):
         raise
     finally:
         bar.close()
-
-
-def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.PathLike, *, split: str = "train",
-            max_tokens: int | None = None, shard_tokens: int = 1 << 24, workers: int = 1,
-            dtype: str = "auto", progress: bool = True, mds_seq_len: int | None = None,
-            lock_wait: float = 0) -> dict:
-    """Tokenize ``source`` (a name for :func:`ssmkit.data.sources.load_source`, or Documents) into ``out_dir``.
-
-    Returns the index (also written to ``out_dir/index.json``). ``mds_seq_len``: also write an MDS copy
-    (:func:`ssmkit.data.write_mds` with that ``seq_len``) into ``out_dir/mds``. ``lock_wait``: seconds to
-    wait for another process preparing into ``out_dir`` (a shared cache) before failing; 0 fails at once.
-    Bad arguments raise ValueError before anything is written.
-    """
-    max_tokens = _count("max_tokens", max_tokens, none_ok=True)
-    shard_tokens = _count("shard_tokens", shard_tokens)
-    workers = _count("workers", workers)
-    mds_seq_len = _count("mds_seq_len", mds_seq_len, none_ok=True)
-    if dtype not in ("auto", *DTYPES):
-        raise ValueError(f"dtype {dtype!r} is not valid; valid: auto, uint16, uint32")
-    if isinstance(lock_wait, bool) or not isinstance(lock_wait, numbers.Real) or not 0 <= lock_wait < math.inf:
-        raise ValueError(f"lock_wait must be a number of seconds >= 0; got {lock_wait!r}")
-    if not isinstance(tokenizer, str) or not tokenizer:
-        raise ValueError(f"tokenizer must be a name or a directory (str); got {tokenizer!r}")
-    source = os.fspath(source) if isinstance(source, os.PathLike) else source
-    if isinstance(source, str):
-        check_source(source, split)
-    elif isinstance(source, (bytes, dict)) or not isinstance(source, Iterable):
-        raise ValueError(f"source must be a name, a path or an iterable of Document; got {type(source).__name__}")
-    out = Path(out_dir)
-    with DirLock(out, "data prepare", wait=lock_wait):
-        index = _prepare(source, tokenizer, out, split=split, max_tokens=max_tokens, shard_tokens=shard_tokens,
-                         workers=workers, dtype=dtype, progress=progress)
-        if mds_seq_len is not None:
-            from .mds import write_mds
-
-            write_mds(out, out / "mds", mds_seq_len, progress=progress)
-    return index
 
 
 def _same_options(out: Path, what: str, saved, options: dict):
@@ -297,11 +260,18 @@ def _load_progress(out: Path, options: dict) -> dict | None:
     for k, shard in enumerate(_check_entries(state.get("shards"), out / PROGRESS)):
         plain_name(shard["file"], str(out / PROGRESS), pattern=f"shard_{k:05d}\\.bin")   # as flush() names them
     for key in ("next_doc", "next_offset", "documents", "empty_documents"):
-        _count(f"{out / PROGRESS}: {key}", state.get(key), minimum=0)
+        check_count(f"{out / PROGRESS}: {key}", state.get(key), minimum=0)
     return state
 
 
-def _prepare(source, tokenizer, out: Path, *, split, max_tokens, shard_tokens, workers, dtype, progress) -> dict:
+def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_tokens, workers, dtype,
+                 progress) -> dict:
+    """Tokenize ``source`` into shards in ``out`` and return the index (also written to ``out/index.json``).
+
+    Arguments are :func:`ssmkit.data.prepare`'s, already checked; the caller holds ``out``'s
+    :class:`~ssmkit.io.DirLock`. Finished shards of a crashed run are kept (see the module docstring);
+    a finished directory is checked and returned as it is.
+    """
     named = isinstance(source, str)
     options = dict(source=source if named else "<documents>", split=split, tokenizer=tokenizer,
                    max_tokens=max_tokens, shard_tokens=shard_tokens, dtype=dtype,

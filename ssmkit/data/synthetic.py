@@ -62,7 +62,9 @@ answer_mask
     Boolean (n, seq_len), True exactly at the answer positions (``labels != -100``).
 checker
     A per-task function that re-derives the answers from ``input_ids`` alone, written
-    independently of the (vectorised) generator; :func:`check` compares it with a batch.
+    independently of the (vectorised) generator, in its own module that does not import the
+    generators (:mod:`ssmkit.data.synthetic_checks`, with :class:`SyntheticBatch` and
+    :func:`accuracy`); :func:`check` compares it with a batch.
 
 Seeds: ``task.sample(n, seed)`` draws from ``torch.Generator().manual_seed(seed)``, so the same
 (task, n, seed) always gives the same tensors. ``task.split(n_train, n_test, seed)`` uses seed
@@ -80,51 +82,21 @@ from typing import ClassVar
 
 import torch
 
-IGNORE_INDEX = -100   # label of positions without a loss (torch's cross_entropy ignore_index default)
+from .synthetic_checks import (IGNORE_INDEX, SyntheticBatch, accuracy, induction_heads_answers, mqar_answers,
+                               selective_copying_answers)
 
 __all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS", "make_task",
            "accuracy", "check", "selective_copying_answers", "induction_heads_answers", "mqar_answers"]
 
 
 # --------------------------------------------------------------------------------------------
-# The batch
+# Shared task machinery (the batch type, checkers and accuracy: ssmkit.data.synthetic_checks)
 # --------------------------------------------------------------------------------------------
-
-@dataclass
-class SyntheticBatch:
-    """n sequences of one task.
-
-    input_ids:   LongTensor (n, seq_len), the full sequences (answers included).
-    labels:      LongTensor (n, seq_len), ``input_ids`` at answer positions, ``-100`` elsewhere;
-                 pass as ``model(input_ids, labels=labels)`` (the model shifts them).
-    answer_mask: BoolTensor (n, seq_len), True at the answer positions.
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    answer_mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def __getitem__(self, index) -> SyntheticBatch:
-        """Rows of the batch, e.g. ``batch[:32]`` for a minibatch (always stays 2-D)."""
-        if isinstance(index, int):
-            index = slice(index, index + 1) if index != -1 else slice(-1, None)
-        return SyntheticBatch(self.input_ids[index], self.labels[index], self.answer_mask[index])
-
-    def to(self, device) -> SyntheticBatch:
-        return SyntheticBatch(self.input_ids.to(device), self.labels.to(device), self.answer_mask.to(device))
-
 
 def _batch(input_ids: torch.Tensor, answer_mask: torch.Tensor) -> SyntheticBatch:
     labels = torch.where(answer_mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     return SyntheticBatch(input_ids=input_ids, labels=labels, answer_mask=answer_mask)
 
-
-# --------------------------------------------------------------------------------------------
-# Shared task machinery
-# --------------------------------------------------------------------------------------------
 
 def _require_int(task: str, name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -240,25 +212,6 @@ class SelectiveCopying(_Task):
         return _batch(ids, mask)
 
 
-def selective_copying_answers(input_ids: torch.Tensor, task: SelectiveCopying) -> torch.Tensor:
-    """Checker: labels re-derived from ``input_ids`` alone (raises ValueError if a row is malformed).
-
-    Per row: the single separator splits context from answers; the answers are the non-noise
-    context tokens in order, and they must fill the rest of the row.
-    """
-    expected = []
-    for row in input_ids.tolist():
-        if row.count(task.sep_id) != 1:
-            raise ValueError(f"expected exactly one separator ({task.sep_id}); found {row.count(task.sep_id)}")
-        sep = row.index(task.sep_id)
-        data = [tok for tok in row[:sep] if tok != task.noise_id]
-        if sep + 1 + len(data) != len(row):
-            raise ValueError(f"{len(data)} data tokens in the context but {len(row) - sep - 1} positions "
-                             "after the separator")
-        expected.append([IGNORE_INDEX] * (sep + 1) + data)
-    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
-
-
 # --------------------------------------------------------------------------------------------
 # 2. Induction heads
 # --------------------------------------------------------------------------------------------
@@ -307,18 +260,6 @@ class InductionHeads(_Task):
         mask = torch.zeros(n, L, dtype=torch.bool)
         mask[:, L - 1] = True
         return _batch(ids, mask)
-
-
-def induction_heads_answers(input_ids: torch.Tensor, task: InductionHeads) -> torch.Tensor:
-    """Checker: the last label is the token after the trigger's first occurrence; -100 elsewhere."""
-    expected = []
-    for row in input_ids.tolist():
-        triggers = [t for t, tok in enumerate(row) if tok == task.trigger_id]
-        if len(triggers) != 2 or triggers[1] != len(row) - 2 or triggers[0] + 1 >= triggers[1]:
-            raise ValueError(f"expected the trigger ({task.trigger_id}) once in the body and at position "
-                             f"{len(row) - 2}; found it at {triggers}")
-        expected.append([IGNORE_INDEX] * (len(row) - 1) + [row[triggers[0] + 1]])
-    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,33 +347,8 @@ class MQAR(_Task):
         return _batch(ids, mask)
 
 
-def mqar_answers(input_ids: torch.Tensor, task: MQAR) -> torch.Tensor:
-    """Checker: read the pairs at the start; after any later occurrence of a key, its value is due."""
-    N = task.num_kv_pairs
-    expected = []
-    for row in input_ids.tolist():
-        bindings = dict(zip(row[0:2 * N:2], row[1:2 * N:2]))
-        if len(bindings) != N or task.noise_id in bindings:
-            raise ValueError(f"the first {2 * N} tokens must be {N} key-value pairs with distinct keys")
-        labels = [IGNORE_INDEX] * len(row)
-        t = 2 * N
-        while t < len(row):
-            tok = row[t]
-            if tok in bindings:                       # a query: the next token is the answer
-                if t + 1 == len(row):
-                    raise ValueError(f"query of key {tok} at the last position has no answer")
-                labels[t + 1] = bindings[tok]
-                t += 2
-            elif tok == task.noise_id:
-                t += 1
-            else:
-                raise ValueError(f"token {tok} at position {t} is neither noise nor a key of this sequence")
-        expected.append(labels)
-    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
-
-
 # --------------------------------------------------------------------------------------------
-# Checking, scoring, registry
+# Checking (each task with its checker), registry
 # --------------------------------------------------------------------------------------------
 
 _CHECKERS = {SelectiveCopying: selective_copying_answers, InductionHeads: induction_heads_answers, MQAR: mqar_answers}
@@ -462,25 +378,6 @@ def check(batch: SyntheticBatch, task) -> bool:
     answers = expected != IGNORE_INDEX
     return (torch.equal(expected, labels.cpu()) and torch.equal(mask.cpu(), answers)
             and torch.equal(ids.cpu()[answers], expected[answers]))
-
-
-def accuracy(logits: torch.Tensor, batch: SyntheticBatch) -> float:
-    """Fraction of answer positions predicted right.
-
-    logits: (n, seq_len, vocab) as returned by ``model(batch.input_ids).logits`` (vocab may be
-    padded beyond the task's). The answer at position t is predicted by the logits at t - 1
-    (next-token prediction), so it counts as right when ``logits[:, t-1].argmax(-1) ==
-    input_ids[:, t]``.
-    """
-    n, L = batch.input_ids.shape
-    if logits.dim() != 3 or logits.shape[:2] != (n, L):
-        raise ValueError(f"logits must be (n, seq_len, vocab) = ({n}, {L}, vocab); got {tuple(logits.shape)}")
-    mask = batch.answer_mask[:, 1:].to(logits.device)
-    if not mask.any():
-        raise ValueError("the batch has no answer positions after position 0")
-    predictions = logits[:, :-1].argmax(dim=-1)
-    targets = batch.input_ids[:, 1:].to(logits.device)
-    return (predictions[mask] == targets[mask]).float().mean().item()
 
 
 TASKS = {"selective-copying": SelectiveCopying, "induction-heads": InductionHeads, "mqar": MQAR}

@@ -173,15 +173,9 @@ class MambaLM(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    def save_pretrained(self, directory, format: str = "hf", tokenizer_from=None, state_dict=None,
-                        overwrite: bool = False):
-        """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see
-        :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
-        ``overwrite=True``, which keeps those files)."""
-        from ..hub import save_pretrained  # hub builds on models: imported at call time
-
-        return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict,
-                               overwrite=overwrite)
+    # save_pretrained(directory, format="hf" | "mamba_ssm", tokenizer_from=None, state_dict=None,
+    # overwrite=False) is attached to this class by ssmkit.hub.save: the hub builds on models, so models
+    # never import the hub. ``import ssmkit`` imports the hub, so every MambaLM has the method.
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}          # tied weights counted once

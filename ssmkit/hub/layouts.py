@@ -1,0 +1,193 @@
+"""The two checkpoint layouts: the files a checkpoint holds, and its ``config.json`` read and written.
+
+* transformers (``"hf"``): ``model_type`` "mamba", "falcon_mamba" or "mamba2", fields as in
+  ``MambaConfig`` / ``FalconMambaConfig`` / ``Mamba2Config`` (:func:`config_from_hf`, :func:`config_to_hf`);
+* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``
+  (:func:`config_from_mamba_ssm`, :func:`config_to_mamba_ssm`).
+
+Every field that cannot be represented is a :class:`CheckpointError` naming it as the file spells it.
+Loading (:mod:`ssmkit.hub.load`) and saving (:mod:`ssmkit.hub.save`) build on this module.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..models import ModelConfig
+from ..models.config import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json")
+FORMATS = ("hf", "mamba_ssm")
+WEIGHT_FILES = {"hf": "model.safetensors", "mamba_ssm": "pytorch_model.bin"}
+OUR_FILES = ("config.json", *WEIGHT_FILES.values(), *TOKENIZER_FILES)    # all save_pretrained ever writes
+SHARD_INDEXES = tuple(f"{name}.index.json" for name in WEIGHT_FILES.values())
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as an ssmkit model, with the reason."""
+
+
+# --------------------------------------------------------------------------------------------
+# configs: transformers / mamba_ssm <-> ModelConfig
+# --------------------------------------------------------------------------------------------
+
+# transformers field -> ModelConfig field, for both Mamba and Mamba2 configs
+_HF_FIELDS = {
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "use_bias": "bias",
+    "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon", "residual_in_fp32": "residual_in_fp32",
+    "tie_word_embeddings": "tie_embeddings", "time_step_min": "dt_min", "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor",
+}
+_HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
+              "mixer_rms_eps": "mixer_rms_eps"}
+_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_limit": "dt_limit",
+              "norm_before_gate": "norm_before_gate"}
+
+
+def _floats(values, field: str) -> tuple[float, ...]:
+    """A JSON list of numbers as floats; transformers 5 writes infinity as {"__float__": "Infinity"},
+    mamba_ssm configs as "inf"."""
+    try:
+        return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in values)
+    except (TypeError, ValueError, KeyError):
+        raise CheckpointError(f"field {field!r} must be a list of numbers; got {values!r}") from None
+
+
+def _build_config(kwargs: dict, names: dict[str, str]) -> ModelConfig:
+    """ModelConfig(**kwargs); a bad value becomes a CheckpointError naming the field as the file
+    spells it (``names``: ssmkit field -> config.json field)."""
+    try:
+        return ModelConfig(**kwargs)
+    except ConfigError as exc:
+        raise CheckpointError(f"field {names.get(exc.field, exc.field)!r}: {exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _json_float(v: float):
+    return v if math.isfinite(v) else {"__float__": "Infinity" if v > 0 else "-Infinity"}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A transformers ``config.json`` (mamba / falcon_mamba / mamba2) as a ModelConfig; the vocabulary
+    is kept exactly (transformers' vocab_size is already the padded embedding size)."""
+    kind = hf.get("model_type")
+    if kind not in ("mamba", "falcon_mamba", "mamba2"):
+        raise CheckpointError(f"model_type {kind!r} is not supported; ssmkit loads 'mamba', 'falcon_mamba' and "
+                              "'mamba2'")
+    if kind == "falcon_mamba":
+        hf = {"mixer_rms_eps": 1e-6, **hf}                  # transformers' FalconMambaConfig default
+        kind = "mamba"
+    else:
+        hf = {k: v for k, v in hf.items() if k != "mixer_rms_eps"}
+    if hf.get("rms_norm", True) is False:
+        raise CheckpointError("rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in hf]
+    if missing:   # ModelConfig's defaults are a 130M model: never guess the size of someone's checkpoint
+        raise CheckpointError(f"fields {missing} are missing; a transformers config states the model's size")
+    fields = {**_HF_FIELDS, **(_HF_MAMBA1 if kind == "mamba" else _HF_MAMBA2)}
+    nulls = [theirs for theirs in fields if theirs in hf and hf[theirs] is None and theirs != "mixer_rms_eps"]
+    if nulls:     # null would silently fall back to a default that may not match the weights
+        raise CheckpointError(f"fields {nulls} are null; give them values or leave them out for the defaults")
+    kwargs = {ours: hf[theirs] for theirs, ours in fields.items() if theirs in hf}
+    kwargs.update(mixer="mamba1" if kind == "mamba" else "mamba2", pad_vocab_size_multiple=1)
+    kwargs.setdefault("tie_embeddings", kind == "mamba")        # transformers' defaults differ per model
+    if kwargs.get("dt_limit") is not None:
+        kwargs["dt_limit"] = _floats(kwargs["dt_limit"], "time_step_limit")
+    cfg = _build_config(kwargs, {ours: theirs for theirs, ours in fields.items()})
+    if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != cfg.d_inner:
+        raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, but expand * hidden_size = "
+                              f"{cfg.d_inner}; ssmkit needs d_inner = expand * d_model")
+    if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != cfg.nheads:
+        raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, but expand * hidden_size / head_dim = "
+                              f"{cfg.nheads}")
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A ModelConfig as a transformers config dict (MambaConfig / Mamba2Config)."""
+    if cfg.layout is not None and len(set(cfg.layout)) > 1:
+        raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; save format='mamba_ssm'")
+    mamba1 = cfg.mixers[0] == "mamba1"
+    fields = {**_HF_FIELDS, **(_HF_MAMBA1 if mamba1 else _HF_MAMBA2)}
+    hf = {theirs: getattr(cfg, ours) for theirs, ours in fields.items()}
+    hf["vocab_size"] = cfg.padded_vocab_size
+    if mamba1:
+        falcon = cfg.mixer_rms_eps is not None
+        hf.update(model_type="falcon_mamba" if falcon else "mamba", time_step_rank=cfg.dt_rank_value,
+                  architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
+                  intermediate_size=cfg.d_inner, hidden_act="silu")
+        if not falcon:
+            del hf["mixer_rms_eps"]
+    else:
+        if cfg.D_has_hdim or cfg.norm_before_gate:   # transformers 5's Mamba2 always norms after the gate
+            raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate=True; "
+                                  "save format='mamba_ssm'")
+        hf.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_heads=cfg.nheads,
+                  hidden_act="silu", time_step_limit=[_json_float(v) for v in cfg.dt_limit], rms_norm=True)
+    return hf
+
+
+_SSM_FIELDS = ("d_state", "d_conv", "expand", "dt_min", "dt_max", "dt_init_floor", "conv_bias", "bias")
+_SSM_MAMBA1 = ("dt_rank", "dt_init", "dt_scale")
+_SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "D_has_hdim", "norm_before_gate")
+
+
+def config_from_mamba_ssm(c: dict) -> ModelConfig:
+    """mamba_ssm's MambaConfig dict as a ModelConfig."""
+    if c.get("d_intermediate", 0) or c.get("attn_layer_idx"):
+        raise CheckpointError("mamba_ssm configs with MLP blocks (d_intermediate > 0) or attention layers "
+                              "(attn_layer_idx) are not supported yet")
+    missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in c]
+    if missing:
+        raise CheckpointError(f"fields {missing} are missing; a mamba_ssm config states the model's size")
+    if not isinstance(c.get("ssm_cfg") or {}, dict):
+        raise CheckpointError(f"field 'ssm_cfg' must be an object of mixer fields; got {c['ssm_cfg']!r}")
+    ssm = dict(c.get("ssm_cfg") or {})
+    layer = ssm.pop("layer", "Mamba1")
+    if layer not in ("Mamba1", "Mamba2"):
+        raise CheckpointError(f"ssm_cfg.layer {layer!r} is not supported; valid: Mamba1, Mamba2")
+    mixer = "mamba1" if layer == "Mamba1" else "mamba2"
+    known = set(_SSM_FIELDS) | set(_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)
+    ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
+    unknown = sorted(set(ssm) - known - ignored)
+    if unknown:
+        raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; known: {sorted(known)}")
+    if ssm.get("rmsnorm", True) is False:
+        raise CheckpointError("ssm_cfg.rmsnorm=False (gate inside the scan) is not supported")
+    kwargs = {k: ssm[k] for k in known if k in ssm}
+    for k in ("A_init_range", "dt_limit"):
+        if k in kwargs:
+            kwargs[k] = _floats(kwargs[k], f"ssm_cfg.{k}")
+    kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
+                  pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8), rms_norm=c.get("rms_norm", True),
+                  residual_in_fp32=c.get("residual_in_fp32", True), tie_embeddings=c.get("tie_embeddings", True),
+                  norm_epsilon=c.get("norm_epsilon", 1e-5))
+    return _build_config(kwargs, {k: f"ssm_cfg.{k}" for k in known})
+
+
+def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
+    if cfg.layout is not None and len(set(cfg.layout)) > 1:
+        raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; mixed layouts cannot be saved")
+    if cfg.mixer_rms_eps is not None:
+        raise CheckpointError("mamba_ssm has no FalconMamba norms (mixer_rms_eps); save format='hf'")
+    if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
+        raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; save format='hf'")
+    mixer = cfg.mixers[0]
+    ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
+    ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"
+    if "dt_limit" in ssm:   # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
+        if ssm["dt_limit"] == (0.0, math.inf):
+            del ssm["dt_limit"]
+        else:
+            ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
+    if "A_init_range" in ssm:
+        ssm["A_init_range"] = list(ssm["A_init_range"])
+    return dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm,
+                attn_layer_idx=[], attn_cfg={}, rms_norm=cfg.rms_norm, residual_in_fp32=cfg.residual_in_fp32,
+                fused_add_norm=True, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+                tie_embeddings=cfg.tie_embeddings)   # exactly MambaConfig's fields: it is built with **config

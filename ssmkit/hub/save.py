@@ -1,0 +1,184 @@
+"""Saving: ``save_pretrained`` writes a checkpoint transformers or mamba_ssm loads unchanged.
+
+Only our files are written (:data:`~ssmkit.hub.layouts.OUR_FILES`), whole or not at all: a checkpoint
+of ours is rebuilt beside and swapped in, a directory holding anything else is refused unless
+``overwrite=True``, and then only our files in it are replaced.
+
+This module also gives :class:`~ssmkit.models.MambaLM` its ``save_pretrained`` method: models sit below
+the hub and do not import it, so the method is attached here (``import ssmkit`` imports the hub).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .. import io
+from ..models import MambaLM
+from .layouts import (FORMATS, OUR_FILES, SHARD_INDEXES, TOKENIZER_FILES, WEIGHT_FILES, config_to_hf,
+                      config_to_mamba_ssm)
+
+_OUR_TEMP = re.compile(r"\.ssmkit-save-.*")                              # a crashed in-place save's leftover
+
+
+# --------------------------------------------------------------------------------------------
+# saving: only our files, whole or not at all
+# --------------------------------------------------------------------------------------------
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader of either path
+    sees the old tree or the new one, never neither. False where the system or file system lacks it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(tmp: Path, directory: Path):
+    """Put the finished ``tmp`` at ``directory``, replacing a checkpoint of ours there."""
+    if not directory.exists():
+        tmp.rename(directory)
+        return
+    if _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)                  # tmp now holds the old checkpoint
+        return
+    # Two renames: for the instant between them the old checkpoint lies whole at .NAME.old-*
+    old = io.make_temp_dir(directory.parent, f".{directory.name}.old-")
+    directory.rename(old)                                       # onto an empty directory: allowed
+    try:
+        tmp.rename(directory)
+    except BaseException:
+        old.rename(directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace_in_place(tmp: Path, directory: Path, weights: str):
+    """Move the finished files of ``tmp`` (a folder inside ``directory``) over their names one by one.
+
+    Every file is complete and synced before the first rename. The new weights go first, then the other
+    format's weight file is removed (it would shadow them: loaders prefer model.safetensors), config.json
+    last: a crash among these renames leaves at worst the new weights beside the old config.json, which
+    loads when the architecture is unchanged. Files that are not ours are never touched.
+    """
+    os.replace(tmp / weights, directory / weights)
+    for other in WEIGHT_FILES.values():
+        if other != weights:
+            (directory / other).unlink(missing_ok=True)
+    for path in sorted(tmp.iterdir()):
+        if path.name != "config.json":
+            os.replace(path, directory / path.name)             # tokenizer files
+    os.replace(tmp / "config.json", directory / "config.json")
+
+
+def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = "hf",
+                    tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
+                    overwrite: bool = False) -> Path:
+    """Write ``model`` as a directory transformers ("hf") or mamba_ssm ("mamba_ssm") loads unchanged.
+
+    ``state_dict`` replaces the model's own tensors (a full state dict gathered from FSDP shards).
+    Tokenizer files found in ``tokenizer_from`` (default: where the model was loaded from) are copied
+    along. Files follow the user's umask.
+
+    ``directory`` may be new, empty, or hold only files this function writes (:data:`OUR_FILES`): then
+    the checkpoint is built in a temporary sibling and swapped in (one atomic exchange on Linux), so
+    a crash leaves the old checkpoint or the new one; tokenizer files there that this save does not
+    bring stay. A directory holding anything else is refused, naming those files, unless
+    ``overwrite=True``: then only our files are replaced in it, one rename each, and the rest stay
+    untouched. The other format's weight file is removed either way, so it cannot shadow the new one.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not supported; valid formats: {', '.join(FORMATS)}")
+    given = directory = Path(directory)
+    if directory.is_symlink() and directory.is_dir():
+        directory = directory.resolve()                         # swap the folder the link points at, not the link
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise ValueError(f"{directory} exists and is not a directory; save_pretrained writes a directory of "
+                         "files there: choose a new or empty directory")
+    existing = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    foreign = [n for n in existing if n not in OUR_FILES and not _OUR_TEMP.fullmatch(n)]
+    if foreign and not overwrite:
+        raise ValueError(f"{directory} holds files save_pretrained does not write: {foreign[:8]}"
+                         f"{' ...' if len(foreign) > 8 else ''}. Choose a new or empty directory, or pass "
+                         f"overwrite=True to replace only the checkpoint's files ({', '.join(OUR_FILES[:3])}, "
+                         "tokenizer files) and leave the rest")
+    shadowing = [n for n in existing if n in SHARD_INDEXES]
+    if shadowing:
+        raise ValueError(f"{directory} holds the shard index {shadowing}, which loaders read before a single "
+                         "weight file: the new weights would be ignored. Remove it and its shards, or choose another "
+                         "directory")
+    cfg = model.config
+    state = model.state_dict() if state_dict is None else state_dict
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if format == "hf":
+        config = config_to_hf(cfg)
+        state["backbone.embeddings.weight"] = state.pop("backbone.embedding.weight")
+        if cfg.tie_embeddings:
+            state.pop("lm_head.weight")
+    else:
+        config = config_to_mamba_ssm(cfg)
+    source = tokenizer_from or getattr(model, "name_or_path", None)
+    source = Path(source) if source is not None and Path(source).is_dir() else None
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    in_place = bool(foreign)
+    tmp = io.make_temp_dir(directory if in_place else directory.parent,
+                           ".ssmkit-save-" if in_place else f".{directory.name}.tmp-")
+    try:
+        io.write_json(tmp / "config.json", config)
+        weights = tmp / WEIGHT_FILES[format]
+        if format == "hf":
+            from safetensors.torch import save_file
+
+            save_file(state, str(weights), metadata={"format": "pt"})
+        else:
+            torch.save(state, weights)
+        for name in TOKENIZER_FILES:
+            if source is not None and (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+            elif not in_place and (directory / name).is_file():    # kept: the swap must not drop them
+                shutil.copyfile(directory / name, tmp / name)
+        mode = 0o666 & ~io.umask()                  # safetensors creates 0600; every other tool follows the umask
+        for path in tmp.iterdir():
+            os.chmod(path, mode)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())                # on disk before any rename makes it visible
+        if in_place:
+            _replace_in_place(tmp, directory, weights.name)
+        else:
+            _swap_in(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)      # the leftover (old checkpoint, or nothing) or the failed build
+    return given
+
+
+def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format: str = "hf",
+                            tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
+                            overwrite: bool = False) -> Path:
+    """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see
+    :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
+    ``overwrite=True``, which keeps those files)."""
+    return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict,
+                           overwrite=overwrite)
+
+
+# The familiar ``model.save_pretrained(dir)``. Models sit below the hub and never import it, so the method is
+# given to MambaLM from here; ``import ssmkit`` (and any ``import ssmkit.<x>``, which runs ssmkit/__init__.py
+# first) imports the hub, so every MambaLM has it.
+_save_pretrained_method.__name__ = "save_pretrained"
+_save_pretrained_method.__qualname__ = "MambaLM.save_pretrained"
+MambaLM.save_pretrained = _save_pretrained_method

@@ -1,0 +1,19 @@
+"""Helpers shared by test files (imported as ``from helpers import ...``; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from ssmkit.train import TrainConfig
+
+
+def small(tmp_path, shards, **kw) -> TrainConfig:
+    """A tiny training run on conftest's byte-level ``shards``: d_model 32, 2 layers, seq_len 32, 6 steps."""
+    base = dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
+                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=256, lr=3e-3,
+                min_lr=3e-4, warmup_steps=2, max_steps=6, log_every=1, eval_every=0, eval_batches=2,
+                progress=False, out_dir=str(tmp_path / "run"))
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(history):
+    """The training losses of a run's history (``Trainer.fit()``'s records of kind "train")."""
+    return [r["loss"] for r in history if r["kind"] == "train"]
