@@ -5,7 +5,7 @@ Every entry point that takes a user's value (TrainConfig, ModelConfig, notebook 
 made, and ``True`` is never taken for the integer 1. Like :mod:`ssmkit.io`, this module imports
 nothing of ssmkit: every layer may use it.
 
-    integer(5e5, "max_tokens")              -> 500000        (a float with an integer value is fine)
+    integer(5e8, "max_tokens", whole_floats=True)  -> 500000000   (YAML writes budgets as 5e8)
     integer(True, "seed", minimum=0)        -> ValueError: seed must be an integer >= 0; got True
     number("x", "lr", low=0, low_open=True) -> ValueError: lr must be a number > 0; got 'x'
     parse_value("1e3"), parse_value("none"), parse_value("[1, 2]")  -> 1000.0, None, [1, 2]
@@ -30,18 +30,22 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as an int (ints, numpy ints, floats with an integer value like 2e5); never a bool."""
-    if is_number(value) and not is_integer(value) and math.isfinite(value) and float(value).is_integer():
+def integer(value, name: str, minimum: int | None = None, maximum: int | None = None, *,
+            whole_floats: bool = False, none_ok: bool = False) -> int | None:
+    """``value`` as an int (numpy ints too; never a bool). ``whole_floats``: also a float with an integer
+    value, as YAML writes token budgets (``5e8``). ``none_ok``: None passes through."""
+    if value is None and none_ok:
+        return None
+    if whole_floats and is_number(value) and not is_integer(value) and math.isfinite(value) \
+            and float(value).is_integer():
         value = int(value)
-    ok = is_integer(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
-    if not ok:
+    if not (is_integer(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)):
         if maximum is None:
             what = "a positive integer" if minimum == 1 else "an integer" if minimum is None else \
                 f"an integer >= {minimum}"
         else:
             what = f"an integer <= {maximum}" if minimum is None else f"an integer in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {what}; got {value!r}")
+        raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}; got {value!r}")
     return int(value)
 
 

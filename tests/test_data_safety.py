@@ -397,8 +397,8 @@ def test_blank_documents_are_skipped_and_an_all_blank_source_refused(tmp_path):
     (dict(max_tokens="100"), "max_tokens must be a positive integer or None; got '100'"),
     (dict(shard_tokens=0), "shard_tokens must be a positive integer; got 0"),
     (dict(shard_tokens=False), "shard_tokens must be a positive integer; got False"),
-    (dict(lock_wait=-1), "lock_wait must be a number of seconds >= 0; got -1"),
-    (dict(lock_wait=True), "lock_wait must be a number of seconds >= 0"),
+    (dict(lock_wait=-1), "lock_wait must be a number >= 0; got -1"),
+    (dict(lock_wait=True), "lock_wait must be a number >= 0"),
     (dict(dtype="int8"), "dtype 'int8' is not valid"),
     (dict(split="dev"), "split 'dev' is not valid; valid splits: train, validation, all"),
 ])

@@ -164,7 +164,7 @@ def test_an_interrupted_conversion_is_redone_cleanly(tmp_path, monkeypatch):
 def test_clear_errors(tmp_path):
     src = fake_prepared(tmp_path / "src", np.arange(100), shard_tokens=40)
     for bad in (0, -3, True, 2.5, "8"):
-        with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        with pytest.raises(ValueError, match="seq_len must be a positive integer"):
             D.write_mds(src, tmp_path / "m", bad, progress=False)
     with pytest.raises(ValueError, match="holds not one sample"):
         D.write_mds(src, tmp_path / "m", 8, size_limit=200, progress=False)
@@ -194,7 +194,7 @@ def test_clear_errors(tmp_path):
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(ValueError, match="shard_00001.bin is corrupt: 78 bytes"):
         D.write_mds(src, tmp_path / "m2", 8, progress=False)
-    with pytest.raises(ValueError, match="mds_seq_len must be a positive int"):      # before any tokenizing
+    with pytest.raises(ValueError, match="mds_seq_len must be a positive integer"):      # before any tokenizing
         D.prepare("no-such-corpus", "byte", tmp_path / "p", mds_seq_len=0, progress=False)
 
 

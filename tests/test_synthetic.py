@@ -269,18 +269,18 @@ def test_tiny_model_accepts_batches_and_the_loss_is_on_the_answers(task):
 @pytest.mark.parametrize("cls, kwargs, message", [
     (SelectiveCopying, dict(vocab_size=3), r"vocab_size=3 is too small: need vocab_size >= 4"),
     (SelectiveCopying, dict(seq_len=32, n_tokens=16), r"seq_len=32 is too short for n_tokens=16: need seq_len >= .*33"),
-    (SelectiveCopying, dict(n_tokens=0), r"n_tokens must be an integer >= 1; got 0"),
-    (SelectiveCopying, dict(seq_len=64.0), r"seq_len must be an integer"),
+    (SelectiveCopying, dict(n_tokens=0), r"n_tokens must be a positive integer; got 0"),
+    (SelectiveCopying, dict(seq_len=64.0), r"seq_len must be a positive integer"),
     (InductionHeads, dict(vocab_size=2), r"vocab_size=2 is too small: need vocab_size >= 3"),
     (InductionHeads, dict(seq_len=3), r"seq_len=3 is too short: need seq_len >= 4"),
-    (InductionHeads, dict(vocab_size=True), r"vocab_size must be an integer"),
+    (InductionHeads, dict(vocab_size=True), r"vocab_size must be a positive integer"),
     (MQAR, dict(vocab_size=32, num_kv_pairs=16),
      r"vocab_size=32 is too small for num_kv_pairs=16: need vocab_size >= .*33"),
     (MQAR, dict(seq_len=40, num_kv_pairs=16), r"seq_len=40 is too short: need seq_len >= .*64"),
     (MQAR, dict(num_kv_pairs=4, num_queries=5), r"num_queries=5 must be in 1 \.\. num_kv_pairs=4"),
-    (MQAR, dict(num_queries=0), r"num_queries must be an integer >= 1"),
-    (MQAR, dict(power_a=0.0), r"power_a must be a finite number > 0"),
-    (MQAR, dict(power_a=float("nan")), r"power_a must be a finite number > 0"),
+    (MQAR, dict(num_queries=0), r"num_queries must be a positive integer"),
+    (MQAR, dict(power_a=0.0), r"power_a must be a positive number"),
+    (MQAR, dict(power_a=float("nan")), r"power_a must be a positive number"),
 ])
 def test_bad_parameters_raise_clear_errors(cls, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -289,7 +289,7 @@ def test_bad_parameters_raise_clear_errors(cls, kwargs, message):
 
 
 def test_bad_sample_arguments(task):
-    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         task.sample(4, seed=-1)
     with pytest.raises(ValueError, match="n must be an integer >= 0"):
         task.sample(-1, seed=0)

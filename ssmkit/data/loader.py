@@ -10,12 +10,12 @@ ranks get the same number of batches.
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import checks
 from .shards import open_shards
 
 
@@ -32,7 +32,7 @@ class TokenLoader:
     def __init__(self, shard_dir, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  verify: bool | str = "auto"):
         ints = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
-        bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, numbers.Integral)}
+        bad = {k: v for k, v in ints.items() if not checks.is_integer(v)}
         if bad or seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError("need integers seq_len >= 1, batch_size >= 1, 0 <= rank < world_size, and seed; got "
                              + ", ".join(f"{k}={v!r}" for k, v in ints.items()))
@@ -88,7 +88,7 @@ class TokenLoader:
             if state.get(key) != mine:
                 raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
         epoch, step = state.get("epoch"), state.get("step")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, step)) \
+        if not all(checks.is_integer(v) and v >= 0 for v in (epoch, step)) \
                 or step > self.batches_per_epoch:
             raise ValueError(f"loader state has epoch={epoch!r}, step={step!r}; expected integers >= 0 with step <= "
                              f"{self.batches_per_epoch} (batches per epoch)")

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import checks
 from ..io import LOCK_FILE, DirLock, plain_name, read_json, write_atomically, write_json
 from .shards import INDEX, open_shards, progress_bar
 
@@ -197,9 +198,8 @@ def write_mds(shard_dir: str | os.PathLike, out_dir: str | os.PathLike, seq_len:
     options does nothing. The conversion holds ``out_dir``'s :class:`~ssmkit.io.DirLock`.
     """
     src, out = Path(shard_dir), Path(out_dir)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int (samples hold seq_len + 1 tokens); got {seq_len!r}")
-    seq_len, limit, hash_names = int(seq_len), _size_limit(size_limit), _hash_names(hashes)
+    seq_len = checks.integer(seq_len, "seq_len", minimum=1)          # samples hold seq_len + 1 tokens
+    limit, hash_names = _size_limit(size_limit), _hash_names(hashes)
     if out.resolve() == src.resolve():
         raise ValueError(f"write the MDS copy into its own directory, not {src} itself (e.g. {src / 'mds'})")
     index, maps = open_shards(src, verify=False)                     # cheap checks before anything is written

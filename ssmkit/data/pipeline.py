@@ -10,12 +10,11 @@ and, with ``mds_seq_len=N``, also writes a MosaicML streaming (MDS) copy of ``N 
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from .. import checks
 from ..io import DirLock
 from .mds import write_mds
 from .shards import DTYPES, check_count, write_shards
@@ -39,8 +38,7 @@ def prepare(source: str | Iterable[Document], tokenizer: str, out_dir: str | os.
     mds_seq_len = check_count("mds_seq_len", mds_seq_len, none_ok=True)
     if dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype {dtype!r} is not valid; valid: auto, uint16, uint32")
-    if isinstance(lock_wait, bool) or not isinstance(lock_wait, numbers.Real) or not 0 <= lock_wait < math.inf:
-        raise ValueError(f"lock_wait must be a number of seconds >= 0; got {lock_wait!r}")
+    checks.number(lock_wait, "lock_wait", low=0)                     # seconds to wait for the directory's lock
     if not isinstance(tokenizer, str) or not tokenizer:
         raise ValueError(f"tokenizer must be a name or a directory (str); got {tokenizer!r}")
     source = os.fspath(source) if isinstance(source, os.PathLike) else source

@@ -26,7 +26,6 @@ module; it is written by :mod:`ssmkit.data.pipeline`, above both.
 from __future__ import annotations
 
 import hashlib
-import numbers
 import os
 import re
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from .. import checks
 from ..io import cache_dir, plain_name, read_json, write_atomically, write_json
 from .sources import Document, load_source, source_fingerprint
 from .tokenizers import get_tokenizer
@@ -59,12 +59,7 @@ def _redo(folder: Path) -> str:
 
 def check_count(name: str, value, minimum: int = 1, none_ok: bool = False):
     """``value`` as an int >= ``minimum`` (bool is not an int), or ValueError naming ``name``."""
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {kind}{' or None' if none_ok else ''}; got {value!r}")
-    return int(value)
+    return checks.integer(value, name, minimum=minimum, none_ok=none_ok)
 
 
 def _check_entries(shards, where: Path) -> list[dict]:

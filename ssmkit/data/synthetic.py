@@ -76,14 +76,20 @@ sequences can still occur by chance when the space of sequences is tiny).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from .synthetic_checks import (IGNORE_INDEX, SyntheticBatch, accuracy, induction_heads_answers, mqar_answers,
-                               selective_copying_answers)
+from .. import checks
+from .synthetic_checks import (
+    IGNORE_INDEX,
+    SyntheticBatch,
+    accuracy,
+    induction_heads_answers,
+    mqar_answers,
+    selective_copying_answers,
+)
 
 __all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS", "make_task",
            "accuracy", "check", "selective_copying_answers", "induction_heads_answers", "mqar_answers"]
@@ -99,14 +105,11 @@ def _batch(input_ids: torch.Tensor, answer_mask: torch.Tensor) -> SyntheticBatch
 
 
 def _require_int(task: str, name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{task}: {name} must be an integer >= {minimum}; got {value!r}")
+    checks.integer(value, f"{task}: {name}", minimum=minimum)
 
 
 def _generator(seed) -> torch.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer; got {seed!r}")
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(checks.integer(seed, "seed", minimum=0))
 
 
 def _random_subset(n: int, population: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -305,10 +308,7 @@ class MQAR(_Task):
         if self.num_queries > self.num_kv_pairs:
             raise ValueError(f"{cls}: num_queries={self.num_queries} must be in 1 .. num_kv_pairs="
                              f"{self.num_kv_pairs} (each key is queried at most once)")
-        if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) \
-                or not math.isfinite(self.power_a) or self.power_a <= 0:
-            raise ValueError(f"{cls}: power_a must be a finite number > 0 (1.0 = uniform query positions); "
-                             f"got {self.power_a!r}")
+        checks.number(self.power_a, f"{cls}: power_a", low=0, low_open=True)    # 1.0: uniform query positions
         if self.vocab_size < 1 + 2 * self.num_kv_pairs:
             raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small for num_kv_pairs="
                              f"{self.num_kv_pairs}: need vocab_size >= 1 + 2 * num_kv_pairs = "

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import checks
+
 
 def _sync(device: torch.device | None):
     """Wait for the device's queued work (a GPU call returns before its kernels finish)."""
@@ -39,10 +41,7 @@ def time_round_robin(calls: dict[str, Callable[[], object]], steps: int, warmup:
     on_round(round): called after each round (progress). device: a CUDA/MPS device is synchronized
     before and after each call, so the time covers its kernels. Returns {name: [seconds of each timed
     call]} (``steps`` entries unless skipped)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer; got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0; got {warmup!r}")
+    steps, warmup = checks.integer(steps, "steps", minimum=1), checks.integer(warmup, "warmup", minimum=0)
     device = torch.device(device) if device is not None else None
     seconds: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(warmup + steps):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import checks
 from ..data import SyntheticBatch, accuracy, make_task
 from .loss import logits_of, model_device
 
@@ -27,8 +28,7 @@ def answer_accuracy(model: nn.Module, batch: SyntheticBatch, batch_size: int = 6
     logits (n, seq_len, vocab) or an object with ``.logits``. The model is in eval mode meanwhile."""
     if len(batch) == 0:
         raise ValueError("answer_accuracy: the batch is empty")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+    batch_size = checks.integer(batch_size, "batch_size", minimum=1)
     device, training = model_device(model), model.training
     model.eval()
     right = answers = 0

@@ -89,14 +89,15 @@ class TrainConfig:
             setattr(self, name, checks.boolean(getattr(self, name), name))
         for name, valid in CHOICES.items():
             setattr(self, name, checks.choice(getattr(self, name), name, valid))
+        budgets = ("batch_tokens", "max_tokens", "data_tokens")         # token counts: YAML may write 5e8
         for name in ("seq_len", "batch_tokens", "micro_batch", "log_every", "eval_batches", "keep_last",
                      "max_bad_steps", "data_workers"):
-            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1))
+            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1, whole_floats=name in budgets))
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
             setattr(self, name, checks.integer(getattr(self, name), name, minimum=0))
         for name in ("max_steps", "max_tokens", "data_tokens"):
-            if getattr(self, name) is not None:
-                setattr(self, name, checks.integer(getattr(self, name), f"{name} (or null)", minimum=1))
+            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1, none_ok=True,
+                                               whole_floats=name in budgets))
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("set max_steps or max_tokens (the length of the run)")
         self.lr = checks.number(self.lr, "lr", low=0, low_open=True)

@@ -107,7 +107,7 @@ def preset_info(preset: str, max_tokens: int | None = None) -> dict:
 
 def _integer(value, name: str, minimum: int) -> int:
     try:
-        return checks.integer(value, name, minimum=minimum)        # 2e5 from YAML or -p is fine; True is not
+        return checks.integer(value, name, minimum=minimum, whole_floats=True)   # 2e5 from YAML or -p; never True
     except ValueError:
         raise WorkbookError(f"{name} must be an integer >= {minimum}; got {value!r}") from None
 
