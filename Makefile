@@ -14,7 +14,7 @@ PARAMS ?= params/cpu.yaml
 # `make run RUN=name OVERWRITE=1` replaces an earlier run of that name (only the files a run writes)
 OVERWRITE ?=
 
-.PHONY: run test lab strip demo bench env clean
+.PHONY: run test lint lab strip demo bench env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml | $(PY)
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN) $(if $(OVERWRITE),--overwrite)
 
-test: $(STAMP)           ## the whole test suite (CPU, offline), notebooks included
+test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lint: $(STAMP)           ## ruff (rules in pyproject.toml): pyflakes, line length 110, import order, pyupgrade
+	$(VENV)/bin/ruff check .
 
 lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Python)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)

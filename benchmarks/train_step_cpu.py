@@ -31,8 +31,14 @@ import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no hub kernels / downloads; must precede the import
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM,
-                          MambaConfig, MambaForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
 
 import ssmkit  # installed editable by `make bench` / `make test`
 from ssmkit.eval import peak_memory_mb, time_round_robin

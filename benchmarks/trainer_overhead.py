@@ -23,7 +23,7 @@ import torch
 
 import ssmkit
 from ssmkit.data import TokenLoader, prepare
-from ssmkit.train import Trainer, TrainConfig, build_optimizer, lm_loss, lr_at
+from ssmkit.train import TrainConfig, Trainer, build_optimizer, lm_loss, lr_at
 
 
 class BareLoop:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .checks import DEVICES, device_name
+from .checks import device_name
 from .ops import backend as _backend
 
 

@@ -14,8 +14,15 @@ from torch import nn
 import ssmkit
 import ssmkit.eval as ev
 from ssmkit.data import TokenLoader, prepare
-from ssmkit.data.synthetic import (IGNORE_INDEX, MQAR, InductionHeads, SelectiveCopying,
-                                   induction_heads_answers, mqar_answers, selective_copying_answers)
+from ssmkit.data.synthetic import (
+    IGNORE_INDEX,
+    MQAR,
+    InductionHeads,
+    SelectiveCopying,
+    induction_heads_answers,
+    mqar_answers,
+    selective_copying_answers,
+)
 from ssmkit.eval import measure
 from ssmkit.train import TrainConfig, Trainer
 

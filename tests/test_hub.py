@@ -8,8 +8,15 @@ import sys
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config,
-                          Mamba2ForCausalLM, MambaConfig, MambaForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    FalconMambaConfig,
+    FalconMambaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
 
 import ssmkit
 from ssmkit import CheckpointError

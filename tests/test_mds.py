@@ -46,7 +46,8 @@ def fake_prepared(folder, tokens, dtype="uint16", shard_tokens=100):
 
 def config_text(width, itemsize, dtype, size_limit, hashes=("sha256",)):
     """The shard config JSON as streaming writes it (json.dumps, sorted keys), spelled out."""
-    return ('{"column_encodings": ["ndarray:%s:%d"], "column_names": ["tokens"], "column_sizes": [%d], '
+    return (  # noqa: UP031  (%-format: the JSON's own braces would need doubling in an f-string)
+        '{"column_encodings": ["ndarray:%s:%d"], "column_names": ["tokens"], "column_sizes": [%d], '
             '"compression": null, "format": "mds", "hashes": [%s], "size_limit": %s, "version": 2}'
             % (dtype, width, width * itemsize, ", ".join(f'"{h}"' for h in hashes),
                "null" if size_limit is None else size_limit))

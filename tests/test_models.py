@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM

@@ -10,8 +10,19 @@ import torch
 import torch.nn.functional as F
 
 import ssmkit
-from ssmkit.data.synthetic import (IGNORE_INDEX, MQAR, TASKS, InductionHeads, SelectiveCopying, SyntheticBatch,
-                                   accuracy, check, induction_heads_answers, make_task, selective_copying_answers)
+from ssmkit.data.synthetic import (
+    IGNORE_INDEX,
+    MQAR,
+    TASKS,
+    InductionHeads,
+    SelectiveCopying,
+    SyntheticBatch,
+    accuracy,
+    check,
+    induction_heads_answers,
+    make_task,
+    selective_copying_answers,
+)
 
 # small configurations of each task (the model test needs seq_len a multiple of chunk_size=16)
 SMALL = {

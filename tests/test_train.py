@@ -15,7 +15,7 @@ import torch
 from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
-from ssmkit.train import Trainer, TrainConfig, TrainingError, flops_per_token, lr_at, split_parameters
+from ssmkit.train import TrainConfig, Trainer, TrainingError, flops_per_token, lr_at, split_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 

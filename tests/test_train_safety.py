@@ -22,7 +22,7 @@ import torch
 from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
-from ssmkit.train import Trainer, TrainConfig, TrainingError, checkpoint
+from ssmkit.train import TrainConfig, Trainer, checkpoint
 from ssmkit.train.checkpoint import CheckpointCorrupt
 from ssmkit.train.rundir import PREVIOUS
 

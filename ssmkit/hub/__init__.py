@@ -20,8 +20,18 @@ the config tables both ways), :mod:`~ssmkit.hub.load` (``from_pretrained``) and 
 so models never import the hub).
 """
 
-from .layouts import (FORMATS, OUR_FILES, SHARD_INDEXES, TOKENIZER_FILES, WEIGHT_FILES, CheckpointError,
-                      config_from_hf, config_from_mamba_ssm, config_to_hf, config_to_mamba_ssm)
+from .layouts import (
+                      FORMATS,
+                      OUR_FILES,
+                      SHARD_INDEXES,
+                      TOKENIZER_FILES,
+                      WEIGHT_FILES,
+                      CheckpointError,
+                      config_from_hf,
+                      config_from_mamba_ssm,
+                      config_to_hf,
+                      config_to_mamba_ssm,
+)
 from .load import DTYPES, from_pretrained
 from .save import save_pretrained
 

@@ -21,8 +21,15 @@ import torch
 
 from .. import io
 from ..models import MambaLM
-from .layouts import (FORMATS, OUR_FILES, SHARD_INDEXES, TOKENIZER_FILES, WEIGHT_FILES, config_to_hf,
-                      config_to_mamba_ssm)
+from .layouts import (
+    FORMATS,
+    OUR_FILES,
+    SHARD_INDEXES,
+    TOKENIZER_FILES,
+    WEIGHT_FILES,
+    config_to_hf,
+    config_to_mamba_ssm,
+)
 
 _OUR_TEMP = re.compile(r"\.ssmkit-save-.*")                              # a crashed in-place save's leftover
 

@@ -38,7 +38,7 @@ class BackendError(RuntimeError):
     """A requested backend cannot run here (missing kernels, wrong device, bad name)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_import_error(module: str) -> str | None:
     """Try to import ``module`` once; return None when it imports, else the reason it does not."""
     if not torch.cuda.is_available():

@@ -33,7 +33,6 @@ manifest detects corruption, not forgery: someone who can rewrite the files can 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pickle
 import random
@@ -46,8 +45,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from ..io import plain_name, read_json, sha256_file, write_atomically, write_json
 from .distributed import Dist
