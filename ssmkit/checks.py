@@ -39,7 +39,8 @@ def integer(value, name: str, minimum: int | None = None, maximum: int | None = 
     if whole_floats and is_number(value) and not is_integer(value) and math.isfinite(value) \
             and float(value).is_integer():
         value = int(value)
-    if not (is_integer(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)):
+    if not (is_integer(value) and (minimum is None or value >= minimum)
+            and (maximum is None or value <= maximum)):
         if maximum is None:
             what = "a positive integer" if minimum == 1 else "an integer" if minimum is None else \
                 f"an integer >= {minimum}"
@@ -126,12 +127,14 @@ def _loader():
         Loader.yaml_implicit_resolvers = {
             first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
             for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-        Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+        Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                                     re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                      list("tTfF"))
         Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                                      re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"),
                                      list("-+0123456789."))
-        Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:none|None|NONE)$"), list("nN"))
+        Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:none|None|NONE)$"),
+                                     list("nN"))
         _LOADER = Loader
     return _LOADER
 

@@ -67,7 +67,8 @@ def main(argv=None):
     cfg = ModelConfig.preset("tiny" if args.mixer == "mamba1" else "tiny-mamba2")
     model = build_model(cfg)
     print(f"model: {args.mixer}, d_model {cfg.d_model}, {cfg.n_layer} layers, "
-          f"{model.num_parameters() / 1e3:.0f}K parameters; data: {len(data) / 1e3:.0f}K bytes of the Python reference")
+          f"{model.num_parameters() / 1e3:.0f}K parameters; "
+          f"data: {len(data) / 1e3:.0f}K bytes of the Python reference")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     stream = batches(train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
     first_val = evaluate(model, val)
@@ -84,7 +85,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         if (step + 1) % 25 == 0 or step + 1 == args.steps:
             tok_s = (step + 1) * args.batch_size * args.seq_len / (time.perf_counter() - t0)
-            print(f"step {step + 1:4d}  train loss {loss.item():.3f}  lr {opt.param_groups[0]['lr']:.1e}  {tok_s:,.0f} tok/s")
+            print(f"step {step + 1:4d}  train loss {loss.item():.3f}  "
+                  f"lr {opt.param_groups[0]['lr']:.1e}  {tok_s:,.0f} tok/s")
     last_val = evaluate(model, val)
     print(f"val loss {first_val:.3f} -> {last_val:.3f} ({math.exp(last_val):.2f} perplexity per byte)")
     prompt = torch.tensor([list(b"The for statement ")])

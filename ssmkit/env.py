@@ -34,7 +34,8 @@ def env_report() -> str:
     else:
         lines.append("gpu          none (CUDA not available)")
     lines.append(f"mamba_ssm    {_version('mamba_ssm') if device == 'cuda' else 'not checked (no CUDA)'}")
-    lines.append(f"causal_conv1d {_version('causal_conv1d') if device == 'cuda' else 'not checked (no CUDA)'}")
+    lines.append("causal_conv1d "
+                 f"{_version('causal_conv1d') if device == 'cuda' else 'not checked (no CUDA)'}")
     forced = _backend.forced_backend()
     lines.append(f"SSMKIT_BACKEND {forced or 'unset (automatic)'}")
     lines.append(f"backends on {device}:")

@@ -137,8 +137,8 @@ def plain_name(name, what: str, pattern: str | None = None) -> str:
           and "\x00" not in name and (pattern is None or re.fullmatch(pattern, name) is not None))
     if not ok:
         expected = f"a name matching {pattern}" if pattern else "a plain file name"
-        raise ValueError(f"{what} holds {name!r}; expected {expected} (no directories, no '..'): refusing to read "
-                         "outside its folder")
+        raise ValueError(f"{what} holds {name!r}; expected {expected} (no directories, no '..'): "
+                         "refusing to read outside its folder")
     return name
 
 
@@ -196,7 +196,8 @@ class DirLock:
         same = info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
         who = "this process (another object still holds it: let it finish or delete it)" if same else \
             f"pid {info.get('pid')} on {info.get('host')}"
-        return f"{who}, {info.get('purpose', '?')} since {info.get('started', '?')}: {info.get('command', '?')}"
+        return (f"{who}, {info.get('purpose', '?')} since {info.get('started', '?')}: "
+                f"{info.get('command', '?')}")
 
     def acquire(self) -> DirLock:
         if self._fd is not None:
@@ -212,7 +213,8 @@ class DirLock:
                 if time.monotonic() >= deadline:
                     holder = self._holder()
                     os.close(fd)
-                    raise LockError(f"{self.dir} is in use by {holder}. Two runs must not write into one directory: "
+                    raise LockError(f"{self.dir} is in use by {holder}. "
+                                    "Two runs must not write into one directory: "
                                     "wait for it, stop it, or choose another directory") from None
                 if not told:
                     print(f"waiting for {self.dir}: in use by {self._holder()}", file=sys.stderr, flush=True)

@@ -34,8 +34,8 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None):
-    return ops.selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                      backend="torch")
+    return ops.selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                      dt_softplus=dt_softplus, backend="torch")
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -102,7 +102,8 @@ def g(seed):
 def test_selective_scan_cuda_wiring(fake_kernels):
     b, d, n, L = 2, 6, 4, 9
     u, delta, z = (torch.randn(b, d, L, generator=g(i)) for i in range(3))
-    A, B, C = -torch.rand(d, n, generator=g(3)), torch.randn(b, n, L, generator=g(4)), torch.randn(b, n, L, generator=g(5))
+    A = -torch.rand(d, n, generator=g(3))
+    B, C = torch.randn(b, n, L, generator=g(4)), torch.randn(b, n, L, generator=g(5))
     D, bias = torch.randn(d, generator=g(6)), torch.randn(d, generator=g(7))
     kw = dict(D=D, z=z, delta_bias=bias, delta_softplus=True, return_final_state=True)
     y, h = S6.selective_scan_cuda(u, delta, A, B, C, **kw)
@@ -110,7 +111,8 @@ def test_selective_scan_cuda_wiring(fake_kernels):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(h, h_ref)
     name, args = fake_kernels[-1]
-    assert name == "selective_scan_fn" and args["return_last_state"] is True and args["delta_softplus"] is True
+    assert name == "selective_scan_fn"
+    assert args["return_last_state"] is True and args["delta_softplus"] is True
     with pytest.raises(ops.BackendError, match="initial_state"):
         S6.selective_scan_cuda(u, delta, A, B, C, initial_state=torch.zeros(b, d, n))
 
@@ -121,38 +123,47 @@ def test_ssd_cuda_wiring(fake_kernels):
     dt, A = torch.randn(b, L, h, generator=g(1)), -torch.rand(h, generator=g(2))
     B, C = torch.randn(b, L, gr, n, generator=g(3)), torch.randn(b, L, gr, n, generator=g(4))
     kw = dict(D=torch.randn(h, generator=g(5)), z=torch.randn(b, L, h, p, generator=g(6)),
-              dt_bias=torch.randn(h, generator=g(7)), dt_softplus=True, initial_states=torch.randn(b, h, p, n, generator=g(8)),
+              dt_bias=torch.randn(h, generator=g(7)), dt_softplus=True,
+              initial_states=torch.randn(b, h, p, n, generator=g(8)),
               return_final_states=True, dt_limit=(0.01, 2.0))
     y, hf = SSD.ssd_cuda(x, dt, A, B, C, 4, **kw)
     y_ref, hf_ref = ops.ssd_reference(x, dt, A, B, C, 4, **kw)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(hf, hf_ref)
     name, args = fake_kernels[-1]
-    assert name == "mamba_chunk_scan_combined" and args["chunk_size"] == 4 and args["dt_limit"] == (0.01, 2.0)
+    assert name == "mamba_chunk_scan_combined"
+    assert args["chunk_size"] == 4 and args["dt_limit"] == (0.01, 2.0)
 
 
 def test_conv_norm_and_step_cuda_wiring(fake_kernels):
-    x, w, bias = torch.randn(2, 5, 7, generator=g(0)), torch.randn(5, 4, generator=g(1)), torch.randn(5, generator=g(2))
-    torch.testing.assert_close(CONV.causal_conv1d_cuda(x, w, bias, "silu"), ops.causal_conv1d_reference(x, w, bias, "silu"))
-    with pytest.MonkeyPatch.context() as mp:   # route the dispatchers to "cuda" although the tensors are on CPU
+    x = torch.randn(2, 5, 7, generator=g(0))
+    w, bias = torch.randn(5, 4, generator=g(1)), torch.randn(5, generator=g(2))
+    torch.testing.assert_close(CONV.causal_conv1d_cuda(x, w, bias, "silu"),
+                               ops.causal_conv1d_reference(x, w, bias, "silu"))
+    # route the dispatchers to "cuda" although the tensors are on CPU
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend, "select", lambda op, *t, backend=None: backend or "cuda")
         state = torch.randn(2, 5, 4, generator=g(3))
         expected_state = state.clone()
         want = ops.causal_conv1d_update(x[:, :, 0], expected_state, w, bias, "silu", backend="torch")
         torch.testing.assert_close(CONV.causal_conv1d_update(x[:, :, 0], state, w, bias, "silu"), want)
         torch.testing.assert_close(state, expected_state)
-        xs, wn, zs = torch.randn(3, 8, generator=g(4)), torch.randn(8, generator=g(5)), torch.randn(3, 8, generator=g(6))
-        torch.testing.assert_close(NORM.rms_norm(xs, wn, eps=1e-5), ops.rms_norm(xs, wn, eps=1e-5, backend="reference"))
+        xs, wn = torch.randn(3, 8, generator=g(4)), torch.randn(8, generator=g(5))
+        zs = torch.randn(3, 8, generator=g(6))
+        torch.testing.assert_close(NORM.rms_norm(xs, wn, eps=1e-5),
+                                   ops.rms_norm(xs, wn, eps=1e-5, backend="reference"))
         got = NORM.rms_norm_gated(xs, wn, zs, eps=1e-5, group_size=4, norm_before_gate=False)
-        torch.testing.assert_close(got, ops.rms_norm_gated(xs, wn, zs, eps=1e-5, group_size=4, norm_before_gate=False,
-                                                           backend="reference"))
+        torch.testing.assert_close(got, ops.rms_norm_gated(xs, wn, zs, eps=1e-5, group_size=4,
+                                                           norm_before_gate=False, backend="reference"))
         ssm = torch.randn(2, 5, 3, generator=g(7))
         ref_state = ssm.clone()
-        step = dict(D=torch.randn(5, generator=g(8)), dt_bias=torch.randn(5, generator=g(9)), dt_softplus=True)
+        step = dict(D=torch.randn(5, generator=g(8)), dt_bias=torch.randn(5, generator=g(9)),
+                    dt_softplus=True)
         args = (x[:, :, 1], torch.randn(2, 5, generator=g(10)), -torch.rand(5, 3, generator=g(11)),
                 torch.randn(2, 3, generator=g(12)), torch.randn(2, 3, generator=g(13)))
         y = S6.selective_state_update(ssm, *args, **step)
         torch.testing.assert_close(y, S6.selective_state_update(ref_state, *args, **step, backend="torch"))
         torch.testing.assert_close(ssm, ref_state)
     names = [name for name, _ in fake_kernels]
-    assert names == ["causal_conv1d_fn", "causal_conv1d_update", "rms_norm_fn", "rmsnorm_fn", "selective_state_update"]
+    assert names == ["causal_conv1d_fn", "causal_conv1d_update", "rms_norm_fn", "rmsnorm_fn",
+                     "selective_state_update"]

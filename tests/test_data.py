@@ -50,12 +50,15 @@ def test_prepare_counts_every_token_plus_eos(tmp_path):
     assert index["dtype"] == "uint16" and all(s["tokens"] == 500 for s in index["shards"][:-1])
     assert read_tokens(tmp_path / "out").tolist() == expected
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK_FILE}
-    assert D.prepare(str(src), "byte", tmp_path / "out", split="all", shard_tokens=500, progress=False) == index
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK_FILE} == mtimes
+    assert D.prepare(str(src), "byte", tmp_path / "out", split="all", shard_tokens=500,
+                     progress=False) == index
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()
+            if p.name != LOCK_FILE} == mtimes
 
 
 def test_max_tokens_budget(tmp_path):
-    index = D.prepare("stdlib-docs", "byte", tmp_path / "out", max_tokens=12_345, shard_tokens=5_000, progress=False)
+    index = D.prepare("stdlib-docs", "byte", tmp_path / "out", max_tokens=12_345, shard_tokens=5_000,
+                      progress=False)
     assert index["total_tokens"] == 12_345 and [s["tokens"] for s in index["shards"]] == [5000, 5000, 2345]
 
 
@@ -75,7 +78,8 @@ def test_a_crash_mid_way_then_rerun_gives_identical_shards(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         D.prepare(str(src), "byte", tmp_path / "resumed", **kw)
     monkeypatch.setattr(shards_mod, "write_atomically", real)
-    assert (tmp_path / "resumed" / "progress.json").exists() and not (tmp_path / "resumed" / "index.json").exists()
+    assert (tmp_path / "resumed" / "progress.json").exists()
+    assert not (tmp_path / "resumed" / "index.json").exists()
     kept = (tmp_path / "resumed" / "shard_00000.bin").stat().st_mtime_ns
     D.prepare(str(src), "byte", tmp_path / "resumed", **kw)
     assert (tmp_path / "resumed" / "shard_00000.bin").stat().st_mtime_ns == kept     # finished shards kept
@@ -87,7 +91,8 @@ def test_a_crash_mid_way_then_rerun_gives_identical_shards(tmp_path, monkeypatch
 def test_workers_give_the_same_shards(tmp_path):
     src = jsonl(tmp_path / "docs.jsonl", TEXTS)
     one = D.prepare(str(src), "byte", tmp_path / "one", split="all", shard_tokens=700, progress=False)
-    two = D.prepare(str(src), "byte", tmp_path / "two", split="all", shard_tokens=700, workers=2, progress=False)
+    two = D.prepare(str(src), "byte", tmp_path / "two", split="all", shard_tokens=700, workers=2,
+                    progress=False)
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
 
 
@@ -120,8 +125,8 @@ def test_every_window_once_per_epoch_across_ranks(prepared, world_size):
             x, y = next(it)
             assert x.shape == (2, 31) and torch.equal(x[:, 1:], y[:, :-1])
             seen += window_ids(x, loader)
-    assert len(seen) == len(set(seen))                                   # no window twice, no rank overlap
-    assert 123 - len(seen) < world_size * 2                              # only the uneven remainder is left out
+    assert len(seen) == len(set(seen))           # no window twice, no rank overlap
+    assert 123 - len(seen) < world_size * 2      # only the uneven remainder is left out
 
 
 def test_resume_continues_with_the_same_batches(prepared):
@@ -136,7 +141,8 @@ def test_resume_continues_with_the_same_batches(prepared):
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     it2 = iter(second)
     tail = [next(it2) for _ in range(len(reference) - k)]
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(reference, head + tail, strict=True))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(reference, head + tail, strict=True))
     other = D.TokenLoader(prepared, seq_len=41, batch_size=3, seed=1)
     with pytest.raises(ValueError, match="seq_len=40"):
         other.load_state_dict(first.state_dict())
@@ -154,7 +160,8 @@ def test_clear_errors(prepared, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="sha256 differs"):
             D.TokenLoader(prepared, seq_len=8, batch_size=1, verify=verify)
     with pytest.raises(ValueError, match="has no documents"):
-        D.prepare(str(jsonl(tmp_path / "empty.jsonl", [])), "byte", tmp_path / "e", split="all", progress=False)
+        D.prepare(str(jsonl(tmp_path / "empty.jsonl", [])), "byte", tmp_path / "e", split="all",
+                  progress=False)
     with pytest.raises(ValueError, match="unknown source 'wikipedia-9000'; valid: 'stdlib-docs'"):
         D.prepare("wikipedia-9000", "byte", tmp_path / "u", progress=False)
 
@@ -177,9 +184,10 @@ def test_data_prepare_command(tmp_path):
     import sys
 
     def prepare_cli(source, out):
-        cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", source, "--tokenizer", "byte",
-               "--out", str(out), "--max-tokens", "5000", "--shard-tokens", "2000"]
-        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SSMKIT_CACHE": str(tmp_path)})
+        cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", source,
+               "--tokenizer", "byte", "--out", str(out), "--max-tokens", "5000", "--shard-tokens", "2000"]
+        return subprocess.run(cmd, capture_output=True, text=True,
+                              env={**os.environ, "SSMKIT_CACHE": str(tmp_path)})
 
     done = prepare_cli("stdlib-docs", tmp_path / "o")
     assert done.returncode == 0 and "5,000 tokens" in done.stdout, done.stderr

@@ -89,7 +89,7 @@ def scans(monkeypatch):
     return calls
 
 
-# ---- 1. shard checksums and token ids are verified ----------------------------------------------------------
+# ---- 1. shard checksums and token ids are verified ---------------------------------------------------------
 
 def test_loader_verifies_once_then_trusts_unchanged_files(prepared, scans):
     n = len(json.loads((prepared / "index.json").read_text())["shards"])
@@ -111,7 +111,8 @@ def test_a_bit_flip_after_verification_is_still_caught(prepared, scans):
     shard = prepared / "shard_00001.bin"
     stamp = shard.stat()
     flip(shard, at=7)
-    os.utime(shard, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))                # same size, same mtime: ctime tells
+    # same size, same mtime: ctime tells
+    os.utime(shard, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     with pytest.raises(ValueError) as err:
         D.TokenLoader(prepared, seq_len=8, batch_size=2)
     message = str(err.value)
@@ -119,7 +120,8 @@ def test_a_bit_flip_after_verification_is_still_caught(prepared, scans):
     flip(shard, at=7)                                                         # repaired: accepted again
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ValueError, match=r"shard_00001.bin is corrupt: 998 bytes, the index says 1000; prepare"):
+    with pytest.raises(ValueError,
+                       match=r"shard_00001.bin is corrupt: 998 bytes, the index says 1000; prepare"):
         D.TokenLoader(prepared, seq_len=8, batch_size=2)
     shard.unlink()
     with pytest.raises(ValueError, match=r"shard_00001.bin is missing"):
@@ -146,14 +148,16 @@ def test_token_ids_beyond_the_vocabulary_are_refused(prepared, tmp_path):
     D.TokenLoader(prepared, seq_len=8, batch_size=2, verify=False)            # sizes alone pass
 
 
-def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(prepared, tmp_path, monkeypatch, scans):
+def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(prepared, tmp_path, monkeypatch,
+                                                                       scans):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     monkeypatch.setenv("SSMKIT_CACHE", str(blocker))                          # mkdir under a file: OSError
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     n = len(json.loads((prepared / "index.json").read_text())["shards"])
-    assert len(scans) == 2 * n                                                # nothing remembered, still checked
+    # nothing remembered, still checked
+    assert len(scans) == 2 * n
     monkeypatch.setenv("SSMKIT_CACHE", str(tmp_path / "cache2"))
 
     def read_only(*args, **kw):
@@ -162,7 +166,8 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(prepared,
     real_write_json = S.write_json
     monkeypatch.setattr(S, "write_json", read_only)
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    assert not (tmp_path / "cache2" / "verified").exists() or not any((tmp_path / "cache2" / "verified").iterdir())
+    assert (not (tmp_path / "cache2" / "verified").exists()
+            or not any((tmp_path / "cache2" / "verified").iterdir()))
     monkeypatch.setattr(S, "write_json", real_write_json)
     monkeypatch.setenv("SSMKIT_CACHE", str(tmp_path / "cache3"))
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
@@ -186,7 +191,7 @@ def test_prepare_checks_finished_shards_before_calling_them_done(tmp_path):
         prep(src, out)
 
 
-# ---- 2. a local corpus edited after preparing ----------------------------------------------------------------
+# ---- 2. a local corpus edited after preparing --------------------------------------------------------------
 
 def test_source_fingerprint_follows_the_files(tmp_path):
     folder = tmp_path / "corpus"
@@ -199,10 +204,12 @@ def test_source_fingerprint_follows_the_files(tmp_path):
     jsonl(folder / "b.jsonl", TEXTS[3:4])
     second = D.source_fingerprint(str(folder))
     assert second != first
-    jsonl(folder / "b.jsonl", TEXTS[4:5])                                     # same size, new content and mtime
+    # same size, new content and mtime
+    jsonl(folder / "b.jsonl", TEXTS[4:5])
     assert D.source_fingerprint(str(folder)) != second
     assert D.source_fingerprint("stdlib-docs") == D.source_fingerprint("stdlib-docs") is not None
-    assert D.source_fingerprint("fineweb-edu") is None and D.source_fingerprint(str(tmp_path / "nope")) is None
+    assert (D.source_fingerprint("fineweb-edu") is None
+            and D.source_fingerprint(str(tmp_path / "nope")) is None)
 
 
 def test_an_edited_corpus_is_not_served_from_stale_shards(tmp_path):
@@ -211,7 +218,8 @@ def test_an_edited_corpus_is_not_served_from_stale_shards(tmp_path):
     first = prep(src, out)
     assert first["options"]["source_fingerprint"] == D.source_fingerprint(str(src))
     jsonl(src, TEXTS[::-1])                                                   # same size, other order
-    with pytest.raises(ValueError, match=r"the source .*d.jsonl' changed since .*out was prepared.*another directory"):
+    with pytest.raises(ValueError,
+                       match=r"the source .*d.jsonl' changed since .*out was prepared.*another directory"):
         prep(src, out)
     again = prep(src, tmp_path / "new")
     expected = [b for t in TEXTS[::-1] for b in (*t.encode(), 256)]
@@ -249,7 +257,7 @@ def test_an_edited_corpus_is_not_resumed_and_an_edit_during_prepare_is_caught(tm
     assert not (tmp_path / "during" / "index.json").exists()
 
 
-# ---- 3. one writer per directory -----------------------------------------------------------------------------
+# ---- 3. one writer per directory ---------------------------------------------------------------------------
 
 def test_a_second_prepare_into_a_busy_directory_is_refused_naming_the_holder(tmp_path):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
@@ -274,7 +282,8 @@ def test_a_second_process_holding_the_directory_is_named(tmp_path):
               "io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)\n"
               f"lock = io.DirLock({str(out)!r}, 'data prepare').acquire()\n"
               "print('held', flush=True); sys.stdin.read()\n")
-    child = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         assert child.stdout.readline().strip() == "held"
         with pytest.raises(LockError, match=rf"pid {child.pid} on .*data prepare"):
@@ -326,9 +335,11 @@ def test_progress_json_and_mds_index_names_are_checked_too(tmp_path, monkeypatch
     progress.write_text(json.dumps(state))
     with pytest.raises(ValueError, match=r"progress.json holds '/etc/hostname'"):
         prep(src, tmp_path / "out")
-    state["shards"][0]["file"] = "index.json"                                 # plain, but not the shard it must be
+    # plain, but not the shard it must be
+    state["shards"][0]["file"] = "index.json"
     progress.write_text(json.dumps(state))
-    with pytest.raises(ValueError, match=r"progress.json holds 'index.json'; expected a name matching shard_00000"):
+    with pytest.raises(ValueError,
+                       match=r"progress.json holds 'index.json'; expected a name matching shard_00000"):
         prep(src, tmp_path / "out")
     progress.write_text(json.dumps(state)[:40])                               # truncated
     with pytest.raises(ValueError, match=r"progress file .*progress.json cannot be read .*truncated"):
@@ -358,8 +369,11 @@ def test_a_truncated_or_foreign_index_is_one_clear_error(prepared):
     with pytest.raises(ValueError, match=r"shard index .*index.json cannot be read .*corrupt or truncated"):
         D.TokenLoader(prepared, seq_len=8, batch_size=1)
     with pytest.raises(ValueError, match="cannot be read"):
-        D.prepare(str(prepared.parent / "w.jsonl"), "byte", prepared, split="all", shard_tokens=500, progress=False)
-    for foreign in ([1, 2], {"dtype": "float32", "shards": [], "vocab_size": 3}, {"dtype": "uint16", "shards": {}}):
+        D.prepare(str(prepared.parent / "w.jsonl"), "byte", prepared, split="all", shard_tokens=500,
+                  progress=False)
+    for foreign in ([1, 2],
+                    {"dtype": "float32", "shards": [], "vocab_size": 3},
+                    {"dtype": "uint16", "shards": {}}):
         (prepared / "index.json").write_text(json.dumps(foreign))
         with pytest.raises(ValueError, match="index.json"):
             D.TokenLoader(prepared, seq_len=8, batch_size=1)
@@ -381,7 +395,8 @@ def test_blank_documents_are_skipped_and_an_all_blank_source_refused(tmp_path):
     index = prep(jsonl(tmp_path / "m.jsonl", mixed), tmp_path / "m")
     assert stream(tmp_path / "m").tolist() == [b for t in TEXTS[:2] for b in (*t.encode(), 256)]
     assert index["documents"] == 5 and index["empty_documents"] == 3
-    with pytest.raises(ValueError, match=r"source '.*blank.jsonl' \(all split\) has no text: its 3 documents are"):
+    with pytest.raises(ValueError,
+                       match=r"source '.*blank.jsonl' \(all split\) has no text: its 3 documents are"):
         prep(jsonl(tmp_path / "blank.jsonl", ["", " ", "\n\n"]), tmp_path / "b")
     with pytest.raises(ValueError, match=r"has no documents"):
         prep(jsonl(tmp_path / "none.jsonl", []), tmp_path / "n")
@@ -419,12 +434,18 @@ def test_bad_sources_and_tokenizers_are_refused_before_anything_is_written(tmp_p
     with pytest.raises(ValueError, match=r"document 'x' has no text string \(got NoneType\)"):
         D.prepare([D.Document("x", None)], "byte", tmp_path / "docs", progress=False)
     assert not (tmp_path / "out").exists()
-    as_path = D.prepare(tmp_path / "d.jsonl", "byte", tmp_path / "p", split="all", progress=False)   # a Path works
+    # a Path works
+    as_path = D.prepare(tmp_path / "d.jsonl", "byte", tmp_path / "p", split="all", progress=False)
     assert as_path["options"]["source"] == str(tmp_path / "d.jsonl")
 
 
-@pytest.mark.parametrize("option, value", [("--workers", "-3"), ("--max-tokens", "0"), ("--shard-tokens", "0"),
-                                           ("--workers", "two"), ("--mds-seq-len", "-1")])
+@pytest.mark.parametrize("option, value", [
+    ("--workers", "-3"),
+    ("--max-tokens", "0"),
+    ("--shard-tokens", "0"),
+    ("--workers", "two"),
+    ("--mds-seq-len", "-1"),
+])
 def test_cli_refuses_bad_counts_at_the_door(tmp_path, capsys, option, value):
     code, err = run_cli(capsys, "--source", "stdlib-docs", "--out", tmp_path / "out", option, value)
     assert code == 2 and "Traceback" not in err
@@ -432,7 +453,7 @@ def test_cli_refuses_bad_counts_at_the_door(tmp_path, capsys, option, value):
     assert not (tmp_path / "out").exists()
 
 
-# ---- 6. malformed records: file and line named, one line on the command line ---------------------------------
+# ---- 6. malformed records: file and line named, one line on the command line -------------------------------
 
 @pytest.mark.parametrize("line, what", [
     ('{"txt": "hello"}', "has no field 'text'"),
@@ -450,7 +471,8 @@ def test_a_bad_jsonl_line_names_file_line_and_field(tmp_path, capsys, line, what
     message = one_line(err)
     assert code == 1 and message.startswith("ssmkit data prepare: ") and "d.jsonl, line 3" in message
     assert "'text'" in message
-    jsonl(src, ["fine", "fixed"])                                             # fixed: the same command now runs
+    # fixed: the same command now runs
+    jsonl(src, ["fine", "fixed"])
     prep(src, tmp_path / "out")
     assert stream(tmp_path / "out").tolist() == [*b"fine", 256, *b"fixed", 256]
 
@@ -475,7 +497,8 @@ def test_bad_parquet_arrow_and_text_files_name_the_file(tmp_path, capsys):
             prep(tmp_path / name, tmp_path / f"out-{name}")
         code, err = run_cli(capsys, "--source", tmp_path / name, "--out", tmp_path / f"cli-{name}")
         assert code == 1 and name in one_line(err)
-    table = pa.table({"text": ["alpha", "beta"]})                             # the IPC *file* format reads too
+    # the IPC *file* format reads too
+    table = pa.table({"text": ["alpha", "beta"]})
     with pa.ipc.new_file(str(tmp_path / "f.arrow"), table.schema) as writer:
         writer.write_table(table)
     assert [d.text for d in D.load_source(str(tmp_path / "f.arrow"), "all")] == ["alpha", "beta"]
@@ -492,7 +515,7 @@ def test_cli_prints_one_line_for_data_errors(tmp_path, capsys, prepared):
     assert code == 1 and "shard_00000.bin is corrupt" in one_line(err)
 
 
-# ---- 7. disk full, read-only: no half shard, one line, and a re-run finishes the same ------------------------
+# ---- 7. disk full, read-only: no half shard, one line, and a re-run finishes the same ----------------------
 
 def fail_writes(monkeypatch, marker, err, times=1):
     """The next ``times`` fsyncs of a file whose name contains ``marker`` fail with OSError(err)."""
@@ -508,7 +531,8 @@ def fail_writes(monkeypatch, marker, err, times=1):
 
 
 @pytest.mark.parametrize("err, hint", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only")])
-def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(tmp_path, monkeypatch, capsys, err, hint):
+def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(tmp_path, monkeypatch, capsys, err,
+                                                                        hint):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
     prep(src, tmp_path / "clean")
     fail_writes(monkeypatch, "shard_00002.bin", err)
@@ -516,7 +540,8 @@ def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(tmp_path,
         prep(src, tmp_path / "out")
     assert exc.value.errno == err and exc.value.filename.endswith("shard_00002.bin")
     left = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert left == [LOCK_FILE, "progress.json", "shard_00000.bin", "shard_00001.bin"]   # no temp, no half shard
+    # no temp, no half shard
+    assert left == [LOCK_FILE, "progress.json", "shard_00000.bin", "shard_00001.bin"]
     assert len(json.loads((tmp_path / "out" / "progress.json").read_text())["shards"]) == 2
     monkeypatch.undo()
     prep(src, tmp_path / "out")
@@ -546,7 +571,8 @@ def test_a_failed_mds_write_leaves_no_half_shard_and_a_rerun_matches(prepared, t
     with pytest.raises(OSError) as exc:
         D.write_mds(prepared, tmp_path / "mds", **kw)
     assert exc.value.filename.endswith("shard.00002.mds")
-    assert sorted(p.name for p in (tmp_path / "mds").iterdir()) == [LOCK_FILE, "shard.00000.mds", "shard.00001.mds"]
+    assert sorted(p.name for p in (tmp_path / "mds").iterdir()) == [LOCK_FILE, "shard.00000.mds",
+                                                                    "shard.00001.mds"]
     monkeypatch.undo()
     D.write_mds(prepared, tmp_path / "mds", **kw)
     assert files(tmp_path / "mds") == files(tmp_path / "clean")
@@ -557,7 +583,7 @@ def test_a_failed_mds_write_leaves_no_half_shard_and_a_rerun_matches(prepared, t
     assert code == 1 and "shard.00000.mds: the disk is full" in message
 
 
-# ---- 8. the rest -----------------------------------------------------------------------------------------------
+# ---- 8. the rest -------------------------------------------------------------------------------------------
 
 def test_loader_arguments_and_state_are_checked(prepared):
     for kw in (dict(seq_len="8"), dict(seq_len=True), dict(batch_size=0), dict(rank=2, world_size=2)):
@@ -565,7 +591,9 @@ def test_loader_arguments_and_state_are_checked(prepared):
             D.TokenLoader(prepared, **{"seq_len": 8, "batch_size": 2, **kw})
     loader = D.TokenLoader(prepared, seq_len=8, batch_size=2)
     state = loader.state_dict()
-    for bad in ({k: v for k, v in state.items() if k != "step"}, {**state, "epoch": -1}, {**state, "step": 10**9}):
+    for bad in ({k: v for k, v in state.items() if k != "step"},
+                {**state, "epoch": -1},
+                {**state, "step": 10**9}):
         with pytest.raises(ValueError, match="loader state has epoch="):
             loader.load_state_dict(bad)
     with pytest.raises(ValueError, match="must be a dict"):

@@ -11,7 +11,8 @@ ENV = dict(os.environ)   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1 for 
 
 
 def run(*args, check=True):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, check=check, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, check=check,
+                          timeout=600)
 
 
 def test_demo_loss_falls_and_samples():
@@ -22,7 +23,8 @@ def test_demo_loss_falls_and_samples():
 
 
 def test_demo_mamba2():
-    out = run("-m", "ssmkit.demo", "--mixer", "mamba2", "--steps", "20", "--batch-size", "4", "--seq-len", "64").stdout
+    out = run("-m", "ssmkit.demo", "--mixer", "mamba2", "--steps", "20", "--batch-size", "4",
+              "--seq-len", "64").stdout
     first, last = map(float, re.search(r"val loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first
 

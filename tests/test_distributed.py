@@ -29,8 +29,9 @@ def shards(tmp_path_factory):
 
 
 def config(path: Path, shards: Path, **kw) -> Path:
-    cfg = TrainConfig(**{**dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
-                                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=512,
+    cfg = TrainConfig(**{**dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2},
+                                data=str(shards / "train"), val_data=str(shards / "val"),
+                                seq_len=32, micro_batch=4, batch_tokens=512,
                                 warmup_steps=2, max_steps=4, log_every=1, eval_every=0, eval_batches=2,
                                 progress=False, out_dir=str(path / "run")), **kw})
     path.mkdir(parents=True, exist_ok=True)

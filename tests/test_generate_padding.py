@@ -78,8 +78,10 @@ def test_padded_greedy_generation_equals_each_prompt_alone(case, use_cache):
     model = model_for(case)
     ids, mask = left_padded(PROMPTS, 60)
     width = ids.shape[1]
-    out = ssmkit.generate(model, ids, max_new_tokens=10, temperature=0, attention_mask=mask, use_cache=use_cache)
-    assert out.shape == (len(PROMPTS), width + 10) and torch.equal(out[:, :width], ids)   # padding kept in front
+    out = ssmkit.generate(model, ids, max_new_tokens=10, temperature=0, attention_mask=mask,
+                          use_cache=use_cache)
+    # padding kept in front
+    assert out.shape == (len(PROMPTS), width + 10) and torch.equal(out[:, :width], ids)
     for i, p in enumerate(PROMPTS):
         alone = ssmkit.generate(model, p[None], max_new_tokens=10, temperature=0, use_cache=use_cache)
         assert torch.equal(out[i, width - len(p):], alone[0]), (case, i)
@@ -144,7 +146,8 @@ def test_zero_new_tokens_returns_the_prompt():
 def test_token_ids_outside_the_vocabulary_are_one_clear_error(bad):
     model = model_for("mamba2")                  # vocab_size 60, padded to 64 embedding rows
     ids = torch.tensor([[3, bad, 7]])
-    expected = rf"token id {bad}, outside the model's vocabulary: valid ids are 0\.\.63 \(vocab_size 60, padded to 64"
+    expected = (rf"token id {bad}, outside the model's vocabulary: "
+                rf"valid ids are 0\.\.63 \(vocab_size 60, padded to 64")
     with pytest.raises(ValueError, match=expected):
         ssmkit.generate(model, ids, max_new_tokens=2)
     with pytest.raises(ValueError, match=expected):
@@ -175,7 +178,8 @@ def test_forward_does_not_read_ids_under_torch_compile(monkeypatch):
 ])
 def test_config_fields_outside_their_range_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be") as info:
-        ModelConfig(**{**dict(d_model=32, n_layer=1, vocab_size=10, mixer="mamba2", headdim=16), field: value})
+        ModelConfig(**{**dict(d_model=32, n_layer=1, vocab_size=10, mixer="mamba2", headdim=16),
+                       field: value})
     assert "\n" not in str(info.value)
 
 
@@ -185,7 +189,8 @@ def test_config_boundary_values_give_finite_logits():
     for kwargs in (dict(A_init_range=(0.5, 0.5), dt_limit=(0.0, 0.1), dt_min=0.01, dt_max=0.01),
                    dict(dt_limit=(0.2, 0.2), norm_epsilon=1e-12, dt_scale=0.0)):
         torch.manual_seed(0)
-        cfg = ModelConfig(d_model=32, n_layer=2, vocab_size=10, mixer="mamba2", headdim=16, chunk_size=4, **kwargs)
+        cfg = ModelConfig(d_model=32, n_layer=2, vocab_size=10, mixer="mamba2", headdim=16, chunk_size=4,
+                          **kwargs)
         model = ssmkit.build_model(cfg)
         assert torch.isfinite(model(torch.randint(0, 10, (2, 9))).logits).all(), kwargs
     cfg = ModelConfig(d_model=32, n_layer=2, vocab_size=10, mixer="mamba2", headdim=16)

@@ -24,8 +24,9 @@ from ssmkit.models import ModelConfig
 
 ATOL = 1e-4
 # mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
-MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
-                           "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings"}
+MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
+                           "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm",
+                           "pad_vocab_size_multiple", "tie_embeddings"}
 
 
 def perturb_(model, seed):
@@ -37,20 +38,19 @@ def perturb_(model, seed):
 
 
 HF_CASES = {
-    "mamba-tied": lambda: MambaForCausalLM(MambaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                       state_size=8, expand=2, time_step_rank=3)),
-    "mamba-untied-d16": lambda: MambaForCausalLM(MambaConfig(vocab_size=96, hidden_size=24, num_hidden_layers=3,
-                                                             state_size=16, expand=3, conv_kernel=3,
-                                                             tie_word_embeddings=False)),
-    "falcon-mamba": lambda: FalconMambaForCausalLM(FalconMambaConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2,
-                                                                     state_size=8, mixer_rms_eps=1e-5)),
-    "mamba2-groups": lambda: Mamba2ForCausalLM(Mamba2Config(vocab_size=101, hidden_size=32, num_hidden_layers=2,
-                                                            state_size=16, head_dim=16, num_heads=4, n_groups=2,
-                                                            chunk_size=8)),
-    "mamba2-tied-limit": lambda: Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                                state_size=8, head_dim=8, num_heads=8, n_groups=1,
-                                                                chunk_size=5, tie_word_embeddings=True,
-                                                                time_step_limit=(0.01, 0.2))),
+    "mamba-tied": lambda: MambaForCausalLM(MambaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, time_step_rank=3)),
+    "mamba-untied-d16": lambda: MambaForCausalLM(MambaConfig(
+        vocab_size=96, hidden_size=24, num_hidden_layers=3, state_size=16, expand=3, conv_kernel=3,
+        tie_word_embeddings=False)),
+    "falcon-mamba": lambda: FalconMambaForCausalLM(FalconMambaConfig(
+        vocab_size=80, hidden_size=32, num_hidden_layers=2, state_size=8, mixer_rms_eps=1e-5)),
+    "mamba2-groups": lambda: Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=101, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=16, num_heads=4,
+        n_groups=2, chunk_size=8)),
+    "mamba2-tied-limit": lambda: Mamba2ForCausalLM(Mamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8, num_heads=8,
+        n_groups=1, chunk_size=5, tie_word_embeddings=True, time_step_limit=(0.01, 0.2))),
 }
 
 
@@ -103,7 +103,8 @@ def test_sharded_and_bin_checkpoints(tmp_path):
     with torch.no_grad():
         want = hf(ids).logits
         for sub in ("sharded", "bin"):
-            torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / sub)(ids).logits, want, atol=ATOL, rtol=0)
+            torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / sub)(ids).logits, want,
+                                       atol=ATOL, rtol=0)
 
 
 def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
@@ -119,7 +120,8 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     model = ssmkit.from_pretrained(folder, dtype=torch.bfloat16)
-    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.backbone.embedding.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight is model.backbone.embedding.weight
     ids = torch.randint(0, 100, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits.float(), hf(ids).logits, atol=0.1, rtol=0.05)   # bf16
@@ -143,7 +145,8 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
 @pytest.mark.parametrize("tie", [True, False])
 def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie):
     torch.manual_seed(0)
-    model = perturb_(ssmkit.build_model(ModelConfig.preset(preset, n_layer=2, vocab_size=250, tie_embeddings=tie)), 4)
+    model = perturb_(ssmkit.build_model(ModelConfig.preset(preset, n_layer=2, vocab_size=250,
+                                                           tie_embeddings=tie)), 4)
     model.eval()
     ids = torch.randint(0, 250, (2, 17))
     out = model.save_pretrained(tmp_path / "hf")
@@ -177,8 +180,9 @@ def write_mamba_ssm_fixture(folder, layer):
         shapes[p + "norm.weight"] = (d,)
         if layer == "Mamba1":
             rank = 2
-            shapes.update({p + "mixer.in_proj.weight": (2 * d_inner, d), p + "mixer.conv1d.weight": (d_inner, 1, 4),
-                           p + "mixer.conv1d.bias": (d_inner,), p + "mixer.x_proj.weight": (rank + 16, d_inner),
+            shapes.update({p + "mixer.in_proj.weight": (2 * d_inner, d),
+                           p + "mixer.conv1d.weight": (d_inner, 1, 4), p + "mixer.conv1d.bias": (d_inner,),
+                           p + "mixer.x_proj.weight": (rank + 16, d_inner),
                            p + "mixer.dt_proj.weight": (d_inner, rank), p + "mixer.dt_proj.bias": (d_inner,),
                            p + "mixer.A_log": (d_inner, 8), p + "mixer.D": (d_inner,),
                            p + "mixer.out_proj.weight": (d, d_inner)})
@@ -186,8 +190,9 @@ def write_mamba_ssm_fixture(folder, layer):
             heads, conv_dim = d_inner // 16, d_inner + 2 * 2 * 8
             shapes.update({p + "mixer.in_proj.weight": (d_inner + conv_dim + heads, d),
                            p + "mixer.conv1d.weight": (conv_dim, 1, 4), p + "mixer.conv1d.bias": (conv_dim,),
-                           p + "mixer.dt_bias": (heads,), p + "mixer.A_log": (heads,), p + "mixer.D": (heads,),
-                           p + "mixer.norm.weight": (d_inner,), p + "mixer.out_proj.weight": (d, d_inner)})
+                           p + "mixer.dt_bias": (heads,), p + "mixer.A_log": (heads,),
+                           p + "mixer.D": (heads,), p + "mixer.norm.weight": (d_inner,),
+                           p + "mixer.out_proj.weight": (d, d_inner)})
     state = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
     state["lm_head.weight"] = state["backbone.embedding.weight"]
     folder.mkdir()

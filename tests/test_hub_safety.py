@@ -28,8 +28,8 @@ IDS = torch.arange(12)[None] % 50
 
 def tiny(seed=0, mixer="mamba1"):
     torch.manual_seed(seed)
-    return ssmkit.build_model(ModelConfig(d_model=16, n_layer=2, vocab_size=50, mixer=mixer, d_state=4, headdim=8,
-                                          chunk_size=4)).eval()
+    return ssmkit.build_model(ModelConfig(d_model=16, n_layer=2, vocab_size=50, mixer=mixer, d_state=4,
+                                          headdim=8, chunk_size=4)).eval()
 
 
 def logits(model):
@@ -43,7 +43,8 @@ def same_model(folder, model):
 
 def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` with its bytes, and every directory: what 'untouched' means."""
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
 
 
 def run_cli(*args, capsys):
@@ -81,7 +82,8 @@ def test_overwrite_replaces_only_our_files_and_drops_the_shadowing_weights(tmp_p
     new = tiny(seed=2)
     new.save_pretrained(target, format="mamba_ssm", overwrite=True)
     assert (target / "README.md").read_text() == "my notes"
-    assert (target / "tokenizer.json").read_text() == '{"user": "tokenizer"}'   # not brought by this save: kept
+    # not brought by this save: kept
+    assert (target / "tokenizer.json").read_text() == '{"user": "tokenizer"}'
     # loaders read model.safetensors before pytorch_model.bin: the old one must be gone, or it would win
     assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "pytorch_model.bin",
                                                         "tokenizer.json"]
@@ -112,15 +114,17 @@ def test_a_crash_in_an_in_place_overwrite_leaves_the_old_files(tmp_path, monkeyp
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError):
         tiny(seed=2).save_pretrained(target, format="mamba_ssm", overwrite=True)
-    assert snapshot(tmp_path) == before                                # no temporary folder left inside either
+    assert snapshot(tmp_path) == before   # no temporary folder left inside either
 
 
 def test_our_checkpoint_is_replaced_whole_and_user_tokenizer_files_stay(tmp_path):
     target = tmp_path / "ckpt"
     tiny(seed=1).save_pretrained(target)
-    (target / "tokenizer.json").write_text('{"user": "tokenizer"}')   # tokenizer.save_pretrained(target) first
+    # tokenizer.save_pretrained(target) first
+    (target / "tokenizer.json").write_text('{"user": "tokenizer"}')
     new = tiny(seed=2, mixer="mamba2")
-    new.save_pretrained(target, format="mamba_ssm")                   # only our files there: no overwrite needed
+    # only our files there: no overwrite needed
+    new.save_pretrained(target, format="mamba_ssm")
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "pytorch_model.bin", "tokenizer.json"]
     assert (target / "tokenizer.json").read_text() == '{"user": "tokenizer"}'
     assert same_model(target, new)
@@ -153,7 +157,8 @@ def test_the_swap_is_one_exchange_and_a_failed_swap_keeps_the_old_checkpoint(tmp
     # the fallback when nothing fails: the new checkpoint, nothing left beside it
     new = tiny(seed=3)
     new.save_pretrained(tmp_path / "ckpt")
-    assert same_model(tmp_path / "ckpt", new) and sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ckpt"]
+    assert same_model(tmp_path / "ckpt", new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ckpt"]
 
 
 def test_a_link_to_our_checkpoint_stays_a_link(tmp_path):
@@ -189,9 +194,9 @@ def test_exported_files_follow_the_umask(tmp_path, mask):
         src = tmp_path / "src"
         tiny().save_pretrained(src)
         (src / "tokenizer.json").write_text("{}")
-        os.chmod(src / "tokenizer.json", 0o600)                       # copied along with the umask's mode, not this
+        os.chmod(src / "tokenizer.json", 0o600)   # copied along with the umask's mode, not this
         model = ssmkit.from_pretrained(src)
-        model.save_pretrained(tmp_path / "new")                        # a new directory (swap path)
+        model.save_pretrained(tmp_path / "new")   # a new directory (swap path)
         (tmp_path / "shared").mkdir()
         (tmp_path / "shared" / "README.md").write_text("x")
         model.save_pretrained(tmp_path / "shared", format="mamba_ssm", overwrite=True)   # in place
@@ -226,7 +231,8 @@ def test_convert_reports_a_full_disk_in_one_line(tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     monkeypatch.setattr("safetensors.torch.save_file", disk_full)
-    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf", capsys=capsys)
+    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
+                             capsys=capsys)
     assert code == 1 and "disk is full" in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(tmp_path) == before
 
@@ -235,10 +241,11 @@ def test_convert_refuses_a_foreign_target_unless_overwrite(tmp_path, capsys):
     tiny().save_pretrained(tmp_path / "src", format="mamba_ssm")
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "notes.txt").write_text("keep me")
-    code, _, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf", capsys=capsys)
+    code, _, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
+                           capsys=capsys)
     assert code == 1 and "notes.txt" in err and len(err.strip().splitlines()) == 1, err
-    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf", "--overwrite",
-                             capsys=capsys)
+    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
+                             "--overwrite", capsys=capsys)
     assert code == 0 and "hf layout" in out, err
     assert (tmp_path / "dst" / "notes.txt").read_text() == "keep me"
     assert same_model(tmp_path / "dst", ssmkit.from_pretrained(tmp_path / "src").eval())
@@ -276,7 +283,8 @@ def test_shard_index_entries_must_be_plain_names(tmp_path):
     hostile = {k: ("../../secret.safetensors" if v.startswith("model-00002") else v)
                for k, v in index["weight_map"].items()}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": hostile}))
-    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json holds '../../secret.safetensors'"):
+    with pytest.raises(CheckpointError,
+                       match=r"model.safetensors.index.json holds '../../secret.safetensors'"):
         ssmkit.from_pretrained(folder)
 
 
@@ -374,12 +382,14 @@ def test_dtype_names_and_devices(tmp_path):
         # the oracle: the same as casting the fp32 model
         assert torch.equal(loaded.backbone.embedding.weight, model.backbone.embedding.weight.to(dtype))
     for bad in ("int8", "float", torch.int64, 16):
-        with pytest.raises(ValueError, match="valid: float32, fp32, bfloat16, bf16, float16, fp16, half") as info:
+        with pytest.raises(ValueError,
+                           match="valid: float32, fp32, bfloat16, bf16, float16, fp16, half") as info:
             ssmkit.from_pretrained(tmp_path, dtype=bad)
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="device='tpu' is not valid; valid: auto, cpu"):
         ssmkit.from_pretrained(tmp_path, device="tpu")
-    assert next(ssmkit.from_pretrained(tmp_path, device=torch.device("cpu")).parameters()).device.type == "cpu"
+    on_cpu = ssmkit.from_pretrained(tmp_path, device=torch.device("cpu"))
+    assert next(on_cpu.parameters()).device.type == "cpu"
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             ssmkit.from_pretrained(tmp_path, device="cuda")

@@ -31,7 +31,8 @@ def lab(tmp_path_factory):
     home = tmp_path_factory.mktemp("jupyter-home")
     env = {"JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
            "HOME": str(home), "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
-    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                             f"--port={port}", "--ip=127.0.0.1",
                              f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={ROOT}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -52,7 +53,8 @@ def lab(tmp_path_factory):
 
 
 def get(base: str, path: str, method: str = "GET"):
-    req = urllib.request.Request(f"{base}{path}?token={TOKEN}", method=method, data=b"{}" if method == "POST" else None)
+    req = urllib.request.Request(f"{base}{path}?token={TOKEN}", method=method,
+                                 data=b"{}" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=30) as resp:
         body = resp.read().decode()
         return resp.status, body

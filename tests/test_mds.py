@@ -46,11 +46,14 @@ def fake_prepared(folder, tokens, dtype="uint16", shard_tokens=100):
 
 def config_text(width, itemsize, dtype, size_limit, hashes=("sha256",)):
     """The shard config JSON as streaming writes it (json.dumps, sorted keys), spelled out."""
-    return (  # noqa: UP031  (%-format: the JSON's own braces would need doubling in an f-string)
-        '{"column_encodings": ["ndarray:%s:%d"], "column_names": ["tokens"], "column_sizes": [%d], '
-            '"compression": null, "format": "mds", "hashes": [%s], "size_limit": %s, "version": 2}'
-            % (dtype, width, width * itemsize, ", ".join(f'"{h}"' for h in hashes),
-               "null" if size_limit is None else size_limit))
+    # %-format on purpose: the JSON's own braces would need doubling in an f-string
+    return (
+        '{"column_encodings": ["ndarray:%s:%d"], "column_names": ["tokens"], '  # noqa: UP031
+        '"column_sizes": [%d], "compression": null, "format": "mds", "hashes": [%s], '
+        '"size_limit": %s, "version": 2}'
+        % (dtype, width, width * itemsize, ", ".join(f'"{h}"' for h in hashes),
+           "null" if size_limit is None else size_limit)
+    )
 
 
 def expected_shard(windows, config):
@@ -62,7 +65,8 @@ def expected_shard(windows, config):
 
 
 def test_shard_bytes_and_index_are_streamings_format(tmp_path):
-    tokens = np.arange(3, 3 + 23) * 1000 % 65536                 # 23 tokens, seq_len 4: 5 windows of 5, 2 dropped
+    # 23 tokens, seq_len 4: 5 windows of 5, 2 dropped
+    tokens = np.arange(3, 3 + 23) * 1000 % 65536
     src = fake_prepared(tmp_path / "src", tokens, shard_tokens=7)     # windows cross the source shards
     config = config_text(5, 2, "uint16", 999).replace("999", "LLL")
     limit = 8 + len(config) + 3 * (10 + 4)                            # a shard holds exactly three samples
@@ -83,11 +87,13 @@ def test_shard_bytes_and_index_are_streamings_format(tmp_path):
                             "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}}
               for k, (n, data) in enumerate(zip([3, 2], files))]
     text = (tmp_path / "mds" / "index.json").read_text()
-    assert text == json.dumps({"version": 2, "shards": shards}, sort_keys=True)   # json.dump, sort_keys: exact text
+    # json.dump, sort_keys: exact text
+    assert text == json.dumps({"version": 2, "shards": shards}, sort_keys=True)
     assert text.startswith('{"shards": [{"column_encodings": ["ndarray:uint16:5"]')
     # one byte less and a shard holds only two samples (streaming flushes when limit < size + next sample)
     D.write_mds(src, tmp_path / "tight", 4, size_limit=limit - 1, progress=False)
-    assert [s["samples"] for s in json.loads((tmp_path / "tight" / "index.json").read_text())["shards"]] == [2, 2, 1]
+    assert ([s["samples"] for s in json.loads((tmp_path / "tight" / "index.json").read_text())["shards"]]
+            == [2, 2, 1])
 
 
 def test_uint32_no_hashes_and_one_shard(tmp_path):
@@ -129,7 +135,8 @@ def test_prepare_with_mds_round_trips_the_loader_windows(tmp_path):
     meta = json.loads((out / "mds" / "ssmkit.json").read_text())
     assert meta["tokenizer"] == "byte" and meta["eos_token_id"] == 256 and meta["options"]["seq_len"] == 50
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE}
-    D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False, mds_seq_len=50)
+    D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False,
+              mds_seq_len=50)
     assert {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE} == mtimes
     with pytest.raises(ValueError, match="other options"):
         D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False,
@@ -195,7 +202,8 @@ def test_clear_errors(tmp_path):
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(ValueError, match="shard_00001.bin is corrupt: 78 bytes"):
         D.write_mds(src, tmp_path / "m2", 8, progress=False)
-    with pytest.raises(ValueError, match="mds_seq_len must be a positive integer"):      # before any tokenizing
+    # before any tokenizing
+    with pytest.raises(ValueError, match="mds_seq_len must be a positive integer"):
         D.prepare("no-such-corpus", "byte", tmp_path / "p", mds_seq_len=0, progress=False)
 
 
@@ -270,8 +278,9 @@ def test_read_mds_decodes_streamings_other_encodings(tmp_path):
 
 
 def test_data_prepare_command_writes_mds(tmp_path):
-    cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", "stdlib-docs", "--tokenizer", "byte",
-           "--out", str(tmp_path / "o"), "--max-tokens", "3000", "--shard-tokens", "1000", "--mds-seq-len", "99"]
+    cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", "stdlib-docs",
+           "--tokenizer", "byte", "--out", str(tmp_path / "o"), "--max-tokens", "3000",
+           "--shard-tokens", "1000", "--mds-seq-len", "99"]
     env = {**os.environ, "SSMKIT_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert done.returncode == 0 and "MDS:" in done.stdout, done.stderr
@@ -280,7 +289,7 @@ def test_data_prepare_command_writes_mds(tmp_path):
     assert bad.returncode == 2 and "argument --mds-seq-len: '0' is not a positive integer" in bad.stderr
 
 
-# ---- against the real mosaicml-streaming ---------------------------------------------------------------------
+# ---- against the real mosaicml-streaming -------------------------------------------------------------------
 
 STREAMING_SIDE = r'''
 import json, sys
@@ -290,7 +299,7 @@ from streaming.base.format.mds.reader import MDSReader
 from streaming.base.util import clean_stale_shared_memory
 
 mode, args = sys.argv[1], sys.argv[2:]
-if mode == "read":                                   # our MDS -> StreamingDataset (local and via remote + hash check)
+if mode == "read":      # our MDS -> StreamingDataset (local and via remote + hash check)
     local, cache, out = args
     clean_stale_shared_memory()
     rows = [s["tokens"] for s in StreamingDataset(local=local, shuffle=False, batch_size=1)]
@@ -302,26 +311,28 @@ if mode == "read":                                   # our MDS -> StreamingDatas
     assert all((a == b).all() and (a == c).all() for a, b, c in zip(rows, direct, remote))
     assert len(rows) == len(direct) == len(remote)
     np.save(out, np.stack(rows))
-elif mode == "write":                                # the same samples through MDSWriter
+elif mode == "write":   # the same samples through MDSWriter
     samples, out, encoding, size_limit, hashes = args
     size_limit = None if size_limit == "None" else int(size_limit)
     with MDSWriter(columns={"tokens": encoding}, out=out, size_limit=size_limit,
                    hashes=json.loads(hashes)) as w:
         for row in np.load(samples):
             w.write({"tokens": row})
-elif mode == "mixed":                                # other encodings, for our reader
+elif mode == "mixed":   # other encodings, for our reader
     out, expected = args
-    columns = {"arr": "ndarray", "i32": "ndarray:int32", "img": "ndarray:float32:2,3", "text": "str", "n": "int",
-               "u8": "uint8", "f64": "float64", "meta": "json", "raw": "bytes", "si": "str_int"}
+    columns = {"arr": "ndarray", "i32": "ndarray:int32", "img": "ndarray:float32:2,3", "text": "str",
+               "n": "int", "u8": "uint8", "f64": "float64", "meta": "json", "raw": "bytes", "si": "str_int"}
     rng, rows = np.random.default_rng(1), []
     with MDSWriter(columns=columns, out=out, size_limit=600, hashes=["md5", "sha1"]) as w:
         for i in range(40):
             s = {"arr": rng.integers(0, 300, (i % 3 + 1, 2)).astype("uint16"),
                  "i32": rng.integers(-5, 5, i % 4 + 1).astype("int32"),
                  "img": rng.standard_normal((2, 3)).astype("float32"), "text": "ü" * i, "n": i - 20,
-                 "u8": i, "f64": i / 3, "meta": {"i": i, "l": [i] * (i % 3)}, "raw": bytes(range(i)), "si": i * 7}
+                 "u8": i, "f64": i / 3, "meta": {"i": i, "l": [i] * (i % 3)}, "raw": bytes(range(i)),
+                 "si": i * 7}
             w.write(s)
-            rows.append({k: v.tolist() if isinstance(v, np.ndarray) else (list(v) if isinstance(v, bytes) else v)
+            rows.append({k: (v.tolist() if isinstance(v, np.ndarray)
+                             else (list(v) if isinstance(v, bytes) else v))
                          for k, v in s.items()})
     json.dump(rows, open(expected, "w"))
 '''
@@ -341,8 +352,8 @@ def test_against_real_mosaicml_streaming(tmp_path):
 
     def side(*args):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        done = subprocess.run([streaming_python(), str(script), *map(str, args)], capture_output=True, text=True,
-                              env=env, cwd=tmp_path, timeout=300)
+        done = subprocess.run([streaming_python(), str(script), *map(str, args)], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
 
     for dtype, limit, hashes in (("uint16", 3000, ["sha256"]), ("uint32", None, ["md5", "sha1", "sha256"])):
@@ -355,7 +366,8 @@ def test_against_real_mosaicml_streaming(tmp_path):
         ours_rows = np.stack([s["tokens"] for s in D.read_mds(ours)])
         assert read.dtype == dtype and read.shape == ((5000 - 1) // 31, 32) and (read == ours_rows).all()
         theirs = tmp_path / f"theirs-{dtype}"
-        side("write", tmp_path / f"read-{dtype}.npy", theirs, f"ndarray:{dtype}:32", limit, json.dumps(hashes))
+        side("write", tmp_path / f"read-{dtype}.npy", theirs, f"ndarray:{dtype}:32", limit,
+             json.dumps(hashes))
         names = sorted(p.name for p in theirs.iterdir())
         assert names == sorted(p.name for p in ours.iterdir() if p.name not in ("ssmkit.json", LOCK_FILE))
         assert len(names) > 2 or limit is None

@@ -31,9 +31,10 @@ def hf_mamba1_config(cfg: ModelConfig) -> MambaConfig:
 def hf_mamba2_config(cfg: ModelConfig) -> Mamba2Config:
     return Mamba2Config(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model, state_size=cfg.d_state,
                         num_hidden_layers=cfg.n_layer, expand=cfg.expand, conv_kernel=cfg.d_conv,
-                        head_dim=cfg.headdim, num_heads=cfg.nheads, n_groups=cfg.ngroups, chunk_size=cfg.chunk_size,
-                        layer_norm_epsilon=cfg.norm_epsilon, use_bias=cfg.bias, use_conv_bias=cfg.conv_bias,
-                        tie_word_embeddings=cfg.tie_embeddings, residual_in_fp32=cfg.residual_in_fp32)
+                        head_dim=cfg.headdim, num_heads=cfg.nheads, n_groups=cfg.ngroups,
+                        chunk_size=cfg.chunk_size, layer_norm_epsilon=cfg.norm_epsilon, use_bias=cfg.bias,
+                        use_conv_bias=cfg.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
+                        residual_in_fp32=cfg.residual_in_fp32)
 
 
 def perturb_(module: torch.nn.Module, seed: int):
@@ -60,7 +61,8 @@ MIXER_CASES = [("mamba1", c) for c in MAMBA1_CASES] + [("mamba2", c) for c in MA
 TWINS = {"mamba1": (Mamba1, MambaMixer, hf_mamba1_config), "mamba2": (Mamba2, Mamba2Mixer, hf_mamba2_config)}
 
 
-@pytest.mark.parametrize("mixer,case", MIXER_CASES, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("mixer,case", MIXER_CASES,
+                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
 @pytest.mark.parametrize("seqlen", [1, 37])
 def test_mixer_matches_transformers(mixer, case, seqlen):
     ours_cls, theirs_cls, hf_config = TWINS[mixer]
@@ -76,12 +78,14 @@ def test_mixer_matches_transformers(mixer, case, seqlen):
 
 def to_hf_state_dict(model) -> dict:
     """ssmkit (mamba_ssm names) -> transformers names: only the embedding differs."""
-    return {k.replace("backbone.embedding.", "backbone.embeddings."): v for k, v in model.state_dict().items()}
+    return {k.replace("backbone.embedding.", "backbone.embeddings."): v
+            for k, v in model.state_dict().items()}
 
 
 def hf_twin(model):
     cfg = model.config
-    hf = (MambaForCausalLM(hf_mamba1_config(cfg)) if cfg.mixer == "mamba1" else Mamba2ForCausalLM(hf_mamba2_config(cfg)))
+    hf = (MambaForCausalLM(hf_mamba1_config(cfg)) if cfg.mixer == "mamba1"
+          else Mamba2ForCausalLM(hf_mamba2_config(cfg)))
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return hf.eval()
@@ -90,7 +94,8 @@ def hf_twin(model):
 LM_CASES = [
     dict(mixer="mamba1", d_model=32, n_layer=3, vocab_size=100, d_state=8),
     dict(mixer="mamba1", d_model=32, n_layer=2, vocab_size=100, d_state=16, tie_embeddings=False),
-    dict(mixer="mamba2", d_model=32, n_layer=3, vocab_size=100, d_state=16, headdim=16, ngroups=2, chunk_size=16),
+    dict(mixer="mamba2", d_model=32, n_layer=3, vocab_size=100, d_state=16, headdim=16, ngroups=2,
+         chunk_size=16),
     dict(mixer="mamba2", d_model=32, n_layer=2, vocab_size=100, d_state=8, headdim=8, chunk_size=5,
          tie_embeddings=False),
 ]
@@ -110,9 +115,11 @@ def test_lm_logits_and_greedy_generation_match_transformers(case):
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)
     ours = ssmkit.generate(model, ids[:, :7], max_new_tokens=12, temperature=0)
-    padding_rows = list(range(case["vocab_size"], model.config.padded_vocab_size))   # ssmkit never samples them
-    theirs = hf.generate(ids[:, :7], max_new_tokens=12, do_sample=False, min_new_tokens=12, suppress_tokens=padding_rows,
-                         attention_mask=torch.ones_like(ids[:, :7]), pad_token_id=0)
+    # ssmkit never samples them
+    padding_rows = list(range(case["vocab_size"], model.config.padded_vocab_size))
+    theirs = hf.generate(ids[:, :7], max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                         suppress_tokens=padding_rows, attention_mask=torch.ones_like(ids[:, :7]),
+                         pad_token_id=0)
     assert torch.equal(ours, theirs)
 
 
@@ -178,7 +185,8 @@ def test_nucleus_keeps_smallest_set_reaching_p():
     from ssmkit.models import sample_next
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    seen = {int(sample_next(logits, top_p=0.8, generator=torch.Generator().manual_seed(s))) for s in range(200)}
+    seen = {int(sample_next(logits, top_p=0.8, generator=torch.Generator().manual_seed(s)))
+            for s in range(200)}
     assert seen == {0, 1}
 
 
@@ -188,15 +196,21 @@ def test_padded_vocab_and_parameter_names_follow_mamba_ssm():
     assert ModelConfig.preset("mamba2-130m").padded_vocab_size == 50288
     model = ssmkit.build_model(ModelConfig(d_model=16, n_layer=1, vocab_size=10))
     names = set(model.state_dict())
-    expected = {"backbone.embedding.weight", "backbone.norm_f.weight", "lm_head.weight", "backbone.layers.0.norm.weight"}
-    expected |= {f"backbone.layers.0.mixer.{n}" for n in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
-                                                          "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")}
+    expected = {"backbone.embedding.weight", "backbone.norm_f.weight", "lm_head.weight",
+                "backbone.layers.0.norm.weight"}
+    expected |= {f"backbone.layers.0.mixer.{n}"
+                 for n in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
+                           "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")}
     assert names == expected
     assert model.backbone.embedding.weight.shape == (16, 16)
     assert model.lm_head.weight is model.backbone.embedding.weight
 
 
-@pytest.mark.parametrize("name,params", [("mamba-130m", 129.1e6), ("mamba2-130m", 128.9e6), ("mamba-370m", 371.5e6)])
+@pytest.mark.parametrize("name,params", [
+    ("mamba-130m", 129.1e6),
+    ("mamba2-130m", 128.9e6),
+    ("mamba-370m", 371.5e6),
+])
 def test_preset_parameter_counts(name, params):
     """Parameter counts of the official checkpoints (tied embeddings counted once), built on meta."""
     with torch.device("meta"):
@@ -238,13 +252,15 @@ def test_config_errors_name_what_is_valid():
 
 
 def test_layout_mixes_mixers_and_config_round_trips():
-    cfg = ModelConfig(d_model=32, n_layer=3, vocab_size=50, layout=["mamba1", "mamba2", "mamba1"], headdim=16, d_state=8)
+    cfg = ModelConfig(d_model=32, n_layer=3, vocab_size=50, layout=["mamba1", "mamba2", "mamba1"], headdim=16,
+                      d_state=8)
     model = ssmkit.build_model(cfg)
     kinds = [type(layer.mixer).__name__ for layer in model.backbone.layers]
     assert kinds == ["Mamba1", "Mamba2", "Mamba1"]
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     ids = torch.randint(0, 50, (2, 12))
-    assert torch.equal(ssmkit.generate(model, ids, 6, temperature=0), ssmkit.generate(model, ids, 6, temperature=0, use_cache=False))
+    assert torch.equal(ssmkit.generate(model, ids, 6, temperature=0),
+                       ssmkit.generate(model, ids, 6, temperature=0, use_cache=False))
 
 
 def test_training_reduces_loss_on_a_fixed_batch():

@@ -68,7 +68,8 @@ def test_parameters_cell(path):
     tree = parse(cell.source)
     names = {}
     for node in tree.body:
-        assert isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name), \
+        assert (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)), \
             f"parameters cell: only `name = value` lines, got {ast.unparse(node)!r}"
         try:
             names[node.targets[0].id] = ast.literal_eval(node.value)
@@ -93,7 +94,8 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
                 assert not DEVICE_STRING.fullmatch(node.value), \
                     f"{where}: hard-coded device {node.value!r}; use workbook.check_params(device=...)"
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                raise AssertionError(f"{where}: defines {node.name!r}; helpers belong in ssmkit, not in a notebook")
+                raise AssertionError(f"{where}: defines {node.name!r}; "
+                                     "helpers belong in ssmkit, not in a notebook")
             modules = []
             if isinstance(node, ast.Import):
                 modules = [(a.name, []) for a in node.names]
@@ -115,8 +117,8 @@ def test_runs_under_papermill(path, tmp_path):
     ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
     summary = workbook.run_workbook([path], out=tmp_path / "run", shared=ci, cell_timeout=600)
     (entry,) = summary["notebooks"]
-    assert entry["status"] == "ok", (f"{path.name} failed at cell {entry.get('cell')}:\n{entry.get('source')}\n"
-                                     f"{entry.get('error')}")
+    assert entry["status"] == "ok", (f"{path.name} failed at cell {entry.get('cell')}:\n"
+                                     f"{entry.get('source')}\n{entry.get('error')}")
     assert entry["metrics_file"], "the notebook must write out_dir/metrics.json"
     assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), "metrics.json outside out_dir"
 

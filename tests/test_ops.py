@@ -107,7 +107,8 @@ def scan_inputs(batch=2, dim=4, dstate=3, seqlen=11, ngroups=None, D=True, z=Tru
     bc = (batch, dstate, seqlen) if ngroups is None else (batch, ngroups, dstate, seqlen)
     inputs = dict(
         u=randn(g, batch, dim, seqlen),
-        delta=randn(g, batch, dim, seqlen, scale=0.5) if softplus else rand(g, batch, dim, seqlen, lo=0.05, hi=0.5),
+        delta=(randn(g, batch, dim, seqlen, scale=0.5) if softplus
+               else rand(g, batch, dim, seqlen, lo=0.05, hi=0.5)),
         A=-rand(g, dim, dstate, lo=0.5, hi=1.5),
         B=randn(g, *bc), C=randn(g, *bc),
         delta_softplus=softplus, return_final_state=final,
@@ -129,7 +130,8 @@ def ssd_inputs(batch=2, seqlen=11, nheads=4, headdim=3, ngroups=2, dstate=5, chu
     g = gen(seed)
     inputs = dict(
         x=randn(g, batch, seqlen, nheads, headdim),
-        dt=randn(g, batch, seqlen, nheads, scale=0.5) if softplus else rand(g, batch, seqlen, nheads, lo=0.05, hi=0.5),
+        dt=(randn(g, batch, seqlen, nheads, scale=0.5) if softplus
+            else rand(g, batch, seqlen, nheads, lo=0.05, hi=0.5)),
         A=-rand(g, nheads, lo=0.5, hi=1.5),
         B=randn(g, batch, seqlen, ngroups, dstate), C=randn(g, batch, seqlen, ngroups, dstate),
         chunk_size=chunk_size, dt_softplus=softplus, return_final_states=final,
@@ -147,7 +149,8 @@ def ssd_inputs(batch=2, seqlen=11, nheads=4, headdim=3, ngroups=2, dstate=5, chu
 
 def conv_inputs(batch=2, dim=3, seqlen=9, width=4, bias=True, activation="silu", seed=0):
     g = gen(seed)
-    inputs = dict(x=randn(g, batch, dim, seqlen), weight=randn(g, dim, width, scale=0.5), activation=activation)
+    inputs = dict(x=randn(g, batch, dim, seqlen), weight=randn(g, dim, width, scale=0.5),
+                  activation=activation)
     if bias:
         inputs["bias"] = randn(g, dim)
     return inputs
@@ -321,11 +324,13 @@ def mamba2_steps(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, 
 
 STATE_UPDATE_CASES = {
     "mamba1": (mamba1_steps, ops.selective_scan_reference, lambda: scan_inputs(seqlen=6)),
-    "mamba1-grouped-BC": (mamba1_steps, ops.selective_scan_reference, lambda: scan_inputs(seqlen=6, ngroups=2)),
+    "mamba1-grouped-BC": (mamba1_steps, ops.selective_scan_reference,
+                          lambda: scan_inputs(seqlen=6, ngroups=2)),
     "mamba1-bare": (mamba1_steps, ops.selective_scan_reference,
                     lambda: scan_inputs(seqlen=6, D=False, z=False, delta_bias=False, softplus=False)),
     "mamba2": (mamba2_steps, ops.ssd_reference, lambda: ssd_inputs(seqlen=6)),
-    "mamba2-D-per-channel": (mamba2_steps, ops.ssd_reference, lambda: ssd_inputs(seqlen=6, ngroups=1, D="channels")),
+    "mamba2-D-per-channel": (mamba2_steps, ops.ssd_reference,
+                             lambda: ssd_inputs(seqlen=6, ngroups=1, D="channels")),
 }
 
 
@@ -354,15 +359,16 @@ def test_causal_conv1d_update_steps_match_conv(case, backend):
     y, state = conv_steps(**inputs, backend=backend)
     assert_close(y, ops.causal_conv1d_reference(**inputs), REL_TOL, "y")
     width = inputs["weight"].shape[1]
-    last_inputs = F.pad(inputs["x"], (width, 0))[:, :, -width:]          # the last `width` inputs, zeros before t=0
+    # the last `width` inputs, zeros before t=0
+    last_inputs = F.pad(inputs["x"], (width, 0))[:, :, -width:]
     assert torch.equal(state, last_inputs)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("case", list(CONV_CASES.values()), ids=list(CONV_CASES))
 def test_causal_conv1d_update_steps_gradients_match_conv(case, backend):
-    assert_same_forward_backward(lambda **kw: conv_steps(**kw, backend=backend)[0], ops.causal_conv1d_reference,
-                                 conv_inputs(**case), REL_TOL)
+    assert_same_forward_backward(lambda **kw: conv_steps(**kw, backend=backend)[0],
+                                 ops.causal_conv1d_reference, conv_inputs(**case), REL_TOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,9 +381,10 @@ BF16_CASES = {
                        lambda: scan_inputs(ngroups=2), ("u", "delta", "B", "C", "z")),
     "ssd_scan": (with_backend(ops.ssd_scan, "torch"), ops.ssd_reference, lambda: ssd_inputs(),
                  ("x", "dt", "B", "C", "z")),
-    "causal_conv1d": (with_backend(ops.causal_conv1d, "torch"), ops.causal_conv1d_reference, lambda: conv_inputs(),
-                      ("x",)),
-    "rms_norm_gated": (with_backend(ops.rms_norm_gated, "torch"), with_backend(ops.rms_norm_gated, "reference"),
+    "causal_conv1d": (with_backend(ops.causal_conv1d, "torch"), ops.causal_conv1d_reference,
+                      lambda: conv_inputs(), ("x",)),
+    "rms_norm_gated": (with_backend(ops.rms_norm_gated, "torch"),
+                       with_backend(ops.rms_norm_gated, "reference"),
                        lambda: norm_inputs(group_size=4, norm_before_gate=False), ("x", "z")),
 }
 
@@ -419,7 +426,8 @@ def test_segsum_matches_double_loop():
 def test_ssd_dt_limit_clamps_dt():
     inputs = with_wide_dt(ssd_inputs(seqlen=13, chunk_size=4))
     dt = ops.discretize_dt(inputs["dt"], inputs["dt_bias"], dt_softplus=True)
-    assert (dt < DT_LIMIT[0]).any() and (dt > DT_LIMIT[1]).any(), "the test needs Δ on both sides of the limit"
+    assert (dt < DT_LIMIT[0]).any() and (dt > DT_LIMIT[1]).any(), (
+        "the test needs Δ on both sides of the limit")
     # oracle: Δ clamped by hand, fed as a plain step size
     by_hand = {**inputs, "dt": dt.clamp(*DT_LIMIT), "dt_bias": None, "dt_softplus": False}
     want = ops.ssd_reference(**by_hand)
@@ -496,7 +504,8 @@ def test_rms_norm_gated_one_group_is_gated_rms_norm(backend, norm_before_gate):
     else:
         want = ops.rms_norm(x * gate, w, backend=backend)
     assert_close(ops.rms_norm_gated(**inputs, backend=backend), want, REL_TOL, "y")
-    assert_close(ops.rms_norm_gated(x, w, backend=backend), ops.rms_norm(x, w, backend=backend), REL_TOL, "no z")
+    assert_close(ops.rms_norm_gated(x, w, backend=backend), ops.rms_norm(x, w, backend=backend), REL_TOL,
+                 "no z")
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
@@ -524,8 +533,8 @@ def hf_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     """transformers' Mamba-1 scan (no grouped B/C, no initial state) with our argument names."""
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
-    return mamba_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                                return_last_state=return_final_state)
+    return mamba_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                delta_softplus=delta_softplus, return_last_state=return_final_state)
 
 
 def hf_ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=False, initial_states=None,
@@ -533,16 +542,20 @@ def hf_ssd_scan(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, dt_softplus=Fa
     """transformers' Mamba-2 chunked scan (no z gate, D per head only) with our argument names."""
     from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
-    return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
-                             dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states)
+    return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                             initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                             return_final_states=return_final_states)
 
 
-@pytest.mark.parametrize("case", [dict(h0=False), dict(h0=False, D=False, z=False, delta_bias=False, softplus=False)],
-                         ids=["all-options", "bare"])
+@pytest.mark.parametrize("case", [
+    dict(h0=False),
+    dict(h0=False, D=False, z=False, delta_bias=False, softplus=False),
+], ids=["all-options", "bare"])
 def test_selective_scan_matches_transformers(monkeypatch, case):
     inputs = scan_inputs(**case)
     set_scan_chunk(monkeypatch, 4, 2, 4, 3)
-    assert_same_forward_backward(with_backend(ops.selective_scan, "torch"), hf_selective_scan, inputs, REL_TOL)
+    assert_same_forward_backward(with_backend(ops.selective_scan, "torch"), hf_selective_scan, inputs,
+                                 REL_TOL)
 
 
 @pytest.mark.parametrize("case", [
@@ -628,7 +641,8 @@ def test_dispatch_runs_the_selected_implementation(monkeypatch, module, op, env)
     calls = []
     for name in ("reference", "torch"):
         real = module._IMPLS[name]
-        monkeypatch.setitem(module._IMPLS, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+        monkeypatch.setitem(module._IMPLS, name,
+                            lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
     if env is None:
         monkeypatch.delenv("SSMKIT_BACKEND", raising=False)
     else:
@@ -652,7 +666,8 @@ def test_env_report_names_torch_and_every_op(monkeypatch):
     assert isinstance(report, str)
     assert torch.__version__ in report
     for op in KERNEL_MODULES:
-        assert re.search(rf"^\s+{op}\s+(reference|torch|cuda)\b", report, re.M), f"{op} missing from:\n{report}"
+        assert re.search(rf"^\s+{op}\s+(reference|torch|cuda)\b", report, re.M), (
+            f"{op} missing from:\n{report}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -683,12 +698,14 @@ BAD_INPUTS = {
     "ssd-ngroups": (_bad(ops.ssd_scan, ssd_inputs, B=torch.zeros(2, 11, 3, 5), C=torch.zeros(2, 11, 3, 5)),
                     r"B must be .*ngroups dividing nheads=4"),
     "ssd-initial-states": (_bad(ops.ssd_scan, ssd_inputs, initial_states=torch.zeros(2, 4, 3, 4)),
-                           r"initial_states must be \(batch=2, nheads=4, headdim=3, dstate=5\); got \(2, 4, 3, 4\)"),
+                           r"initial_states must be \(batch=2, nheads=4, headdim=3, dstate=5\); "
+                           r"got \(2, 4, 3, 4\)"),
     "ssd-chunk-size": (lambda backend: ops.ssd_chunked(**{**ssd_inputs(), "chunk_size": 0}),
                        r"chunk_size must be a positive integer; got 0"),
     "conv-weight-dim": (_bad(ops.causal_conv1d, conv_inputs, weight=torch.zeros(4, 4)),
                         r"weight \(dim, width\) with the same dim; got x \(2, 3, 9\), weight \(4, 4\)"),
-    "conv-bias": (_bad(ops.causal_conv1d, conv_inputs, bias=torch.zeros(4)), r"bias must be \(dim=3,\); got \(4,\)"),
+    "conv-bias": (_bad(ops.causal_conv1d, conv_inputs, bias=torch.zeros(4)),
+                  r"bias must be \(dim=3,\); got \(4,\)"),
     "conv-activation": (_bad(ops.causal_conv1d, conv_inputs, activation="relu"),
                         r"activation='relu' is not supported"),
     "conv-update-weight": (lambda backend: ops.causal_conv1d_update(

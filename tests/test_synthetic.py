@@ -104,8 +104,8 @@ def test_selective_copying_layout():
     assert (context != task.noise_id).any(dim=0).all()
     # a hand-made row: answers are the non-noise context tokens in order
     row = torch.tensor([[0, 7, 0, 0, 3, 0, 9, 0, 1, 7, 3, 9]])
-    assert selective_copying_answers(row, SelectiveCopying(vocab_size=10, seq_len=12, n_tokens=3)).tolist() == \
-        [[IGNORE_INDEX] * 9 + [7, 3, 9]]
+    answers = selective_copying_answers(row, SelectiveCopying(vocab_size=10, seq_len=12, n_tokens=3))
+    assert answers.tolist() == [[IGNORE_INDEX] * 9 + [7, 3, 9]]
 
 
 def test_induction_heads_layout():
@@ -118,7 +118,8 @@ def test_induction_heads_layout():
     assert torch.equal(ids[:, -1], ids[torch.arange(len(ids)), first + 1])
     assert set(first.tolist()) == set(range(task.seq_len - 3))    # every allowed first position occurs
     row = torch.tensor([[5, 0, 6, 2, 3, 0, 6]])
-    assert induction_heads_answers(row, InductionHeads(vocab_size=8, seq_len=7)).tolist() == [[-100] * 6 + [6]]
+    answers = induction_heads_answers(row, InductionHeads(vocab_size=8, seq_len=7))
+    assert answers.tolist() == [[-100] * 6 + [6]]
 
 
 def test_mqar_layout_and_power_law():
@@ -136,7 +137,8 @@ def test_mqar_layout_and_power_law():
     for row, lab in zip(ids[:50].tolist(), batch.labels[:50].tolist()):
         binding = dict(zip(row[0:2 * N:2], row[1:2 * N:2]))
         queried = [row[t - 1] for t in range(len(row)) if lab[t] != IGNORE_INDEX]
-        assert len(set(queried)) == 4 and all(lab[t] == binding[row[t - 1]] for t in range(len(row)) if lab[t] != -100)
+        assert len(set(queried)) == 4
+        assert all(lab[t] == binding[row[t - 1]] for t in range(len(row)) if lab[t] != -100)
     # power_a=0.01 puts queries much earlier than uniform placement (power_a=1)
     uniform = dataclasses.replace(task, power_a=1.0).sample(1000, seed=4)
     early = batch.answer_mask.nonzero()[:, 1].float().mean()
@@ -173,7 +175,8 @@ def _corruptions(task, batch):
     out = []
 
     b = copy()   # a wrong label (in range, a valid-looking token)
-    b.labels[r, t] = b.labels[r, t] % (task.vocab_size - 1) + 1 if b.labels[r, t] != task.vocab_size - 1 else 1
+    b.labels[r, t] = (b.labels[r, t] % (task.vocab_size - 1) + 1
+                      if b.labels[r, t] != task.vocab_size - 1 else 1)
     out.append(("label", b))
     b = copy()   # the answer token in the input differs from the label
     b.input_ids[r, t] = batch.input_ids[r, t] - 1 if batch.input_ids[r, t] > 2 else batch.input_ids[r, t] + 1
@@ -194,7 +197,8 @@ def _corruptions(task, batch):
     else:   # rebind the queried key to another value
         key = b.input_ids[r, t - 1]
         p = (b.input_ids[r, :2 * task.num_kv_pairs] == key).nonzero()[0].item() + 1
-        b.input_ids[r, p] = task.vocab_size - 1 if b.input_ids[r, p] != task.vocab_size - 1 else task.num_keys + 1
+        b.input_ids[r, p] = (task.vocab_size - 1 if b.input_ids[r, p] != task.vocab_size - 1
+                             else task.num_keys + 1)
     out.append(("context", b))
 
     b = copy()   # an extra answer position that the inputs do not justify
@@ -212,7 +216,8 @@ def test_checker_rejects_corrupted_batches(task, name):
     # a batch of another task, or of another length, is rejected too
     other_name = "mqar" if name == "induction-heads" else "induction-heads"
     assert not check(make_task(other_name, **SMALL[other_name]).sample(20, seed=0), task)
-    assert not check(SyntheticBatch(batch.input_ids[:, :-1], batch.labels[:, :-1], batch.answer_mask[:, :-1]), task)
+    assert not check(SyntheticBatch(batch.input_ids[:, :-1], batch.labels[:, :-1],
+                                    batch.answer_mask[:, :-1]), task)
 
 
 # --- train / test ----------------------------------------------------------------------------------
@@ -262,8 +267,8 @@ def test_accuracy_counts_exact_fraction():
 
 def test_tiny_model_accepts_batches_and_the_loss_is_on_the_answers(task):
     torch.manual_seed(0)
-    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=task.vocab_size, mixer="mamba2",
-                                                  headdim=16, d_state=16, chunk_size=16))
+    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=task.vocab_size,
+                                                  mixer="mamba2", headdim=16, d_state=16, chunk_size=16))
     batch = task.sample(4, seed=0)
     with torch.no_grad():
         out = model(batch.input_ids, labels=batch.labels)
@@ -279,7 +284,8 @@ def test_tiny_model_accepts_batches_and_the_loss_is_on_the_answers(task):
 
 @pytest.mark.parametrize("cls, kwargs, message", [
     (SelectiveCopying, dict(vocab_size=3), r"vocab_size=3 is too small: need vocab_size >= 4"),
-    (SelectiveCopying, dict(seq_len=32, n_tokens=16), r"seq_len=32 is too short for n_tokens=16: need seq_len >= .*33"),
+    (SelectiveCopying, dict(seq_len=32, n_tokens=16),
+     r"seq_len=32 is too short for n_tokens=16: need seq_len >= .*33"),
     (SelectiveCopying, dict(n_tokens=0), r"n_tokens must be a positive integer; got 0"),
     (SelectiveCopying, dict(seq_len=64.0), r"seq_len must be a positive integer"),
     (InductionHeads, dict(vocab_size=2), r"vocab_size=2 is too small: need vocab_size >= 3"),

@@ -42,7 +42,8 @@ def test_overrides_and_yaml_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_tokens: 5e8\nlr: 3e-3\nseq_len: 128\nbatch_tokens: 1024\nmicro_batch: 8\n")
     cfg = TrainConfig.from_yaml(path, overrides=["lr=1e-3", "model_overrides.d_model=96", "schedule=wsd"])
-    assert (cfg.max_tokens, cfg.lr, cfg.model_overrides, cfg.schedule) == (500_000_000, 1e-3, {"d_model": 96}, "wsd")
+    assert ((cfg.max_tokens, cfg.lr, cfg.model_overrides, cfg.schedule)
+            == (500_000_000, 1e-3, {"d_model": 96}, "wsd"))
     assert cfg.total_steps() == math.ceil(5e8 / 1024)
 
 
@@ -114,7 +115,8 @@ def test_weight_decay_groups(preset):
 def test_flops_per_token():
     model = ssmkit.build_model("tiny")
     cfg = model.config
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
+    linear = sum(m.weight.numel() for m in model.modules()
+                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
     assert flops_per_token(model, 128) == 6 * linear + cfg.n_layer * 3 * 9 * cfg.d_inner * cfg.d_state
 
 
@@ -169,7 +171,8 @@ def test_keep_last_and_metrics(tmp_path, shards):
     assert [r["step"] for r in evals] == [0, 3, 6]
     assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
     train = [r for r in history if r["kind"] == "train"]
-    assert set(train[0]) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
+    assert set(train[0]) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+                             "peak_mem_mb"}
 
 
 class Poisoned(torch.nn.Module):
@@ -177,7 +180,8 @@ class Poisoned(torch.nn.Module):
 
     def __init__(self, bad_calls):
         super().__init__()
-        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257))
+        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2,
+                                                                  vocab_size=257))
         self.config, self.bad, self.calls = self.inner.config, set(bad_calls), 0
 
     def forward(self, x):
@@ -201,10 +205,12 @@ def test_nan_guard_skips_and_stops(tmp_path, shards):
 
 def test_a_new_run_never_mixes_with_an_old_one(tmp_path, shards):
     Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
-    with pytest.raises(ValueError, match=r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"):
+    with pytest.raises(ValueError,
+                       match=r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"):
         Trainer(config=small(tmp_path, shards, max_steps=2))
     again = Trainer(config=small(tmp_path, shards, max_steps=3, overwrite=True))
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
     again.fit()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if json.loads(x)["kind"] == "train"] == [1, 2, 3]
@@ -223,7 +229,8 @@ def test_data_as_a_token_loader(tmp_path, shards):
     by_dir = losses(Trainer(config=cfg).fit())
     loader = TokenLoader(shards / "train", cfg.seq_len, cfg.micro_batch, seed=cfg.seed)
     history = Trainer(config=small(tmp_path / "b", shards, max_steps=2), data=loader).fit()
-    assert losses(history) == by_dir and [r["step"] for r in history if r["kind"] == "eval"] == [2]  # config's val_data
+    assert losses(history) == by_dir
+    assert [r["step"] for r in history if r["kind"] == "eval"] == [2]  # config's val_data
     with pytest.raises(ValueError, match="the TokenLoader given has .*'batch_size': 2"):
         Trainer(config=cfg, data=TokenLoader(shards / "train", cfg.seq_len, 2))
 
@@ -249,7 +256,8 @@ def test_mixed_precision_on_cpu(tmp_path, shards, precision):
     assert all(math.isfinite(x) for x in losses(history))
     evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
     assert evals[-1] < evals[0]
-    trainer_dtypes = {p.dtype for p in Trainer(config=small(tmp_path / "b", shards, precision=precision)).model.parameters()}
+    trainer = Trainer(config=small(tmp_path / "b", shards, precision=precision))
+    trainer_dtypes = {p.dtype for p in trainer.model.parameters()}
     assert trainer_dtypes == {torch.float32}                          # fp32 master weights
 
 

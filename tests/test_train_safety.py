@@ -83,7 +83,8 @@ def test_a_kill_while_saving_the_same_step_again_keeps_it(tmp_path, shards, stra
     first.fit(until=4)
     monkeypatch.setattr(checkpoint, "_commit_point", crash_at(point))
     with pytest.raises(Killed):
-        first.save_checkpoint()                                          # step 4 again, over the committed one
+        # step 4 again, over the committed one
+        first.save_checkpoint()
     monkeypatch.undo()
     ckpts = tmp_path / "run" / "checkpoints"
     if point == "old moved aside":                                       # the window that lost it before
@@ -148,7 +149,8 @@ class Boom(torch.nn.Module):
         super().__init__()
         import ssmkit
 
-        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257))
+        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2,
+                                                                  vocab_size=257))
         self.config, self.calls = self.inner.config, 0
 
     def forward(self, x):
@@ -206,7 +208,8 @@ def test_a_bit_flip_in_an_optimizer_shard_is_refused(tmp_path, shards):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match=rf"the sha256 of state/{shard.name} differs from its manifest"):
+    with pytest.raises(CheckpointCorrupt,
+                       match=rf"the sha256 of state/{shard.name} differs from its manifest"):
         Trainer(config=cfg, resume=True)
 
 
@@ -215,7 +218,8 @@ def test_a_truncated_checkpoint_file_is_refused(tmp_path, shards, name):
     cfg, ckpt = _committed(tmp_path, shards)
     path = ckpt / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointCorrupt, match=rf"{name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
+    with pytest.raises(CheckpointCorrupt,
+                       match=rf"{name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
         Trainer(config=cfg, resume=True)
 
 
@@ -254,7 +258,8 @@ def test_resume_after_changing_the_model_names_the_difference(tmp_path, shards):
     with pytest.raises(ValueError, match=r"its model differs from this run's \(backbone\.embedding\.weight: "
                                          r"\(264, 32\) there, \(264, 48\) here.* after model_overrides="):
         Trainer(config=changed, resume=True)
-    assert (tmp_path / "run" / "config.yaml").read_text() == before    # written only after a successful resume
+    # written only after a successful resume
+    assert (tmp_path / "run" / "config.yaml").read_text() == before
     mixer = small(tmp_path, shards, max_steps=4, model="tiny-mamba2")
     with pytest.raises(ValueError, match="its model differs from this run's"):
         Trainer(config=mixer, resume=True)
@@ -275,8 +280,9 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, shards, straig
 def test_a_second_trainer_in_the_same_out_dir_is_refused_naming_the_first(tmp_path, shards):
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from ssmkit.io import DirLock; "
-                               "lock = DirLock(sys.argv[1], 'training').acquire(); print('held', flush=True); "
-                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+                               "lock = DirLock(sys.argv[1], 'training').acquire(); "
+                               "print('held', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(LockError, match=rf"in use by pid {holder.pid} on .*training since"):

@@ -24,7 +24,8 @@ from ssmkit.plots import LivePlot, plot_curves  # noqa: E402
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib, sys\n"
-          "(pathlib.Path(out_dir) / 'metrics.json').write_text(json.dumps({{k: globals()[k] for k in {names!r}}} "
+          "(pathlib.Path(out_dir) / 'metrics.json')"
+          ".write_text(json.dumps({{k: globals()[k] for k in {names!r}}} "
           "| {{'python': sys.executable}}))")
 
 
@@ -35,7 +36,8 @@ def make_notebook(path: Path, params: str, *cells: str) -> Path:
                                                            "language": "python"}})
     pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
     pcell.metadata["tags"] = ["parameters"]
-    nb.cells = [nbformat.v4.new_markdown_cell("# test"), pcell] + [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
+                + [nbformat.v4.new_code_cell(c) for c in cells])
     nbformat.write(nb, path)
     return path
 
@@ -46,8 +48,8 @@ def report(*names: str) -> str:
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ssmkit.cli", "workbook", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, "-m", "ssmkit.cli", "workbook", *map(str, args)],
+                          capture_output=True, text=True, env=ENV, cwd=cwd, timeout=300)
 
 
 # --- running --------------------------------------------------------------------------------------
@@ -68,7 +70,8 @@ def test_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
     # cell 3 of the original notebook (markdown, parameters, z = ..., raise): the injected cell is not counted
     assert failed["cell"] == 3 and failed["error"] == "ValueError: boom 6"
     assert "raise ValueError" in failed["source"]
-    assert status["03_c.ipynb"]["metrics"]["x"] == 5             # ran after the failure, with its own defaults
+    # ran after the failure, with its own defaults
+    assert status["03_c.ipynb"]["metrics"]["x"] == 5
     md = (out / "summary.md").read_text()
     assert re.search(r"\| 02_b.ipynb \| failed \|", md) and re.search(r"\| 03_c.ipynb \| ok \|.*x=5", md)
     assert "## 02_b.ipynb failed" in md and "Cell 3" in md and "ValueError: boom 6" in md
@@ -105,13 +108,15 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     cases = [
         (["run", tmp_path / "missing.ipynb"], "notebook .*missing.ipynb does not exist"),
         (["run", nb, "-f", tmp_path / "nope.yaml"], "params file .*nope.yaml does not exist"),
-        (["run", nb, "-p", "lrr", "1"], "parameter\\(s\\) lrr not declared by any notebook .*declared: lr, out_dir"),
+        (["run", nb, "-p", "lrr", "1"],
+         "parameter\\(s\\) lrr not declared by any notebook .*declared: lr, out_dir"),
         (["run", nb, "-p", "bad-name", "1"], "must be a Python identifier"),
     ]
     bad_yaml, a_list = tmp_path / "bad.yaml", tmp_path / "list.yaml"
     bad_yaml.write_text("lr: [1, 2\n")
     a_list.write_text("- 1\n- 2\n")
-    cases += [(["run", nb, "-f", bad_yaml], "is not valid YAML"), (["run", nb, "-f", a_list], "must be a mapping")]
+    cases += [(["run", nb, "-f", bad_yaml], "is not valid YAML"),
+              (["run", nb, "-f", a_list], "must be a mapping")]
     for args, message in cases:                                    # in-process: the same main() the CLI calls
         with pytest.raises(SystemExit) as exit_:
             workbook.main([*map(str, args), "--out", str(out)])
@@ -126,7 +131,8 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
 def test_default_notebooks_in_order_and_timestamped_run(tmp_path):
     make_notebook(tmp_path / "notebooks" / "10_b.ipynb", "x = 2", report("x"))
     make_notebook(tmp_path / "notebooks" / "02_a.ipynb", "x = 1", report("x"))
-    make_notebook(tmp_path / "notebooks" / "scratch.ipynb", "x = 3", "raise RuntimeError('not part of the run')")
+    make_notebook(tmp_path / "notebooks" / "scratch.ipynb", "x = 3",
+                  "raise RuntimeError('not part of the run')")
     res = cli("run", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     (run,) = (tmp_path / "runs").iterdir()
@@ -138,7 +144,8 @@ def test_default_notebooks_in_order_and_timestamped_run(tmp_path):
 
 def test_notebooks_run_in_their_own_folder(tmp_path):
     """As in JupyterLab: relative paths in a notebook start at its folder."""
-    nb = make_notebook(tmp_path / "nbs" / "01_a.ipynb", "x = 0", "import os\ncwd = os.getcwd()", report("cwd"))
+    nb = make_notebook(tmp_path / "nbs" / "01_a.ipynb", "x = 0", "import os\ncwd = os.getcwd()",
+                       report("cwd"))
     summary = workbook.run_workbook([nb], out=tmp_path / "run")
     assert summary["failed"] == 0
     metrics = json.loads(Path(summary["notebooks"][0]["metrics_file"]).read_text())
@@ -149,9 +156,10 @@ def test_cell_timeout_fails_the_notebook(tmp_path):
     slow = make_notebook(tmp_path / "01_slow.ipynb", "x = 0", "import time\ntime.sleep(60)")
     summary = workbook.run_workbook([slow], out=tmp_path / "run", cell_timeout=2)
     (entry,) = summary["notebooks"]
-    assert entry["status"] == "failed" and entry["error"].startswith("timeout after 2 s") and entry["seconds"] < 30, \
-        entry
-    assert entry["cell"] == 2 and "time.sleep(60)" in entry["source"]        # markdown, parameters, the slow cell
+    assert (entry["status"] == "failed" and entry["error"].startswith("timeout after 2 s")
+            and entry["seconds"] < 30), entry
+    # markdown, parameters, the slow cell
+    assert entry["cell"] == 2 and "time.sleep(60)" in entry["source"]
     md = (tmp_path / "run" / "summary.md").read_text()
     assert "## 01_slow.ipynb failed" in md and "Cell 2 " in md and "timeout after 2 s" in md
 
@@ -173,12 +181,13 @@ def test_strip_clears_an_executed_copy(tmp_path):
 
 def test_declared_parameters(tmp_path):
     nb = make_notebook(tmp_path / "a.ipynb", "a = 1  # one\nb: str = 'x'\nc = 2e3\nd = [1, 2]")
-    assert workbook.declared_parameters(nb) == {"a": 1, "b": "x", "c": 2000.0, "d": [1, 2], "out_dir": "unused"}
+    assert workbook.declared_parameters(nb) == {"a": 1, "b": "x", "c": 2000.0, "d": [1, 2],
+                                                "out_dir": "unused"}
 
 
 def test_parse_value():
-    assert [workbook.parse_value(v) for v in ["3", "3e-3", "2_000", "true", "False", "none", "cpu", "1.5"]] == \
-        [3, 0.003, 2000, True, False, None, "cpu", 1.5]
+    assert ([workbook.parse_value(v) for v in ["3", "3e-3", "2_000", "true", "False", "none", "cpu", "1.5"]]
+            == [3, 0.003, 2000, True, False, None, "cpu", 1.5])
 
 
 # --- notebook helpers -----------------------------------------------------------------------------
@@ -186,7 +195,8 @@ def test_parse_value():
 def test_check_params_resolves_and_rejects(tmp_path):
     p = workbook.check_params(preset="tiny", data="stdlib-docs", max_tokens=2e5, device="auto",
                               out_dir=tmp_path / "o", seed=0, extra="kept")
-    assert p["device"] in ("cpu", "cuda", "mps") and p["max_tokens"] == 200_000 and isinstance(p["max_tokens"], int)
+    assert (p["device"] in ("cpu", "cuda", "mps") and p["max_tokens"] == 200_000
+            and isinstance(p["max_tokens"], int))
     assert p["out_dir"].is_dir() and p["extra"] == "kept"
     bad = {"preset": ("nope", "unknown preset 'nope'; valid: .*mamba-130m"),
            "device": ("gpu", "device='gpu' is not valid; valid: auto, cpu, cuda"),
@@ -210,7 +220,8 @@ def test_preset_info_counts_like_a_built_model():
     import ssmkit
 
     info = workbook.preset_info("tiny", max_tokens=1000)        # what train_config("tiny") would train
-    assert info["params"] == ssmkit.build_model(workbook.train_config("tiny", max_steps=1).model_config()).num_parameters()
+    assert (info["params"]
+            == ssmkit.build_model(workbook.train_config("tiny", max_steps=1).model_config()).num_parameters())
     assert info["vocab_size"] == len(ssmkit.data.get_tokenizer("gpt2")) == 50257
     assert info["train_flops"] == 6 * info["params"] * 1000
     assert info["train_state_gb"] == round(16 * info["params"] / 2**30, 3)
@@ -218,8 +229,10 @@ def test_preset_info_counts_like_a_built_model():
 
 def test_write_metrics_and_format_duration(tmp_path):
     path = workbook.write_metrics(tmp_path / "m", {"loss": 1.5, "where": Path("/x")})
-    assert json.loads(path.read_text()) == {"loss": 1.5, "where": "/x"} and list(path.parent.iterdir()) == [path]
-    assert [workbook.format_duration(s) for s in (42, 300, 25200, 3e5)] == ["42 s", "5 min", "7 h", "3.5 days"]
+    assert (json.loads(path.read_text()) == {"loss": 1.5, "where": "/x"}
+            and list(path.parent.iterdir()) == [path])
+    assert ([workbook.format_duration(s) for s in (42, 300, 25200, 3e5)]
+            == ["42 s", "5 min", "7 h", "3.5 days"])
 
 
 def test_library_imports_without_matplotlib_and_papermill():
@@ -233,7 +246,8 @@ def test_library_imports_without_matplotlib_and_papermill():
 # --- plots ----------------------------------------------------------------------------------------
 
 def train_records(n=5, scale=1.0):
-    return [{"step": i, "tokens": 1000 * (i + 1), "loss": scale * (5.0 - i * 0.5), "lr": 1e-3} for i in range(n)]
+    return [{"step": i, "tokens": 1000 * (i + 1), "loss": scale * (5.0 - i * 0.5), "lr": 1e-3}
+            for i in range(n)]
 
 
 def test_liveplot_records_and_saves(tmp_path):
@@ -271,7 +285,8 @@ def test_liveplot_updates_one_display_in_place(tmp_path, monkeypatch):
     assert [kind for kind, _ in shown] == ["display", "update", "update", "update"]
     assert all(obj.data[:4] == b"\x89PNG" for _, obj in shown)
     shown.clear()
-    slow = LivePlot(None, display=True, interval=1e9, save_every=2)   # throttled: first update, then only the end
+    # throttled: first update, then only the end
+    slow = LivePlot(None, display=True, interval=1e9, save_every=2)
     slow.path = tmp_path / "slow.png"
     for r in train_records(4):
         slow.on_log(None, r)
@@ -282,8 +297,10 @@ def test_liveplot_updates_one_display_in_place(tmp_path, monkeypatch):
 
 def test_plot_curves_several_runs(tmp_path):
     mamba, llama = train_records(4), train_records(3, scale=1.2)
-    mamba.insert(2, {"step": 2, "tokens": 2500, "val_loss": 4.1})    # an eval record among train records: skipped
-    fig = plot_curves({"mamba": mamba, "llama": llama}, tmp_path / "cmp.png", x="tokens", y="loss", show=False)
+    # an eval record among train records: skipped
+    mamba.insert(2, {"step": 2, "tokens": 2500, "val_loss": 4.1})
+    fig = plot_curves({"mamba": mamba, "llama": llama}, tmp_path / "cmp.png", x="tokens", y="loss",
+                      show=False)
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
     lines = fig.axes[0].lines
     assert [ln.get_label() for ln in lines] == ["mamba", "llama"]

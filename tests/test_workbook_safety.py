@@ -1,6 +1,7 @@
-"""ssmkit.workbook's runner when things go wrong: a run directory that holds a run, a hanging cell, SIGTERM and
-Ctrl-C, a full or read-only disk, bad inputs. Each test injects the fault and checks what the user sees (one line,
-the exit status) and what is left on disk (nothing half-written, no file of the user's replaced, no kernel left).
+"""ssmkit.workbook's runner when things go wrong: a run directory that holds a run, a hanging cell, SIGTERM
+and Ctrl-C, a full or read-only disk, bad inputs. Each test injects the fault and checks what the user sees
+(one line, the exit status) and what is left on disk (nothing half-written, no file of the user's replaced,
+no kernel left).
 """
 
 from __future__ import annotations
@@ -36,15 +37,18 @@ def make_notebook(path: Path, params: str, *cells: str) -> Path:
                                                            "language": "python"}})
     pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
     pcell.metadata["tags"] = ["parameters"]
-    nb.cells = [nbformat.v4.new_markdown_cell("# test"), pcell] + [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
+                + [nbformat.v4.new_code_cell(c) for c in cells])
     nbformat.write(nb, path)
     return path
 
 
 def sleeper(path: Path, pid_file: Path) -> Path:
     """A notebook whose cell 2 records the kernel's pid in ``pid_file``, then sleeps for 10 minutes."""
-    return make_notebook(path, "x = 0", f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text("
-                                        "str(os.getpid()))\ntime.sleep(600)")
+    return make_notebook(path, "x = 0",
+                         "import os, pathlib, time\n"
+                         f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+                         "time.sleep(600)")
 
 
 def run_main(capsys, *args) -> tuple[int, str]:
@@ -58,12 +62,14 @@ def run_main(capsys, *args) -> tuple[int, str]:
 
 
 def one_line(stderr: str) -> str:
-    assert stderr.startswith("ssmkit workbook: ") and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert (stderr.startswith("ssmkit workbook: ") and stderr.count("\n") == 1
+            and "Traceback" not in stderr), stderr
     return stderr
 
 
 def snapshot(root: Path) -> dict:
-    """Every path under ``root`` with its bytes (files) and modification time: equal snapshots, nothing touched."""
+    """Every path under ``root`` with its bytes (files) and modification time: equal snapshots,
+    nothing touched."""
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
 
@@ -95,7 +101,8 @@ def test_out_holding_a_run_is_refused_and_left_untouched(tmp_path, capsys):
     assert {"summary.json", "summary.md", "01_a.ipynb", "01_a"} <= {p.name for p in out.iterdir()}
     before = snapshot(out)
     code, err = run_main(capsys, "run", nb, "-p", "x", "2", "--out", out)
-    assert code == 2 and re.search(f"--out {re.escape(str(out))} already holds a run .*--overwrite", one_line(err))
+    assert code == 2 and re.search(f"--out {re.escape(str(out))} already holds a run .*--overwrite",
+                                   one_line(err))
     assert snapshot(out) == before                                 # a refused run touches nothing
     # any one trace of the run is enough: the summary, the executed copy, or the notebook's out dir
     for keep in ["summary.json", "01_a.ipynb", "01_a"]:
@@ -105,14 +112,15 @@ def test_out_holding_a_run_is_refused_and_left_untouched(tmp_path, capsys):
         os.rename(out / keep, partial / keep)
         before = snapshot(partial)
         code, err = run_main(capsys, "run", nb, "--out", partial)
-        assert code == 2 and re.search(f"already holds a run \\({keep}\\): pass --overwrite", one_line(err)), err
+        assert code == 2 and re.search(f"already holds a run \\({keep}\\): pass --overwrite",
+                                       one_line(err)), err
         assert snapshot(partial) == before, keep
         os.rename(partial / keep, out / keep)
 
 
 def test_overwrite_replaces_the_runs_files_only_and_never_reports_stale_metrics(tmp_path, capsys):
-    nb = make_notebook(tmp_path / "nb" / "01_a.ipynb", "x = 1\nfail = False", "assert not fail, 'asked to fail'",
-                       REPORT)
+    nb = make_notebook(tmp_path / "nb" / "01_a.ipynb", "x = 1\nfail = False",
+                       "assert not fail, 'asked to fail'", REPORT)
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("the user's")                   # a folder holding other files is fine
@@ -176,15 +184,19 @@ def test_a_directory_another_run_is_writing_is_refused(tmp_path, capsys):
 # --- 2. a cell that never ends ----------------------------------------------------------------------
 
 def test_cell_timeout_default_env_and_cli(tmp_path, capsys, monkeypatch):
-    """The timeout papermill gets: 3600 s by default, $SSMKIT_CELL_TIMEOUT, --cell-timeout (whole seconds, 0: none)."""
+    """The timeout papermill gets: 3600 s by default, $SSMKIT_CELL_TIMEOUT,
+    --cell-timeout (whole seconds, 0: none)."""
     import papermill
 
     seen = []
     monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: seen.append(kw["execution_timeout"]))
     nb = make_notebook(tmp_path / "01_a.ipynb", "x = 1", "pass")
     monkeypatch.delenv("SSMKIT_CELL_TIMEOUT", raising=False)
-    cases = [({}, [], 3600), ({"SSMKIT_CELL_TIMEOUT": "120"}, [], 120), ({"SSMKIT_CELL_TIMEOUT": "0"}, [], None),
-             ({"SSMKIT_CELL_TIMEOUT": "120"}, ["--cell-timeout", "0"], None), ({}, ["--cell-timeout", "2.5"], 3)]
+    cases = [({}, [], 3600),
+             ({"SSMKIT_CELL_TIMEOUT": "120"}, [], 120),
+             ({"SSMKIT_CELL_TIMEOUT": "0"}, [], None),
+             ({"SSMKIT_CELL_TIMEOUT": "120"}, ["--cell-timeout", "0"], None),
+             ({}, ["--cell-timeout", "2.5"], 3)]
     for i, (env, args, expected) in enumerate(cases):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
@@ -255,7 +267,8 @@ def test_signal_interrupts_the_kernel_and_writes_the_summary(tmp_path, signum, s
     # under SIGTERM, also check that an ignored SIGINT (a background job of a script: `cmd &`) stays ignored
     ignore_int = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if signum == signal.SIGTERM else None
     proc = subprocess.Popen([sys.executable, "-m", "ssmkit.cli", "workbook", "run", nb, later, "--out", out],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=ignore_int)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=ignore_int)
     try:
         kernel = int(wait_for(pid_file))                           # the cell is running
         if ignore_int:
@@ -275,10 +288,12 @@ def test_signal_interrupts_the_kernel_and_writes_the_summary(tmp_path, signum, s
     sleeping, not_run = summary["notebooks"]
     assert sleeping["status"] == "interrupted" and sleeping["error"] == f"interrupted by {name}"
     assert sleeping["cell"] == 2 and "time.sleep(600)" in sleeping["source"]
-    assert not_run["status"] == "not run" and not_run["seconds"] is None and not (out / "02_later.ipynb").exists()
+    assert (not_run["status"] == "not run" and not_run["seconds"] is None
+            and not (out / "02_later.ipynb").exists())
     md = (out / "summary.md").read_text()
     assert f"0 ok, 0 failed, 1 interrupted, 1 not run. Interrupted by {name}." in md
-    assert re.search(r"\| 01_sleep.ipynb \| interrupted \|", md) and re.search(r"\| 02_later.ipynb \| not run \|", md)
+    assert (re.search(r"\| 01_sleep.ipynb \| interrupted \|", md)
+            and re.search(r"\| 02_later.ipynb \| not run \|", md))
     assert "## 01_sleep.ipynb interrupted" in md and "Cell 2 " in md
 
 
@@ -347,10 +362,12 @@ def test_bad_inputs_give_one_line(tmp_path, capsys, monkeypatch):
              (["run", tmp_path], "is a directory; pass notebook files"),
              (["run", not_nb], "02_list.ipynb is not a notebook: expected a JSON object"),
              (["strip", not_nb], "02_list.ipynb is not a notebook"),
-             (["run", nb, "--kernel", "no-such-kernel"], "no Jupyter kernel named 'no-such-kernel'; installed: "),
+             (["run", nb, "--kernel", "no-such-kernel"],
+              "no Jupyter kernel named 'no-such-kernel'; installed: "),
              (["run", nb, "--out", record], "run record .* is not readable")]
     for args, message in cases:
-        code, err = run_main(capsys, *args, *(["--out", out] if args[0] == "run" and "--out" not in args else []))
+        code, err = run_main(capsys, *args,
+                             *(["--out", out] if args[0] == "run" and "--out" not in args else []))
         assert code == 2 and re.search(message, one_line(err)), (args, err)
         assert not out.exists()
     monkeypatch.setitem(sys.modules, "papermill", None)              # the workbook extra is not installed

@@ -1,6 +1,7 @@
 """MosaicML streaming (MDS) copies of prepared token shards, without the ``streaming`` package.
 
-    ssmkit.data.write_mds("data/sp-gpt2", "data/sp-gpt2/mds", seq_len=2048)   # or prepare(..., mds_seq_len=2048)
+    ssmkit.data.write_mds("data/sp-gpt2", "data/sp-gpt2/mds", seq_len=2048)
+    # or prepare(..., mds_seq_len=2048)
     for sample in ssmkit.data.read_mds("data/sp-gpt2/mds"):                     # {"tokens": array (2049,)}
         ...
     # on a GPU cluster, with mosaicml-streaming installed:
@@ -20,9 +21,9 @@ Files (MDS format version 2, as streaming's ``MDSWriter`` writes it, uncompresse
   ``column_encodings, column_names, column_sizes, compression, format, hashes, size_limit, version``);
   then the samples. A sample starts with a ``uint32`` size per variable-size column (none here) and
   then the columns' bytes in column-name order.
-* ``index.json``: ``{"shards": [...], "version": 2}`` (one line, as ``json.dump(obj, sort_keys=True)`` writes it);
-  each shard entry is its config plus ``samples``, ``raw_data`` (``basename``, ``bytes``, ``hashes``:
-  algorithm -> hex digest of the file) and ``zip_data: null``.
+* ``index.json``: ``{"shards": [...], "version": 2}`` (one line, as ``json.dump(obj, sort_keys=True)``
+  writes it); each shard entry is its config plus ``samples``, ``raw_data`` (``basename``, ``bytes``,
+  ``hashes``: algorithm -> hex digest of the file) and ``zip_data: null``.
 * A shard holds as many samples as fit in ``size_limit`` bytes, counting 8 bytes plus the config
   per shard and the sample plus 4 bytes per sample: the same split as ``MDSWriter``, so both write
   byte-identical files for the same samples and options.
@@ -86,7 +87,8 @@ def _size_limit(value) -> int | None:
         try:
             value = int(float(text[: -len(unit)]) * _UNITS[unit]) if unit else int(text.removesuffix("b"))
         except (ValueError, OverflowError):
-            raise ValueError(f"size_limit {value!r} is not a size: use bytes or a number with kb, mb, gb") from None
+            raise ValueError(f"size_limit {value!r} is not a size: "
+                             "use bytes or a number with kb, mb, gb") from None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"size_limit {value!r} is not a size: use bytes or a number with kb, mb, gb")
     if not 0 < value < 1 << 32:
@@ -106,7 +108,8 @@ def _hash_names(hashes: Sequence[str] | str | None) -> list[str]:
 def shard_config(dtype: str, seq_len: int, size_limit: int | None, hashes: list[str]) -> dict:
     """The config streaming's ``MDSWriter`` records for a one-column ``tokens`` dataset."""
     width = seq_len + 1
-    return {"version": MDS_VERSION, "format": "mds", "compression": None, "hashes": hashes, "size_limit": size_limit,
+    return {"version": MDS_VERSION, "format": "mds", "compression": None, "hashes": hashes,
+            "size_limit": size_limit,
             "column_names": [COLUMN], "column_encodings": [f"ndarray:{dtype}:{width}"],
             "column_sizes": [width * np.dtype(dtype).itemsize]}
 
@@ -122,8 +125,8 @@ class _ShardWriter:
         if limit is None:                                            # one shard: its offsets must fit uint32
             self.per_shard = None
         elif limit < fixed + sample_bytes + 4:
-            raise ValueError(f"size_limit {limit} bytes holds not one sample: a shard needs {fixed} bytes of header "
-                             f"and {sample_bytes + 4} per sample of {config['column_sizes'][0]} bytes")
+            raise ValueError(f"size_limit {limit} bytes holds not one sample: a shard needs {fixed} bytes of "
+                             f"header and {sample_bytes + 4} per sample of {config['column_sizes'][0]} bytes")
         else:
             self.per_shard = (limit - fixed) // (sample_bytes + 4)
 
@@ -148,7 +151,7 @@ class _ShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.out / name)
-        except BaseException as exc:                                 # disk full, interrupted: no half shard stays
+        except BaseException as exc:   # disk full, interrupted: no half shard stays
             tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 exc.filename = exc.filename or str(self.out / name)
@@ -178,8 +181,8 @@ def _clear_partial(out: Path):
                          or name.startswith((".shard.", f".{META}.", f".{INDEX}.")))
     foreign = [p.name for p in out.iterdir() if not ours(p.name)]
     if foreign:
-        raise ValueError(f"{out} is not empty ({', '.join(sorted(foreign)[:5])}...) and holds no MDS dataset: "
-                         "use another directory")
+        raise ValueError(f"{out} is not empty ({', '.join(sorted(foreign)[:5])}...) "
+                         "and holds no MDS dataset: use another directory")
     for p in out.iterdir():
         if p.name != LOCK_FILE:
             p.unlink()
@@ -209,16 +212,16 @@ def write_mds(shard_dir: str | os.PathLike, out_dir: str | os.PathLike, seq_len:
                    encoding=f"ndarray:{dtype}:{seq_len + 1}", source_fingerprint=fingerprint)
     samples = max(0, (index["total_tokens"] - 1) // seq_len)
     if samples == 0:
-        raise ValueError(f"{src} holds {index['total_tokens']} tokens: not one sample of seq_len + 1 = {seq_len + 1} "
-                         "tokens")
+        raise ValueError(f"{src} holds {index['total_tokens']} tokens: "
+                         f"not one sample of seq_len + 1 = {seq_len + 1} tokens")
     sample_bytes = (seq_len + 1) * np.dtype(dtype).itemsize
     writer = _ShardWriter(out, shard_config(dtype, seq_len, limit, hash_names), sample_bytes)
     with DirLock(out, "MDS conversion"):
         return _write_mds(src, out, index, maps, options, writer, samples, verify, progress)
 
 
-def _write_mds(src: Path, out: Path, index: dict, maps: list, options: dict, writer: _ShardWriter, samples: int,
-               verify, progress: bool) -> dict:
+def _write_mds(src: Path, out: Path, index: dict, maps: list, options: dict, writer: _ShardWriter,
+               samples: int, verify, progress: bool) -> dict:
     seq_len, dtype, total = options["seq_len"], np.dtype(index["dtype"]).name, index["total_tokens"]
     if (out / INDEX).exists():
         meta = read_json(out / META, "MDS metadata") if (out / META).exists() else {}
@@ -234,7 +237,8 @@ def _write_mds(src: Path, out: Path, index: dict, maps: list, options: dict, wri
     _clear_partial(out)
     starts = np.cumsum([0] + [len(m) for m in maps])
     per_shard = writer.per_shard or samples
-    with progress_bar(total=samples, unit="sample", unit_scale=True, disable=not progress, desc=f"mds {out}") as bar:
+    with progress_bar(total=samples, unit="sample", unit_scale=True, disable=not progress,
+                      desc=f"mds {out}") as bar:
         for first in range(0, samples, per_shard):
             n = min(per_shard, samples - first)
             span = _span(maps, starts, first * seq_len, (first + n) * seq_len + 1)
@@ -244,8 +248,8 @@ def _write_mds(src: Path, out: Path, index: dict, maps: list, options: dict, wri
                 shards=len(writer.shards), dtype=dtype, tokenizer=index.get("tokenizer"),
                 vocab_size=index.get("vocab_size"), eos_token_id=index.get("eos_token_id"),
                 source=str(src.resolve()),
-                sample="tokens[i*seq_len : i*seq_len + seq_len + 1] of the source stream; input_ids = s[:-1], "
-                       "labels = s[1:]")
+                sample="tokens[i*seq_len : i*seq_len + seq_len + 1] of the source stream; "
+                       "input_ids = s[:-1], labels = s[1:]")
     write_json(out / META, meta)
     writer.write_index()                                             # last: its presence means complete
     return meta
@@ -283,8 +287,9 @@ def _decoder(encoding: str):
               "str_float": lambda d: float(d.decode()), "str_decimal": lambda d: Decimal(d.decode()),
               "json": lambda d: json.loads(d.decode())}
     if name not in simple:
-        raise ValueError(f"MDS encoding {encoding!r} needs mosaicml-streaming to decode (ssmkit reads ndarray, "
-                         f"bytes, str, int, numeric scalars, str_int, str_float, str_decimal and json)")
+        raise ValueError(f"MDS encoding {encoding!r} needs mosaicml-streaming to decode "
+                         f"(ssmkit reads ndarray, bytes, str, int, numeric scalars, str_int, str_float, "
+                         f"str_decimal and json)")
     return simple[name]
 
 
@@ -299,7 +304,8 @@ def read_mds(mds_dir: str | os.PathLike, *, verify: bool = False) -> Iterator[di
     if not (root / INDEX).exists():
         raise ValueError(f"{root} has no {INDEX}: not an MDS dataset (write one with ssmkit.data.write_mds)")
     index = read_json(root / INDEX, "MDS index")
-    if not isinstance(index, dict) or index.get("version") != MDS_VERSION or not isinstance(index.get("shards"), list):
+    if (not isinstance(index, dict) or index.get("version") != MDS_VERSION
+            or not isinstance(index.get("shards"), list)):
         version = index.get("version") if isinstance(index, dict) else None
         raise ValueError(f"{root / INDEX}: MDS index version {version!r} with a list of shards expected "
                          f"(version {MDS_VERSION})")
@@ -312,22 +318,24 @@ def read_mds(mds_dir: str | os.PathLike, *, verify: bool = False) -> Iterator[di
             raw = shard["raw_data"]
             name = plain_name(raw["basename"], f"{root / INDEX}")
             if shard.get("zip_data") or shard.get("compression"):
-                raise ValueError(f"{root}: shard {name} is compressed ({shard.get('compression')}); read it with "
-                                 "mosaicml-streaming")
+                raise ValueError(f"{root}: shard {name} is compressed ({shard.get('compression')}); "
+                                 "read it with mosaicml-streaming")
             names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
             if not len(names) == len(encodings) == len(sizes):
                 raise TypeError("column_names, column_encodings and column_sizes differ in length")
             columns = list(zip(names, [_decoder(e) for e in encodings], sizes))
-            expected, hashes, samples = int(raw["bytes"]), dict(raw.get("hashes") or {}), int(shard["samples"])
+            expected, hashes, samples = (int(raw["bytes"]), dict(raw.get("hashes") or {}),
+                                         int(shard["samples"]))
             config = {k: shard[k] for k in ("column_encodings", "column_names", "column_sizes", "compression",
                                             "format", "hashes", "size_limit", "version")}
         except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{root / INDEX}: a shard entry is malformed ({type(exc).__name__}: {exc}); not an index "
-                             "written by streaming or ssmkit") from None
+            raise ValueError(f"{root / INDEX}: a shard entry is malformed ({type(exc).__name__}: {exc}); "
+                             "not an index written by streaming or ssmkit") from None
         path = root / name
         data = path.read_bytes() if path.exists() else None
         if data is None or len(data) != expected:
-            raise ValueError(f"MDS shard {path} is corrupt: {'missing' if data is None else f'{len(data)} bytes'}, "
+            raise ValueError(f"MDS shard {path} is corrupt: "
+                             f"{'missing' if data is None else f'{len(data)} bytes'}, "
                              f"the index says {expected}")
         if verify:
             for algo, digest in hashes.items():
@@ -343,7 +351,8 @@ def read_mds(mds_dir: str | os.PathLike, *, verify: bool = False) -> Iterator[di
         head = 4 * (n + 2)
         if (data[head : head + len(config_data)] != config_data or offsets[0] != head + len(config_data)
                 or offsets[-1] != len(data) or np.any(np.diff(offsets) < 0)):
-            raise ValueError(f"MDS shard {path} is corrupt: its header (offsets, config) disagrees with the index")
+            raise ValueError(f"MDS shard {path} is corrupt: "
+                             "its header (offsets, config) disagrees with the index")
         for lo, hi in zip(offsets[:-1], offsets[1:]):
             sample, i = data[lo:hi], 0
             sizes = []

@@ -54,7 +54,8 @@ _SHARD_TMP = re.compile(r"\.shard_\d{5}\.bin\.tmp-\d+")
 # --- checking prepared shards ----------------------------------------------------------------------
 
 def _redo(folder: Path) -> str:
-    return f"prepare the data again into a new directory (or delete {folder} and run ssmkit data prepare again)"
+    return ("prepare the data again into a new directory "
+            f"(or delete {folder} and run ssmkit data prepare again)")
 
 
 def check_count(name: str, value, minimum: int = 1, none_ok: bool = False):
@@ -70,7 +71,8 @@ def _check_entries(shards, where: Path) -> list[dict]:
         plain_name(s.get("file"), str(where))
         ok = isinstance(s.get("sha256"), str) and isinstance(s.get("tokens"), int) and s["tokens"] >= 0
         if not ok or isinstance(s["tokens"], bool):
-            raise ValueError(f"{where}: shard entry {s!r} needs tokens (int >= 0) and sha256; {_redo(where.parent)}")
+            raise ValueError(f"{where}: shard entry {s!r} needs tokens (int >= 0) and sha256; "
+                             f"{_redo(where.parent)}")
     return shards
 
 
@@ -82,12 +84,12 @@ def load_index(folder: str | os.PathLike) -> dict:
     index = read_json(folder / INDEX, "shard index")
     if (not isinstance(index, dict) or index.get("dtype") not in DTYPES or "shards" not in index
             or not isinstance(index.get("vocab_size"), int) or index["vocab_size"] < 1):
-        raise ValueError(f"{folder / INDEX} is not an index of ssmkit token shards (it needs dtype uint16 or uint32, "
-                         f"vocab_size and shards); {_redo(folder)}")
+        raise ValueError(f"{folder / INDEX} is not an index of ssmkit token shards "
+                         f"(it needs dtype uint16 or uint32, vocab_size and shards); {_redo(folder)}")
     _check_entries(index["shards"], folder / INDEX)
     if index.get("total_tokens") != sum(s["tokens"] for s in index["shards"]):
-        raise ValueError(f"{folder / INDEX}: total_tokens {index.get('total_tokens')!r} is not the sum of the shards' "
-                         f"tokens; {_redo(folder)}")
+        raise ValueError(f"{folder / INDEX}: total_tokens {index.get('total_tokens')!r} "
+                         f"is not the sum of the shards' tokens; {_redo(folder)}")
     return index
 
 
@@ -109,9 +111,10 @@ def _verified_file(folder: Path) -> Path:
 def _load_verified(folder: Path) -> dict:
     try:
         data = read_json(_verified_file(folder))
-    except ValueError:                                   # none yet, unreadable or corrupt: check again
+    except ValueError:                              # none yet, unreadable or corrupt: check again
         return {}
-    ok = isinstance(data, dict) and data.get("dir") == str(folder.resolve()) and isinstance(data.get("files"), dict)
+    ok = (isinstance(data, dict) and data.get("dir") == str(folder.resolve())
+          and isinstance(data.get("files"), dict))
     return data["files"] if ok else {}
 
 
@@ -120,7 +123,7 @@ def _save_verified(folder: Path, files: dict):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"dir": str(folder.resolve()), "files": files})
-    except OSError:                                      # a read-only cache only means checking again next time
+    except OSError:                                 # a read-only cache only means checking again next time
         pass
 
 
@@ -144,8 +147,8 @@ def check_shards(folder: str | os.PathLike, shards: list[dict], dtype: str, voca
         except FileNotFoundError:
             raise ValueError(f"shard {path} is missing (its index lists it); {_redo(folder)}") from None
         if st.st_size != s["tokens"] * itemsize:
-            raise ValueError(f"shard {path} is corrupt: {st.st_size} bytes, the index says {s['tokens'] * itemsize}; "
-                             f"{_redo(folder)}")
+            raise ValueError(f"shard {path} is corrupt: {st.st_size} bytes, "
+                             f"the index says {s['tokens'] * itemsize}; {_redo(folder)}")
         if verify is False:
             continue
         key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, s["sha256"], dtype, vocab_size]
@@ -154,19 +157,21 @@ def check_shards(folder: str | os.PathLike, shards: list[dict], dtype: str, voca
             continue
         digest, top = _scan(path, dtype)
         if digest != s["sha256"]:
-            raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index (changed or damaged since "
-                             f"it was written); {_redo(folder)}")
+            raise ValueError(f"shard {path} is corrupt: its sha256 differs from the index "
+                             f"(changed or damaged since it was written); {_redo(folder)}")
         if top >= vocab_size:
             raise ValueError(f"shard {path} is corrupt: it holds token id {top}, the index's vocab_size is "
                              f"{vocab_size}; {_redo(folder)}")
-        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:   # coarse clocks: trust only older stamps
+        # coarse clocks: trust only older stamps
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
             intact[s["file"]] = key
     if verify == "auto" and intact != known:
         _save_verified(folder, intact)
 
 
 def open_shards(folder: str | os.PathLike, verify: bool | str = "auto") -> tuple[dict, list[np.ndarray]]:
-    """The checked index of a prepared directory and its shards as read-only memory maps (see :func:`check_shards`)."""
+    """The checked index of a prepared directory and its shards as read-only memory maps (see
+    :func:`check_shards`)."""
     folder = Path(folder)
     index = load_index(folder)
     check_shards(folder, index["shards"], index["dtype"], index["vocab_size"], verify)
@@ -198,12 +203,14 @@ def _texts(docs: Iterator[Document], batch: int) -> list[str]:
     for d in islice(docs, batch):
         if not isinstance(getattr(d, "text", None), str):
             raise ValueError(f"document {getattr(d, 'id', d)!r} has no text string (got "
-                             f"{type(getattr(d, 'text', d)).__name__}); a source yields ssmkit.data.Document(id, text)")
+                             f"{type(getattr(d, 'text', d)).__name__}); "
+                             "a source yields ssmkit.data.Document(id, text)")
         texts.append(d.text)
     return texts
 
 
-def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int, batch: int = 64) -> Iterator[list[int]]:
+def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int,
+                 batch: int = 64) -> Iterator[list[int]]:
     """Token ids of each document, in order, tokenized by ``workers`` processes."""
     batches = iter(lambda: _texts(docs, batch), [])
     if workers <= 1:
@@ -235,13 +242,15 @@ def _same_options(out: Path, what: str, saved, options: dict):
     """ValueError unless the options saved in ``out`` are ``options``; names what differs."""
     if saved == options:
         return
-    if isinstance(saved, dict) and {**saved, "source_fingerprint": None} == {**options, "source_fingerprint": None}:
+    if (isinstance(saved, dict)
+            and {**saved, "source_fingerprint": None} == {**options, "source_fingerprint": None}):
         raise ValueError(f"the source {options['source']!r} changed since {out} was prepared (fingerprint "
-                         f"{saved.get('source_fingerprint')} then, {options['source_fingerprint']} now: files edited, "
-                         f"added or removed, or another Python for stdlib-docs); prepare into another directory, "
-                         f"or delete {out} and run again")
+                         f"{saved.get('source_fingerprint')} then, {options['source_fingerprint']} now: "
+                         f"files edited, added or removed, or another Python for stdlib-docs); "
+                         f"prepare into another directory, or delete {out} and run again")
     saved = saved if isinstance(saved, dict) else {}
-    diff = "; ".join(f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in options.items() if saved.get(k) != v)
+    diff = "; ".join(f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in options.items()
+                     if saved.get(k) != v)
     raise ValueError(f"{out} already holds {what} made with other options ({diff}); use another directory")
 
 
@@ -253,7 +262,8 @@ def _load_progress(out: Path, options: dict) -> dict | None:
         return None
     _same_options(out, "a partial run", state.get("options") if isinstance(state, dict) else None, options)
     for k, shard in enumerate(_check_entries(state.get("shards"), out / PROGRESS)):
-        plain_name(shard["file"], str(out / PROGRESS), pattern=f"shard_{k:05d}\\.bin")   # as flush() names them
+        # as flush() names them
+        plain_name(shard["file"], str(out / PROGRESS), pattern=f"shard_{k:05d}\\.bin")
     for key in ("next_doc", "next_offset", "documents", "empty_documents"):
         check_count(f"{out / PROGRESS}: {key}", state.get(key), minimum=0)
     return state
@@ -281,8 +291,8 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer!r} has no EOS token to separate documents")
     if dtype == "uint16" and vocab > 1 << 16:
-        raise ValueError(f"tokenizer {tokenizer!r} has {vocab} tokens: ids do not fit uint16 (max 65536 tokens); "
-                         "use dtype='uint32' or 'auto'")
+        raise ValueError(f"tokenizer {tokenizer!r} has {vocab} tokens: ids do not fit uint16 "
+                         "(max 65536 tokens); use dtype='uint32' or 'auto'")
     dtype = np.dtype(np.uint32 if dtype == "uint32" or vocab > 1 << 16 else np.uint16)
     if (out / PROGRESS).exists():                                   # a crashed run: keep its intact shards
         state = _load_progress(out, options)
@@ -291,13 +301,14 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
     else:
         state, ours = None, sorted(p.name for p in out.iterdir() if _SHARD.fullmatch(p.name))
         if ours:
-            raise ValueError(f"{out} holds {ours[0]} but no {INDEX} or {PROGRESS}: shards not written by ssmkit "
-                             "prepare; use another directory")
+            raise ValueError(f"{out} holds {ours[0]} but no {INDEX} or {PROGRESS}: "
+                             "shards not written by ssmkit prepare; use another directory")
     if state is None:
         state = {"options": options, "shards": [], "next_doc": 0, "next_offset": 0, "documents": 0,
                  "empty_documents": 0}
         write_json(out / PROGRESS, state)                           # from now on the directory is ours
-    for p in out.iterdir():                                         # temp files of a killed run (we hold the lock)
+    # temp files of a killed run (we hold the lock)
+    for p in out.iterdir():
         if _SHARD_TMP.fullmatch(p.name):
             p.unlink(missing_ok=True)
     docs = load_source(source, split) if named else iter(source)
@@ -311,15 +322,16 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
         name = f"shard_{len(state['shards']):05d}.bin"
         ids = np.asarray(buffer, dtype=np.int64)
         if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"tokenizer {tokenizer!r} gave token id {ids.max() if ids.max() >= vocab else ids.min()}, "
-                             f"outside its {vocab} tokens")
+            raise ValueError(f"tokenizer {tokenizer!r} gave token id "
+                             f"{ids.max() if ids.max() >= vocab else ids.min()}, outside its {vocab} tokens")
         data = ids.astype(dtype).tobytes()
         try:
             write_atomically(out / name, data)
         except OSError as exc:                                      # disk full: name the file in the message
             exc.filename = exc.filename or str(out / name)
             raise
-        state["shards"].append({"file": name, "tokens": len(buffer), "sha256": hashlib.sha256(data).hexdigest()})
+        state["shards"].append({"file": name, "tokens": len(buffer),
+                                "sha256": hashlib.sha256(data).hexdigest()})
         state.update(next_doc=next_doc, next_offset=next_offset)
         written, buffer = written + len(buffer), []
         write_json(out / PROGRESS, state)
@@ -350,8 +362,8 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
                 "has no documents"
             raise ValueError(f"source {options['source']!r} ({split} split) {what}; nothing to train on")
     if named and source_fingerprint(source) != options["source_fingerprint"]:
-        raise ValueError(f"the source {source!r} changed while it was being prepared; delete {out} and prepare again "
-                         "when it no longer changes")
+        raise ValueError(f"the source {source!r} changed while it was being prepared; "
+                         f"delete {out} and prepare again when it no longer changes")
     index = dict(version=FORMAT_VERSION, tokenizer=tokenizer, vocab_size=vocab, eos_token_id=tok.eos_token_id,
                  dtype=dtype.name, total_tokens=written, documents=state["documents"],
                  empty_documents=state["empty_documents"], shards=state["shards"], options=options)

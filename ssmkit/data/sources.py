@@ -102,7 +102,8 @@ def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
     if not files or not all(p.is_file() and p.suffix in LOCAL_SUFFIXES for p in files):
-        raise ValueError(f"{path}: no readable text files; expected {', '.join(LOCAL_SUFFIXES)} or a directory of them")
+        raise ValueError(f"{path}: no readable text files; "
+                         f"expected {', '.join(LOCAL_SUFFIXES)} or a directory of them")
     return files
 
 
@@ -116,8 +117,8 @@ def _jsonl(p: Path, field: str) -> Iterator[Document]:
             try:
                 row = json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc}); each line must be a JSON object with a string "
-                                 f"field {field!r}") from None
+                raise ValueError(f"{where}: not valid JSON ({exc}); each line must be a JSON object "
+                                 f"with a string field {field!r}") from None
             text = row.get(field) if isinstance(row, dict) else None
             if not isinstance(text, str):
                 what = ("is not a JSON object" if not isinstance(row, dict) else f"has no field {field!r}"
@@ -137,7 +138,7 @@ def _table(p: Path, field: str) -> Iterator[Document]:
     try:
         if p.suffix == ".parquet":
             table = pq.read_table(p)
-        else:                                              # the IPC file format, or the stream format (datasets)
+        else:   # the IPC file format, or the stream format (datasets)
             try:
                 table = pa.ipc.open_file(p).read_all()
             except pa.ArrowInvalid:
@@ -149,7 +150,8 @@ def _table(p: Path, field: str) -> Iterator[Document]:
         raise ValueError(f"{p}: no column {field!r}; its columns: {', '.join(table.column_names) or 'none'}")
     for i, text in enumerate(table.column(field).to_pylist()):
         if not isinstance(text, str):
-            raise ValueError(f"{p}, row {i + 1}: column {field!r} is {type(text).__name__}, expected a string")
+            raise ValueError(f"{p}, row {i + 1}: column {field!r} is {type(text).__name__}, "
+                             "expected a string")
         yield Document(f"file:{p.name}:{i}", text)
 
 
@@ -190,7 +192,8 @@ def source_fingerprint(source: str) -> str | None:
         parts = []
         for p in _files(root):
             st = p.stat()
-            parts.append([p.relative_to(root).as_posix() if root.is_dir() else p.name, st.st_size, st.st_mtime_ns])
+            parts.append([p.relative_to(root).as_posix() if root.is_dir() else p.name, st.st_size,
+                          st.st_mtime_ns])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -200,14 +203,17 @@ def remote(name: str, split: str = "train") -> Iterator[Document]:
     try:
         from datasets import load_dataset
 
-        stream = load_dataset(hub_id, config, split="validation" if split == "validation" else "train", streaming=True)
+        stream = load_dataset(hub_id, config, split="validation" if split == "validation" else "train",
+                              streaming=True)
         first = iter(stream)
     except Exception as exc:
         raise ValueError(
-            f"source {name!r} ({hub_id}) cannot be streamed here ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            f"source {name!r} ({hub_id}) cannot be streamed here "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}). "
             "Offline, use 'stdlib-docs' or local files (.txt, .jsonl, .parquet, .arrow)."
         ) from None
-    return (Document(f"{name}:{i}", row.get(field)) for i, row in enumerate(first))   # prepare checks the text
+    # prepare checks the text
+    return (Document(f"{name}:{i}", row.get(field)) for i, row in enumerate(first))
 
 
 def check_source(name: str, split: str = "train") -> None:
@@ -215,8 +221,10 @@ def check_source(name: str, split: str = "train") -> None:
     is valid: what :func:`load_source` would refuse, found before anything is read or written."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not valid; valid splits: {', '.join(SPLITS)}")
-    if not isinstance(name, str) or not (name == "stdlib-docs" or name in REMOTE or (name and Path(name).exists())):
-        raise ValueError(f"unknown source {name!r}; valid: 'stdlib-docs', {', '.join(repr(n) for n in REMOTE)}, "
+    if (not isinstance(name, str)
+            or not (name == "stdlib-docs" or name in REMOTE or (name and Path(name).exists()))):
+        raise ValueError(f"unknown source {name!r}; valid: 'stdlib-docs', "
+                         f"{', '.join(repr(n) for n in REMOTE)}, "
                          "or a path to .txt / .jsonl / .parquet / .arrow files")
 
 

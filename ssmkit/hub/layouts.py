@@ -36,14 +36,14 @@ class CheckpointError(ValueError):
 _HF_FIELDS = {
     "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
     "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "use_bias": "bias",
-    "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon", "residual_in_fp32": "residual_in_fp32",
-    "tie_word_embeddings": "tie_embeddings", "time_step_min": "dt_min", "time_step_max": "dt_max",
-    "time_step_floor": "dt_init_floor",
+    "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+    "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_floor": "dt_init_floor",
 }
 _HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
               "mixer_rms_eps": "mixer_rms_eps"}
-_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_limit": "dt_limit",
-              "norm_before_gate": "norm_before_gate"}
+_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size",
+              "time_step_limit": "dt_limit", "norm_before_gate": "norm_before_gate"}
 
 
 def _floats(values, field: str) -> tuple[float, ...]:
@@ -75,8 +75,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     is kept exactly (transformers' vocab_size is already the padded embedding size)."""
     kind = hf.get("model_type")
     if kind not in ("mamba", "falcon_mamba", "mamba2"):
-        raise CheckpointError(f"model_type {kind!r} is not supported; ssmkit loads 'mamba', 'falcon_mamba' and "
-                              "'mamba2'")
+        raise CheckpointError(f"model_type {kind!r} is not supported; "
+                              "ssmkit loads 'mamba', 'falcon_mamba' and 'mamba2'")
     if kind == "falcon_mamba":
         hf = {"mixer_rms_eps": 1e-6, **hf}                  # transformers' FalconMambaConfig default
         kind = "mamba"
@@ -100,18 +100,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
         kwargs["dt_limit"] = _floats(kwargs["dt_limit"], "time_step_limit")
     cfg = _build_config(kwargs, {ours: theirs for theirs, ours in fields.items()})
     if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != cfg.d_inner:
-        raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, but expand * hidden_size = "
-                              f"{cfg.d_inner}; ssmkit needs d_inner = expand * d_model")
+        raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, "
+                              f"but expand * hidden_size = {cfg.d_inner}; "
+                              "ssmkit needs d_inner = expand * d_model")
     if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != cfg.nheads:
-        raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, but expand * hidden_size / head_dim = "
-                              f"{cfg.nheads}")
+        raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, "
+                              f"but expand * hidden_size / head_dim = {cfg.nheads}")
     return cfg
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A ModelConfig as a transformers config dict (MambaConfig / Mamba2Config)."""
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
-        raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; save format='mamba_ssm'")
+        raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; "
+                              "save format='mamba_ssm'")
     mamba1 = cfg.mixers[0] == "mamba1"
     fields = {**_HF_FIELDS, **(_HF_MAMBA1 if mamba1 else _HF_MAMBA2)}
     hf = {theirs: getattr(cfg, ours) for theirs, ours in fields.items()}
@@ -134,7 +136,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 _SSM_FIELDS = ("d_state", "d_conv", "expand", "dt_min", "dt_max", "dt_init_floor", "conv_bias", "bias")
 _SSM_MAMBA1 = ("dt_rank", "dt_init", "dt_scale")
-_SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "D_has_hdim", "norm_before_gate")
+_SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "D_has_hdim",
+               "norm_before_gate")
 
 
 def config_from_mamba_ssm(c: dict) -> ModelConfig:
@@ -156,7 +159,8 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
     ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
     unknown = sorted(set(ssm) - known - ignored)
     if unknown:
-        raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; known: {sorted(known)}")
+        raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; "
+                              f"known: {sorted(known)}")
     if ssm.get("rmsnorm", True) is False:
         raise CheckpointError("ssm_cfg.rmsnorm=False (gate inside the scan) is not supported")
     kwargs = {k: ssm[k] for k in known if k in ssm}
@@ -164,19 +168,21 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
         if k in kwargs:
             kwargs[k] = _floats(kwargs[k], f"ssm_cfg.{k}")
     kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
-                  pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8), rms_norm=c.get("rms_norm", True),
-                  residual_in_fp32=c.get("residual_in_fp32", True), tie_embeddings=c.get("tie_embeddings", True),
-                  norm_epsilon=c.get("norm_epsilon", 1e-5))
+                  pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8),
+                  rms_norm=c.get("rms_norm", True), residual_in_fp32=c.get("residual_in_fp32", True),
+                  tie_embeddings=c.get("tie_embeddings", True), norm_epsilon=c.get("norm_epsilon", 1e-5))
     return _build_config(kwargs, {k: f"ssm_cfg.{k}" for k in known})
 
 
 def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
-        raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; mixed layouts cannot be saved")
+        raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; "
+                              "mixed layouts cannot be saved")
     if cfg.mixer_rms_eps is not None:
         raise CheckpointError("mamba_ssm has no FalconMamba norms (mixer_rms_eps); save format='hf'")
     if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
-        raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; save format='hf'")
+        raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; "
+                              "save format='hf'")
     mixer = cfg.mixers[0]
     ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
     ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"
@@ -187,7 +193,8 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
             ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
     if "A_init_range" in ssm:
         ssm["A_init_range"] = list(ssm["A_init_range"])
-    return dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm,
-                attn_layer_idx=[], attn_cfg={}, rms_norm=cfg.rms_norm, residual_in_fp32=cfg.residual_in_fp32,
-                fused_add_norm=True, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+    return dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+                ssm_cfg=ssm, attn_layer_idx=[], attn_cfg={}, rms_norm=cfg.rms_norm,
+                residual_in_fp32=cfg.residual_in_fp32, fused_add_norm=True,
+                pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                 tie_embeddings=cfg.tie_embeddings)   # exactly MambaConfig's fields: it is built with **config

@@ -52,7 +52,8 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         try:
             part = load(path)
         except Exception as exc:
-            raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} (corrupt or truncated?)") from None
+            raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc} "
+                                  "(corrupt or truncated?)") from None
         state.update(part)
     return state
 
@@ -82,8 +83,8 @@ def _load_into(model: MambaLM, state: dict[str, torch.Tensor], source: str):
                               f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: weight {name} has shape {tuple(tensor.shape)}, the config implies "
-                                  f"{tuple(expected[name].shape)}")
+            raise CheckpointError(f"{source}: weight {name} has shape {tuple(tensor.shape)}, "
+                                  f"the config implies {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=not model.config.tie_embeddings)
 
 
@@ -92,12 +93,13 @@ def _resolve(path_or_id: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") != 1:
-        raise CheckpointError(f"{path_or_id!r} is neither a checkpoint directory nor a hub id like 'state-spaces/mamba-130m'")
+        raise CheckpointError(f"{path_or_id!r} is neither a checkpoint directory nor a hub id "
+                              "like 'state-spaces/mamba-130m'")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt",
-                                                                        "*.model"]))
+        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.bin",
+                                                                        "*.txt", "*.model"]))
     except Exception as exc:
         raise CheckpointError(
             f"cannot fetch {path_or_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). Offline "
@@ -122,8 +124,8 @@ def _read_config(folder: Path) -> tuple[ModelConfig, dict]:
             return config_from_hf(raw), {"backbone.embeddings.weight": "backbone.embedding.weight"}
         if "d_model" in raw and "n_layer" in raw:
             return config_from_mamba_ssm(raw), {}
-        raise CheckpointError("unknown layout; expected a transformers config (model_type) or a mamba_ssm config "
-                              "(d_model, n_layer, ssm_cfg)")
+        raise CheckpointError("unknown layout; expected a transformers config (model_type) "
+                              "or a mamba_ssm config (d_model, n_layer, ssm_cfg)")
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -134,10 +136,12 @@ def _dtype(dtype) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"dtype={dtype!r} is not supported; valid: {', '.join(DTYPES)} or a floating torch.dtype")
+    raise ValueError(f"dtype={dtype!r} is not supported; "
+                     f"valid: {', '.join(DTYPES)} or a floating torch.dtype")
 
 
-def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None) -> MambaLM:
+def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device=None) -> MambaLM:
     """Load a transformers (Mamba / Mamba2) or mamba_ssm checkpoint directory, or a hub id.
 
     dtype: a torch.dtype or a name (float32/fp32, bfloat16/bf16, float16/fp16/half); device: "cpu",

@@ -112,7 +112,7 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
         raise ValueError(f"format={format!r} is not supported; valid formats: {', '.join(FORMATS)}")
     given = directory = Path(directory)
     if directory.is_symlink() and directory.is_dir():
-        directory = directory.resolve()                         # swap the folder the link points at, not the link
+        directory = directory.resolve()   # swap the folder the link points at, not the link
     if os.path.lexists(directory) and not directory.is_dir():
         raise ValueError(f"{directory} exists and is not a directory; save_pretrained writes a directory of "
                          "files there: choose a new or empty directory")
@@ -121,13 +121,13 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
     if foreign and not overwrite:
         raise ValueError(f"{directory} holds files save_pretrained does not write: {foreign[:8]}"
                          f"{' ...' if len(foreign) > 8 else ''}. Choose a new or empty directory, or pass "
-                         f"overwrite=True to replace only the checkpoint's files ({', '.join(OUR_FILES[:3])}, "
-                         "tokenizer files) and leave the rest")
+                         "overwrite=True to replace only the checkpoint's files "
+                         f"({', '.join(OUR_FILES[:3])}, tokenizer files) and leave the rest")
     shadowing = [n for n in existing if n in SHARD_INDEXES]
     if shadowing:
         raise ValueError(f"{directory} holds the shard index {shadowing}, which loaders read before a single "
-                         "weight file: the new weights would be ignored. Remove it and its shards, or choose another "
-                         "directory")
+                         "weight file: the new weights would be ignored. Remove it and its shards, "
+                         "or choose another directory")
     cfg = model.config
     state = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -159,7 +159,8 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
                 shutil.copyfile(source / name, tmp / name)
             elif not in_place and (directory / name).is_file():    # kept: the swap must not drop them
                 shutil.copyfile(directory / name, tmp / name)
-        mode = 0o666 & ~io.umask()                  # safetensors creates 0600; every other tool follows the umask
+        # safetensors creates 0600; every other tool follows the umask
+        mode = 0o666 & ~io.umask()
         for path in tmp.iterdir():
             os.chmod(path, mode)
             with open(path, "rb") as f:
@@ -169,7 +170,8 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
         else:
             _swap_in(tmp, directory)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)      # the leftover (old checkpoint, or nothing) or the failed build
+        # the leftover (old checkpoint, or nothing) or the failed build
+        shutil.rmtree(tmp, ignore_errors=True)
     return given
 
 
@@ -179,8 +181,8 @@ def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format:
     """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see
     :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
     ``overwrite=True``, which keeps those files)."""
-    return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from, state_dict=state_dict,
-                           overwrite=overwrite)
+    return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
+                           state_dict=state_dict, overwrite=overwrite)
 
 
 # The familiar ``model.save_pretrained(dir)``. Models sit below the hub and never import it, so the method is

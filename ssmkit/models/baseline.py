@@ -22,9 +22,10 @@ def _llama_config(d_model: int, n_layer: int, vocab_size: int, max_len: int, tie
 
     heads = max(1, d_model // 64) if d_model >= 256 else 4
     ffn = max(64, round(8 * d_model / 3 / 64) * 64)
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=ffn, num_hidden_layers=n_layer,
-                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_len,
-                       tie_word_embeddings=tie, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False)
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=ffn,
+                       num_hidden_layers=n_layer, num_attention_heads=heads, num_key_value_heads=heads,
+                       max_position_embeddings=max_len, tie_word_embeddings=tie, rms_norm_eps=1e-5,
+                       attention_bias=False, mlp_bias=False)
 
 
 def _non_embedding(model: nn.Module) -> int:

@@ -35,4 +35,5 @@ class InferenceCache:
 
     def nbytes(self) -> int:
         """Memory held by the cache: constant in the sequence length."""
-        return sum(s.conv.numel() * s.conv.element_size() + s.ssm.numel() * s.ssm.element_size() for s in self.layers)
+        return sum(s.conv.numel() * s.conv.element_size() + s.ssm.numel() * s.ssm.element_size()
+                   for s in self.layers)

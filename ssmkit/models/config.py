@@ -15,10 +15,10 @@ from .. import checks
 
 MIXERS = ("mamba1", "mamba2")
 DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128}   # mamba_ssm's Mamba and Mamba2 defaults
-INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand", "headdim",
-              "ngroups", "chunk_size")
-BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias", "bias",
-               "D_has_hdim", "norm_before_gate")
+INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand",
+              "headdim", "ngroups", "chunk_size")
+BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias",
+               "bias", "D_has_hdim", "norm_before_gate")
 
 
 class ConfigError(ValueError):
@@ -31,19 +31,22 @@ class ConfigError(ValueError):
 
 
 def _field(name: str, check, value, **kwargs):
-    """``check(value, name, **kwargs)`` from :mod:`ssmkit.checks`, its error as a ConfigError naming the field."""
+    """``check(value, name, **kwargs)`` from :mod:`ssmkit.checks`, its error as a ConfigError naming
+    the field."""
     try:
         return check(value, name, **kwargs)
     except ValueError as exc:
         raise ConfigError(name, str(exc).removeprefix(f"{name} ")) from None
 
 
-def _pair(name: str, value, low_min: float, low_strict: bool, high_may_be_inf: bool = False) -> tuple[float, float]:
+def _pair(name: str, value, low_min: float, low_strict: bool,
+          high_may_be_inf: bool = False) -> tuple[float, float]:
     """``value`` as a (low, high) pair of numbers with low > low_min (or >= with ``low_strict=False``) and
     low <= high, else ConfigError naming ``name`` and the valid range."""
     pair = tuple(value) if isinstance(value, (list, tuple)) else ()
     finite = lambda v: checks.is_number(v) and math.isfinite(v)  # noqa: E731
-    ok = (len(pair) == 2 and finite(pair[0]) and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
+    ok = (len(pair) == 2 and finite(pair[0])
+          and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
           and (pair[0] > low_min if low_strict else pair[0] >= low_min) and pair[0] <= pair[1])
     if not ok:
         bound = f"{'>' if low_strict else '>='} {low_min:g}"
@@ -114,17 +117,20 @@ class ModelConfig:
         for name, positive in (("norm_epsilon", True), ("dt_init_floor", True), ("dt_scale", False),
                                ("initializer_range", False), ("mixer_rms_eps", True)):
             if name != "mixer_rms_eps" or self.mixer_rms_eps is not None:
-                setattr(self, name, _field(name, checks.number, getattr(self, name), low=0, low_open=positive))
-        self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)   # Δ init is log-uniform
+                setattr(self, name, _field(name, checks.number, getattr(self, name),
+                                           low=0, low_open=positive))
+        # Δ init is log-uniform
+        self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)
         self.dt_max = _field("dt_max", checks.number, self.dt_max, low=self.dt_min)
         self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
         self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
         if "mamba2" in self.mixers:
             if self.d_inner % self.headdim:
-                raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = {self.d_inner}; "
-                                 f"got headdim={self.headdim}")
+                raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = "
+                                 f"{self.d_inner}; got headdim={self.headdim}")
             if self.nheads % self.ngroups:
-                raise ValueError(f"mamba2 needs ngroups to divide nheads = {self.nheads}; got ngroups={self.ngroups}")
+                raise ValueError(f"mamba2 needs ngroups to divide nheads = {self.nheads}; "
+                                 f"got ngroups={self.ngroups}")
 
     # --- derived sizes ---
     @property

@@ -20,10 +20,12 @@ from .lm import check_attention_mask, check_token_ids
 
 def check_sampling(temperature, top_k, top_p):
     """temperature: a number >= 0; top_k: None or an int >= 1; top_p: None or a number in (0, 1]."""
-    if not (is_number(temperature) and temperature >= 0 and (top_k is None or (is_integer(top_k) and top_k >= 1))
+    if not (is_number(temperature) and temperature >= 0
+            and (top_k is None or (is_integer(top_k) and top_k >= 1))
             and (top_p is None or (is_number(top_p) and 0 < top_p <= 1))):
-        raise ValueError("need temperature a number >= 0, top_k None or an int >= 1, top_p None or a number with "
-                         f"0 < top_p <= 1; got temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}")
+        raise ValueError("need temperature a number >= 0, top_k None or an int >= 1, top_p None or a number "
+                         f"with 0 < top_p <= 1; got temperature={temperature!r}, top_k={top_k!r}, "
+                         f"top_p={top_p!r}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -74,13 +76,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
     if eos_token_id is not None and not (is_integer(eos_token_id) and 0 <= eos_token_id < cfg.vocab_size):
-        raise ValueError(f"eos_token_id must be None or a token id in 0..{cfg.vocab_size - 1}; got {eos_token_id!r}")
+        raise ValueError(f"eos_token_id must be None or a token id in 0..{cfg.vocab_size - 1}; "
+                         f"got {eos_token_id!r}")
     if attention_mask is not None:
         check_attention_mask(attention_mask, input_ids)
         empty = (~attention_mask.bool().any(dim=1)).nonzero()
         if len(empty):
-            raise ValueError(f"attention_mask row {int(empty[0])} is all padding: every prompt needs a real token")
-        attention_mask = None if attention_mask.bool().all() else attention_mask.long()   # no padding: plain path
+            raise ValueError(f"attention_mask row {int(empty[0])} is all padding: "
+                             "every prompt needs a real token")
+        # no padding: plain path
+        attention_mask = None if attention_mask.bool().all() else attention_mask.long()
     if max_new_tokens == 0:
         return input_ids
     was_training = model.training
@@ -90,7 +95,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     cache = model.allocate_cache(ids.shape[0]) if use_cache else None
     try:
-        logits = model(ids, cache=cache, logits_to_keep=1, attention_mask=mask).logits[:, -1, :vocab]   # prefill
+        # prefill
+        logits = model(ids, cache=cache, logits_to_keep=1, attention_mask=mask).logits[:, -1, :vocab]
         for step in range(max_new_tokens):
             token = sample_next(logits, temperature, top_k, top_p, generator)
             if eos_token_id is not None:

@@ -38,7 +38,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
+        self.norm = (RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm
+                     else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon))
         self.mixer = MIXER_CLASSES[mixer](cfg)
 
     def forward(self, hidden, residual, state: LayerState | None = None, mask: torch.Tensor | None = None):
@@ -56,7 +57,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
+        self.norm_f = (RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm
+                       else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon))
 
     def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
         hidden, residual = self.embedding(input_ids), None
@@ -74,8 +76,8 @@ def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= rows):
         bad = input_ids[(input_ids < 0) | (input_ids >= rows)]
         padded = f", padded to {rows} rows" if rows != cfg.vocab_size else ""
-        raise ValueError(f"input_ids holds token id {int(bad[0])}, outside the model's vocabulary: valid ids are "
-                         f"0..{rows - 1} (vocab_size {cfg.vocab_size}{padded})")
+        raise ValueError(f"input_ids holds token id {int(bad[0])}, outside the model's vocabulary: "
+                         f"valid ids are 0..{rows - 1} (vocab_size {cfg.vocab_size}{padded})")
 
 
 def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
@@ -85,19 +87,20 @@ def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bo
     would be the state of the padding, and generation continues from the last position."""
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}; "
-                         f"got {got}")
+        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids "
+                         f"{tuple(input_ids.shape)}; got {got}")
     if not values:
         return
     if mask.dtype.is_floating_point or mask.dtype.is_complex or not ((mask == 0) | (mask == 1)).all():
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), as an integer or bool tensor")
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), "
+                         "as an integer or bool tensor")
     m = mask.to(torch.int8)
     after_token = (m[:, 1:] < m[:, :-1]).nonzero()          # a 0 right after a 1: padding after a token
     if len(after_token):
         row, pos = (int(v) for v in after_token[0])
-        raise ValueError(f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: only LEFT padding is "
-                         "supported (each row 0s, then 1s; tokenizer.padding_side = 'left'), since a recurrent "
-                         "state runs left to right")
+        raise ValueError(f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: "
+                         "only LEFT padding is supported (each row 0s, then 1s; "
+                         "tokenizer.padding_side = 'left'), since a recurrent state runs left to right")
 
 
 class MambaLM(nn.Module):
@@ -116,7 +119,8 @@ class MambaLM(nn.Module):
         """mamba_ssm's ``_init_weights``: zero biases (but Δ's), N(0, 0.02) embeddings, and the
         GPT-2 rescaling of every out_proj by 1/sqrt(n_layer) (one residual branch per layer)."""
         cfg = self.config
-        if isinstance(module, nn.Linear) and module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+        if (isinstance(module, nn.Linear) and module.bias is not None
+                and not getattr(module.bias, "_no_reinit", False)):
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=cfg.initializer_range)
@@ -129,8 +133,8 @@ class MambaLM(nn.Module):
         """Fresh zero states for generation; see :class:`ssmkit.models.cache.InferenceCache`."""
         return InferenceCache.allocate(self, batch_size, dtype, device)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache: InferenceCache | None = None,
-                logits_to_keep: int = 0, shift_labels: bool = True,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: InferenceCache | None = None, logits_to_keep: int = 0, shift_labels: bool = True,
                 attention_mask: torch.Tensor | None = None) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
@@ -153,8 +157,8 @@ class MambaLM(nn.Module):
             check_token_ids(input_ids, self.config)
         if attention_mask is not None:
             if cache is not None and cache.seqlen_offset > 0:
-                raise ValueError("attention_mask applies to the first call on a cache (the prefill) only; the "
-                                 "steps after it continue real tokens: pass attention_mask=None")
+                raise ValueError("attention_mask applies to the first call on a cache (the prefill) only; "
+                                 "the steps after it continue real tokens: pass attention_mask=None")
             check_attention_mask(attention_mask, input_ids, values=check_values)
         hidden = self.backbone(input_ids, cache, attention_mask)
         if cache is not None:
@@ -165,12 +169,14 @@ class MambaLM(nn.Module):
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                                 f"{tuple(input_ids.shape)}")
             if logits_to_keep:
                 raise ValueError("labels need logits for every position; use logits_to_keep=0")
             if shift_labels:   # position t predicts token t+1; the last position has no target
                 labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
     # save_pretrained(directory, format="hf" | "mamba_ssm", tokenizer_from=None, state_dict=None,

@@ -107,7 +107,8 @@ class Mamba1(nn.Module):
 
     def allocate_state(self, batch_size, dtype, device) -> LayerState:
         return LayerState(conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
-                          ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32, device=device))
+                          ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32,
+                                          device=device))
 
     def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,11 +121,15 @@ class Mamba1(nn.Module):
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels, seqlen)
         # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
         x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
-        x = zero_padding(x, mask)                                            # the conv sees zeros left of a row
-        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)   # (batch, seqlen, d_inner)
-        x = zero_padding(x, mask)                                            # Δ B x = 0: h stays at its zero start
+        # the conv sees zeros left of a row
+        x = zero_padding(x, mask)
+        # (batch, seqlen, d_inner)
+        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)
+        # Δ B x = 0: h stays at its zero start
+        x = zero_padding(x, mask)
         dt, B, C = self._select(x)
-        dt = F.linear(dt, self.dt_proj.weight)                               # Δ before its bias: (b, l, d_inner)
+        # Δ before its bias: (b, l, d_inner)
+        dt = F.linear(dt, self.dt_proj.weight)
         out = ops.selective_scan(
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(),
             z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,

@@ -60,7 +60,8 @@ class Mamba2(nn.Module):
     def allocate_state(self, batch_size, dtype, device) -> LayerState:
         return LayerState(
             conv=torch.zeros(batch_size, self.conv_dim, self.d_conv, dtype=dtype, device=device),
-            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32, device=device),
+            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32,
+                            device=device),
         )
 
     def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
@@ -71,9 +72,12 @@ class Mamba2(nn.Module):
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (nheads,)
         z, xBC, dt = torch.split(self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        xBC = zero_padding(xBC, mask)                                        # the conv sees zeros left of a row
-        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state), "b d l -> b l d")
-        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        # the conv sees zeros left of a row
+        xBC = zero_padding(xBC, mask)
+        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state),
+                        "b d l -> b l d")
+        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
+                              dim=-1)
         dt_args = dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         if mask is not None:
             # Δ = 0 at padding: such a step neither feeds nor decays the state, an exact identity (the
@@ -84,7 +88,8 @@ class Mamba2(nn.Module):
             dt_args = dict(dt_bias=None, dt_softplus=False)
         out = ops.ssd_scan(
             rearrange(x, "b l (h p) -> b l h p", p=self.headdim), dt, A,
-            rearrange(B, "b l (g n) -> b l g n", g=self.ngroups), rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
+            rearrange(B, "b l (g n) -> b l g n", g=self.ngroups),
+            rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
             self.chunk_size, D=self.D, initial_states=None if state is None else state.ssm,
             return_final_states=state is not None, **dt_args,
         )
@@ -96,10 +101,12 @@ class Mamba2(nn.Module):
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        z, xBC, dt = torch.split(self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        z, xBC, dt = torch.split(self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads],
+                                 dim=-1)
         xBC = ops.causal_conv1d_update(xBC, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
                                        self.conv1d.bias, activation="silu")
-        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
+                              dim=-1)
         P, N = self.headdim, self.d_state
         A = (-torch.exp(self.A_log.float()))[:, None, None].expand(self.nheads, P, N)
         D = self.D if self.D.dim() == 2 else self.D[:, None].expand(self.nheads, P)
@@ -108,8 +115,8 @@ class Mamba2(nn.Module):
             dt, dt_bias, softplus = ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit), None, False
         y = ops.selective_state_update(
             state.ssm, rearrange(x, "b (h p) -> b h p", p=P), dt[:, :, None].expand(-1, -1, P), A,
-            rearrange(B, "b (g n) -> b g n", g=self.ngroups), rearrange(C, "b (g n) -> b g n", g=self.ngroups),
-            D=D, dt_bias=dt_bias, dt_softplus=softplus,
+            rearrange(B, "b (g n) -> b g n", g=self.ngroups),
+            rearrange(C, "b (g n) -> b g n", g=self.ngroups), D=D, dt_bias=dt_bias, dt_softplus=softplus,
         )
         y = self.norm(rearrange(y, "b h p -> b (h p)"), z)
         return self.out_proj(y)[:, None]

@@ -89,7 +89,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, backend=None):
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):
     """One generation step. x: (batch, dim); conv_state: (batch, dim, width), updated in place to
     hold the last ``width`` inputs. Returns (batch, dim): the conv output for the new input."""
-    if conv_state.dim() != 3 or x.shape != conv_state.shape[:2] or weight.shape != (x.shape[1], conv_state.shape[2]):
+    if (conv_state.dim() != 3 or x.shape != conv_state.shape[:2]
+            or weight.shape != (x.shape[1], conv_state.shape[2])):
         raise ValueError(
             f"expected x (batch, dim), conv_state (batch, dim, width), weight (dim, width); got "
             f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"
@@ -98,7 +99,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, back
     if name == "cuda":
         fn = _backend.kernel_module("causal_conv1d_update").causal_conv1d_update
         return fn(x, conv_state, weight, bias, activation=activation)
-    window = torch.cat([conv_state[:, :, 1:].to(x.dtype), x[:, :, None]], dim=-1)  # drop oldest, append newest
+    # drop oldest, append newest
+    window = torch.cat([conv_state[:, :, 1:].to(x.dtype), x[:, :, None]], dim=-1)
     conv_state.copy_(window)
     y = (window.float() * weight.float()).sum(-1)
     if bias is not None:

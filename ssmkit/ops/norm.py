@@ -27,7 +27,8 @@ def _rms_reference(x, eps):
 def rms_norm(x, weight, eps=1e-5, backend=None):
     """x: (..., d), weight: (d,) -> (..., d)."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight must be (d={x.shape[-1]},) for x {tuple(x.shape)}; got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be (d={x.shape[-1]},) for x {tuple(x.shape)}; "
+                         f"got {tuple(weight.shape)}")
     name = _backend.select("rms_norm", x, backend=backend)
     if name == "cuda":
         fn = _backend.kernel_module("rms_norm").rms_norm_fn
@@ -46,7 +47,8 @@ def rms_norm_gated(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gat
     if weight.shape != (d,) or d % group_size != 0 or (z is not None and z.shape != x.shape):
         raise ValueError(
             f"expected x and z (..., d), weight (d,), group_size dividing d; got x {tuple(x.shape)}, "
-            f"z {None if z is None else tuple(z.shape)}, weight {tuple(weight.shape)}, group_size {group_size}"
+            f"z {None if z is None else tuple(z.shape)}, weight {tuple(weight.shape)}, "
+            f"group_size {group_size}"
         )
     name = _backend.select("rms_norm_gated", x, backend=backend)
     if name == "cuda":

@@ -45,21 +45,24 @@ from . import backend as _backend
 
 def _check(u, delta, A, B, C, initial_state):
     if u.dim() != 3 or delta.shape != u.shape:
-        raise ValueError(f"u and delta must both be (batch, dim, seqlen); got u {tuple(u.shape)}, delta {tuple(delta.shape)}")
+        raise ValueError(f"u and delta must both be (batch, dim, seqlen); got u {tuple(u.shape)}, "
+                         f"delta {tuple(delta.shape)}")
     batch, dim, seqlen = u.shape
     if A.dim() != 2 or A.shape[0] != dim:
         raise ValueError(f"A must be (dim={dim}, dstate); got {tuple(A.shape)}")
     dstate = A.shape[1]
     for name, M in (("B", B), ("C", C)):
         ok3 = M.dim() == 3 and tuple(M.shape) == (batch, dstate, seqlen)
-        ok4 = M.dim() == 4 and M.shape[0] == batch and M.shape[2:] == (dstate, seqlen) and dim % M.shape[1] == 0
+        ok4 = (M.dim() == 4 and M.shape[0] == batch and M.shape[2:] == (dstate, seqlen)
+               and dim % M.shape[1] == 0)
         if not (ok3 or ok4):
             raise ValueError(
                 f"{name} must be (batch={batch}, dstate={dstate}, seqlen={seqlen}) or "
                 f"(batch, ngroups, dstate, seqlen) with ngroups dividing dim={dim}; got {tuple(M.shape)}"
             )
     if initial_state is not None and tuple(initial_state.shape) != (batch, dim, dstate):
-        raise ValueError(f"initial_state must be (batch={batch}, dim={dim}, dstate={dstate}); got {tuple(initial_state.shape)}")
+        raise ValueError(f"initial_state must be (batch={batch}, dim={dim}, dstate={dstate}); "
+                         f"got {tuple(initial_state.shape)}")
 
 
 def _grouped(M: torch.Tensor) -> torch.Tensor:
@@ -255,7 +258,8 @@ class SelectiveScanFn(torch.autograd.Function):
         A_ = A.reshape(state[1:])
         A2 = A_ * LOG2_E
         carry = u_t.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
-        ddt, dB, dC, dA_param = torch.empty_like(u_t), torch.empty_like(B_t), torch.empty_like(C_t), torch.zeros_like(A_)
+        ddt, dB, dC, dA_param = (torch.empty_like(u_t), torch.empty_like(B_t), torch.empty_like(C_t),
+                                 torch.zeros_like(A_))
         work, dH = u_t.new_empty(T, *state), u_t.new_empty(T, *state)
         if len(starts) > 1:                                                   # room to recompute a chunk
             dA, H = u_t.new_empty(T, *state), u_t.new_empty(T + 1, *state)
@@ -287,9 +291,10 @@ class SelectiveScanFn(torch.autograd.Function):
         if ctx.softplus:                                                      # Δ = softplus(δ + bias)
             ddt = torch.ops.aten.softplus_backward(ddt, dt_raw, 1.0, 20.0)
         dbias = None if delta_bias is None else ddt.sum((0, 1))
-        t_last = lambda M: None if M is None else M.permute(*range(1, M.dim()), 0)  # noqa: E731  back to (b, ..., L)
-        return (t_last(du), t_last(ddt), dA_param.reshape(dim, dstate), t_last(dB), t_last(dC), dD, t_last(dz),
-                dbias, carry.reshape(batch, dim, dstate), None)
+        # back to (b, ..., L)
+        t_last = lambda M: None if M is None else M.permute(*range(1, M.dim()), 0)  # noqa: E731
+        return (t_last(du), t_last(ddt), dA_param.reshape(dim, dstate), t_last(dB), t_last(dC), dD,
+                t_last(dz), dbias, carry.reshape(batch, dim, dstate), None)
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -299,9 +304,10 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     _check(u, delta, A, B, C, initial_state)
     batch, dim, _ = u.shape
     f = lambda t: None if t is None else t.float()  # noqa: E731
-    h0 = u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32) if initial_state is None else initial_state.float()
-    y, h = SelectiveScanFn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(), _grouped(C).float(),
-                                 f(D), f(z), f(delta_bias), h0, delta_softplus)
+    h0 = (u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32) if initial_state is None
+          else initial_state.float())
+    y, h = SelectiveScanFn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(),
+                                 _grouped(C).float(), f(D), f(z), f(delta_bias), h0, delta_softplus)
     y = y.to(u.dtype)
     return (y, h) if return_final_state else y
 
@@ -315,7 +321,8 @@ def selective_scan_cuda(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
                         initial_state=None, return_final_state=False):
     """mamba_ssm's ``selective_scan_fn`` (no initial state support there)."""
     if initial_state is not None:
-        raise _backend.BackendError("the cuda selective_scan kernel has no initial_state; use backend 'torch'")
+        raise _backend.BackendError("the cuda selective_scan kernel has no initial_state; "
+                                    "use backend 'torch'")
     fn = _backend.kernel_module("selective_scan").selective_scan_fn
     out = fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
              return_last_state=return_final_state)
@@ -353,7 +360,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 # --------------------------------------------------------------------------------------------
 
 
-def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, backend=None):
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           backend=None):
     """One step of the recurrence, updating ``state`` in place (generation, O(1) per token).
 
     Mamba-1 shapes: state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate);
@@ -412,11 +420,13 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
     elif state.dim() == 4:
         batch, nheads, hdim, dstate = state.shape
         lead = f"(batch={batch}, nheads={nheads}, headdim={hdim})"
-        A_shape, vec = f"(nheads={nheads}, headdim={hdim}, dstate={dstate})", f"(nheads={nheads}, headdim={hdim})"
+        A_shape, vec = (f"(nheads={nheads}, headdim={hdim}, dstate={dstate})",
+                        f"(nheads={nheads}, headdim={hdim})")
         sizes = {lead: (batch, nheads, hdim), A_shape: (nheads, hdim, dstate), vec: (nheads, hdim)}
         layout = "Mamba-2: state (batch, nheads, headdim, dstate)"
     else:
-        raise ValueError(f"state must be (batch, dim, dstate) or (batch, nheads, headdim, dstate); got {tuple(state.shape)}")
+        raise ValueError(f"state must be (batch, dim, dstate) or (batch, nheads, headdim, dstate); "
+                         f"got {tuple(state.shape)}")
     expected = {"x": lead, "dt": lead, "z": lead, "A": A_shape, "D": vec, "dt_bias": vec}
     for name, t in (("x", x), ("dt", dt), ("A", A), ("z", z), ("D", D), ("dt_bias", dt_bias)):
         if t is not None and tuple(t.shape) != sizes[expected[name]]:
@@ -426,5 +436,5 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
         ok = (M.dim() == 2 and state.dim() == 3 and tuple(M.shape) == (batch, dstate)) or (
             M.dim() == 3 and M.shape[0] == batch and M.shape[2] == dstate and split % M.shape[1] == 0)
         if not ok:
-            raise ValueError(f"{name} must be (batch={batch}, dstate={dstate}) or (batch, ngroups, dstate) with "
-                             f"ngroups dividing {split} for {layout}; got {tuple(M.shape)}")
+            raise ValueError(f"{name} must be (batch={batch}, dstate={dstate}) or (batch, ngroups, dstate) "
+                             f"with ngroups dividing {split} for {layout}; got {tuple(M.shape)}")

@@ -16,7 +16,8 @@ $$ h_t = a_t\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad y_t = h_t C_t + D x_t $
 
 and its dual, the quadratic "masked attention" form (section 3, eq. 16 / SSD):
 
-$$ y = (L \circ C B^\top)\,(\Delta \cdot x), \qquad L_{ts} = \prod_{k=s+1}^{t} a_k \ (t \ge s),\ 0 \text{ otherwise} $$
+$$ y = (L \circ C B^\top)\,(\Delta \cdot x), \qquad
+   L_{ts} = \prod_{k=s+1}^{t} a_k \ (t \ge s),\ 0 \text{ otherwise} $$
 
 The chunked algorithm (section 6) splits the sequence into chunks of Q steps: the quadratic
 form inside each chunk, the recurrence across chunk boundaries. Three functions implement the
@@ -41,7 +42,8 @@ def _check(x, dt, A, B, C, initial_states):
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
     batch, seqlen, nheads, headdim = x.shape
     if tuple(dt.shape) != (batch, seqlen, nheads):
-        raise ValueError(f"dt must be (batch={batch}, seqlen={seqlen}, nheads={nheads}); got {tuple(dt.shape)}")
+        raise ValueError(f"dt must be (batch={batch}, seqlen={seqlen}, nheads={nheads}); "
+                         f"got {tuple(dt.shape)}")
     if tuple(A.shape) != (nheads,):
         raise ValueError(f"A must be (nheads={nheads},); got {tuple(A.shape)}")
     for name, M in (("B", B), ("C", C)):
@@ -59,7 +61,8 @@ def _check(x, dt, A, B, C, initial_states):
 
 
 def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
-    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in fp32, as the official kernels. (batch, seqlen, nheads)."""
+    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in fp32, as the official kernels.
+    (batch, seqlen, nheads)."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -97,7 +100,8 @@ def ssd_reference(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
-    h = (xf.new_zeros(batch, nheads, headdim, B.shape[3]) if initial_states is None else initial_states.float())
+    h = (xf.new_zeros(batch, nheads, headdim, B.shape[3]) if initial_states is None
+         else initial_states.float())
     ys = []
     for t in range(seqlen):
         a = torch.exp(dt[:, t] * A.float())                                    # a_t: (batch, nheads)

@@ -95,7 +95,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict):
-    """Restore :func:`rng_state`'s output; a malformed state raises CheckpointCorrupt before anything is set."""
+    """Restore :func:`rng_state`'s output; a malformed state raises CheckpointCorrupt before anything
+    is set."""
     try:
         version, keys, gauss = state["python"]
         name, mt, pos, has_gauss, cached = state["numpy"]
@@ -115,9 +116,9 @@ def set_rng_state(state: dict):
 # --- reading DCP without running code -------------------------------------------------------------
 
 _DCP_TYPES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "BytesStorageMetadata", "StorageMeta",
-                                              "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "BytesStorageMetadata",
+                                              "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
+                                              "TensorProperties", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -133,8 +134,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)))):
             return super().find_class(module, name)
-        raise CheckpointCorrupt(f"the checkpoint's DCP metadata refers to {module}.{name}, which is not one of "
-                                "torch.distributed.checkpoint's record types: refusing to load it")
+        raise CheckpointCorrupt(f"the checkpoint's DCP metadata refers to {module}.{name}, which is not "
+                                "one of torch.distributed.checkpoint's record types: refusing to load it")
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -176,7 +177,8 @@ def write_manifest(folder: Path) -> dict:
 
 
 def verify(folder: Path):
-    """Check every file listed in ``folder/manifest.json`` (present, size, sha256); CheckpointCorrupt otherwise."""
+    """Check every file listed in ``folder/manifest.json`` (present, size, sha256); CheckpointCorrupt
+    otherwise."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise CheckpointCorrupt(f"{folder} has no {MANIFEST}: it is not a complete ssmkit checkpoint")
@@ -193,10 +195,11 @@ def verify(folder: Path):
         if not path.is_file():
             raise CheckpointCorrupt(f"checkpoint {folder} is incomplete: {name} is missing")
         if path.stat().st_size != size:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: {name} has {path.stat().st_size} bytes, the "
-                                    f"manifest says {size} (truncated?)")
+            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: {name} has {path.stat().st_size} "
+                                    f"bytes, the manifest says {size} (truncated?)")
         if sha256_file(path) != digest:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: the sha256 of {name} differs from its manifest")
+            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: the sha256 of {name} differs from "
+                                    "its manifest")
 
 
 def is_complete(folder: Path) -> bool:
@@ -208,7 +211,8 @@ def is_complete(folder: Path) -> bool:
 
 # --- save, recover, find, load --------------------------------------------------------------------
 
-def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist, keep_last: int = 3) -> Path:
+def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist,
+         keep_last: int = 3) -> Path:
     """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence above."""
     root = Path(root)
     name = f"step_{step:08d}"
@@ -246,14 +250,16 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         write_atomically(root / LATEST, name + "\n")
         _commit_point("latest written")
         shutil.rmtree(old, ignore_errors=True)
-        for stale in sorted(p for p in root.glob("step_*") if p.is_dir() and STEP.fullmatch(p.name))[:-keep_last]:
+        for stale in sorted(p for p in root.glob("step_*")
+                            if p.is_dir() and STEP.fullmatch(p.name))[:-keep_last]:
             shutil.rmtree(stale)
     d.barrier()
     return final
 
 
 def recover(root: Path) -> list[str]:
-    """Finish or undo a commit sequence a crash interrupted (rank 0, before a run writes); returns what it did.
+    """Finish or undo a commit sequence a crash interrupted (rank 0, before a run writes);
+    returns what it did.
 
     ``.tmp-step_N`` (never committed) is removed; ``.old-step_N`` is renamed back when ``step_N`` is missing
     (the crash came between steps 2 and 3), else removed; temporary files of ``latest`` are removed.
@@ -287,11 +293,12 @@ def latest(root: Path) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
     if pointer.exists():
-        name = plain_name(pointer.read_text().strip(), str(pointer), STEP.pattern)   # never a path outside root
+        # never a path outside root
+        name = plain_name(pointer.read_text().strip(), str(pointer), STEP.pattern)
         if is_complete(root / name):
             return root / name
-        warnings.warn(f"{pointer} names {name}, which is not a complete checkpoint; using the newest complete one",
-                      stacklevel=2)
+        warnings.warn(f"{pointer} names {name}, which is not a complete checkpoint; "
+                      "using the newest complete one", stacklevel=2)
     candidates = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
     if candidates and not pointer.exists():
         warnings.warn(f"{root} has no {LATEST} pointer; resuming from the newest complete checkpoint "
@@ -320,7 +327,8 @@ def check_model(path: Path, model: nn.Module, saved_config: dict | None = None, 
         changed = [f"{k}={(saved_config or {}).get(k)!r} -> {(config or {}).get(k)!r}" for k in keys
                    if (saved_config or {}).get(k) != (config or {}).get(k)]
         raise ValueError(f"cannot resume {path}: its model differs from this run's ({'; '.join(diff[:3])}"
-                         f"{' ...' if len(diff) > 3 else ''}){' after ' + ', '.join(changed) if changed else ''}. "
+                         f"{' ...' if len(diff) > 3 else ''})"
+                         f"{' after ' + ', '.join(changed) if changed else ''}. "
                          "Resume with the model config the checkpoint was made with, or start a new out_dir")
 
 
@@ -348,8 +356,9 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
     state = {"model": msd, "optim": osd}
     _quiet(dcp.load, state, storage_reader=_SafeReader(str(path / "state")), planner=_SafePlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for group, h in zip(optimizer.param_groups, hyper):    # torch 2.13 drops a group's lr/betas/eps/weight_decay
-        group.update({k: v for k, v in h.items() if k not in group})   # when an FSDP save loads unsharded
+    # torch 2.13 drops a group's lr/betas/eps/weight_decay when an FSDP save loads unsharded
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update({k: v for k, v in h.items() if k not in group})
     rng = path / "rng" / f"rank_{d.rank:05d}.json"
     if rng.exists():                       # a rank new to this run (world size grew) keeps its seeded RNG
         set_rng_state(read_json(rng, "RNG state"))

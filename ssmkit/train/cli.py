@@ -28,7 +28,8 @@ def _launch(nproc: int, rest: list[str]) -> int:
 
     errors = Path(tempfile.mkdtemp(prefix="ssmkit-ranks-"))
     os.environ[RANK_ERRORS] = str(errors)
-    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train", *rest])
+    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train",
+                                         *rest])
     print(f"launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train "
           f"{' '.join(rest)}", flush=True)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # we report failures below
@@ -42,7 +43,8 @@ def _launch(nproc: int, rest: list[str]) -> int:
             why = own.read_text().strip() if own.exists() else (
                 f"exit status {failure.exitcode}" if failure.exitcode >= 0 else failure.message)
             lines.append(f"  rank {rank}: {why}")
-        print(f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines), file=sys.stderr)
+        print(f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines),
+              file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(errors, ignore_errors=True)

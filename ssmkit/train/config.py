@@ -34,11 +34,15 @@ class TrainConfig:
     model: str = "tiny"                   # a preset name (ssmkit.presets()); vocab_size follows the tokenizer
     model_overrides: dict = field(default_factory=dict)  # ModelConfig fields, e.g. {d_model: 128, n_layer: 4}
     # --- data ---
-    data: str = "stdlib-docs"             # a prepared shard directory (has index.json), or a source to prepare
-    tokenizer: str = "gpt2"               # used when `data` is a source: gpt2, byte, bpe-<N>, a hub id or a directory
-    data_tokens: int | None = None        # token budget when preparing a source (e.g. 1e9 for "a 1B-token subset")
+    # a prepared shard directory (has index.json), or a source to prepare
+    data: str = "stdlib-docs"
+    # used when `data` is a source: gpt2, byte, bpe-<N>, a hub id or a directory
+    tokenizer: str = "gpt2"
+    # token budget when preparing a source (e.g. 1e9 for "a 1B-token subset")
+    data_tokens: int | None = None
     data_workers: int = 1                 # tokenizer processes when preparing a source
-    val_data: str | None = None           # shard directory for evaluation; default: the source's validation split
+    # shard directory for evaluation; default: the source's validation split
+    val_data: str | None = None
     seq_len: int = 256                    # tokens per training window
     batch_tokens: int = 2048              # global batch in tokens (the plan: 0.5M = 2**19 for 130M)
     micro_batch: int = 8                  # windows per forward/backward on one device
@@ -63,7 +67,8 @@ class TrainConfig:
     # --- bookkeeping ---
     seed: int = 0
     out_dir: str = "runs/train"           # metrics.jsonl, config.yaml, checkpoints/
-    overwrite: bool = False               # a new run in an out_dir holding one: False = error, True = replace it
+    # a new run in an out_dir holding one: False = error, True = replace it
+    overwrite: bool = False
     log_every: int = 10                   # steps between metrics lines
     eval_every: int = 100                 # steps between evaluations (0: only at the end)
     eval_batches: int = 8                 # micro-batches per evaluation, all ranks together
@@ -80,7 +85,8 @@ class TrainConfig:
 
     # --- validation -----------------------------------------------------------------------------
     def validate(self):
-        """Check every field (one clear error naming the first bad one) and normalise numbers (5e8 -> 500000000)."""
+        """Check every field (one clear error naming the first bad one) and normalise numbers
+        (5e8 -> 500000000)."""
         for name in ("model", "data", "tokenizer", "out_dir", "wandb_project"):
             checks.text(getattr(self, name), name)
         if self.val_data is not None:
@@ -92,7 +98,8 @@ class TrainConfig:
         budgets = ("batch_tokens", "max_tokens", "data_tokens")         # token counts: YAML may write 5e8
         for name in ("seq_len", "batch_tokens", "micro_batch", "log_every", "eval_batches", "keep_last",
                      "max_bad_steps", "data_workers"):
-            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1, whole_floats=name in budgets))
+            setattr(self, name, checks.integer(getattr(self, name), name, minimum=1,
+                                               whole_floats=name in budgets))
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
             setattr(self, name, checks.integer(getattr(self, name), name, minimum=0))
         for name in ("max_steps", "max_tokens", "data_tokens"):
@@ -110,7 +117,8 @@ class TrainConfig:
             setattr(self, name, checks.number(getattr(self, name), name, low=0))
         self.decay_frac = checks.number(self.decay_frac, "decay_frac", low=0, high=1, low_open=True)
         if not isinstance(self.model_overrides, dict):
-            raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; got {self.model_overrides!r}")
+            raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; "
+                             f"got {self.model_overrides!r}")
         checks.device_name(self.device)
         self.grad_accum(1)                                          # the batch must divide for one process
 
@@ -120,7 +128,8 @@ class TrainConfig:
         if self.batch_tokens % per_pass == 0:
             return self.batch_tokens // per_pass
         lower = max(1, self.batch_tokens // per_pass) * per_pass
-        micro = [m for m in range(1, self.micro_batch + 1) if self.batch_tokens % (m * world_size * self.seq_len) == 0]
+        micro = [m for m in range(1, self.micro_batch + 1)
+                 if self.batch_tokens % (m * world_size * self.seq_len) == 0]
         hint = f"micro_batch={micro[-1]}" if micro else "another seq_len"
         raise ValueError(
             f"batch_tokens={self.batch_tokens} is not a multiple of micro_batch x world_size x seq_len = "
@@ -128,8 +137,8 @@ class TrainConfig:
             f"{lower} or {lower + per_pass}, or keep it with {hint}")
 
     def model_config(self, vocab_size: int | None = None):
-        """The :class:`~ssmkit.ModelConfig` this run trains: the ``model`` preset with ``model_overrides``, its
-        vocabulary the tokenizer's (``vocab_size``: given, e.g. the prepared shards'; else
+        """The :class:`~ssmkit.ModelConfig` this run trains: the ``model`` preset with ``model_overrides``,
+        its vocabulary the tokenizer's (``vocab_size``: given, e.g. the prepared shards'; else
         :func:`ssmkit.data.vocab_size` of ``tokenizer``). An override of vocab_size wins."""
         from ..data import vocab_size as tokenizer_vocab
         from ..models import ModelConfig
@@ -161,7 +170,8 @@ class TrainConfig:
                 raise ValueError(f"unknown key {key!r} in overrides; valid keys: {', '.join(valid)}")
             if sub:
                 if top != "model_overrides":
-                    raise ValueError(f"{key!r}: only model_overrides takes sub-keys (model_overrides.d_model=...)")
+                    raise ValueError(f"{key!r}: only model_overrides takes sub-keys "
+                                     "(model_overrides.d_model=...)")
                 d[top] = {**d.get(top, {}), sub: value}
             else:
                 d[top] = value

@@ -91,13 +91,14 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        return DistributedDataParallel(model,
+                                       device_ids=[d.device.index] if d.device.type == "cuda" else None)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-        blocks = getattr(getattr(model, "backbone", None), "layers", None) or getattr(getattr(model, "model", None),
-                                                                                   "layers", None)
+        blocks = (getattr(getattr(model, "backbone", None), "layers", None)
+                  or getattr(getattr(model, "model", None), "layers", None))
         if blocks is None:
             raise ValueError(f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
                              f"{type(model).__name__} has neither")

@@ -68,7 +68,8 @@ class RunDir:
 
     # --- starting a run -----------------------------------------------------------------------------
     def claim(self, resume: bool, overwrite: bool):
-        """Make ``out_dir`` this run's: recover what a crash left, then resume, replace or refuse an old run."""
+        """Make ``out_dir`` this run's: recover what a crash left, then resume, replace or refuse an old
+        run."""
         error = None
         if self.d.is_main:
             try:
@@ -79,13 +80,15 @@ class RunDir:
 
     def _claim(self, resume: bool, overwrite: bool):
         for p in self.path.glob(".*.tmp-*"):                     # write_atomically's leftovers after a kill
-            if p.is_file() and p.name.split(".tmp-")[0].lstrip(".") in ("metrics.jsonl", "config.yaml", OWNER[1:]):
+            if (p.is_file()
+                    and p.name.split(".tmp-")[0].lstrip(".") in ("metrics.jsonl", "config.yaml", OWNER[1:])):
                 p.unlink()
         if (self.path / PREVIOUS).is_dir():
             if checkpoint.latest(self.ckpt_dir) is None:
                 self.restore_previous("the run that replaced it stopped before its first checkpoint")
             else:
-                shutil.rmtree(self.path / PREVIOUS)                  # the new run had committed: the old one goes
+                # the new run had committed: the old one goes
+                shutil.rmtree(self.path / PREVIOUS)
         checkpoint.recover(self.ckpt_dir)
         old = len([p for p in self.ckpt_dir.glob("step_*") if p.is_dir()])
         metrics = self.path / "metrics.jsonl"
@@ -93,9 +96,11 @@ class RunDir:
         if replace and not overwrite:
             raise ValueError(f"{self.path} already holds a run ({old} checkpoints, "
                              f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
-                             f"Trainer(..., resume=True)), replace it (--set overwrite=true) or pick another out_dir")
+                             f"Trainer(..., resume=True)), replace it (--set overwrite=true) "
+                             "or pick another out_dir")
         self.path.mkdir(parents=True, exist_ok=True)
-        if replace:                                                    # aside, not deleted: see restore_previous
+        # aside, not deleted: see restore_previous
+        if replace:
             aside = self.path / PREVIOUS
             aside.mkdir()
             for name in RUN_FILES:
@@ -107,7 +112,8 @@ class RunDir:
 
     # --- while it runs --------------------------------------------------------------------------------
     def check_owner(self):
-        """Refuse to go on when another Trainer claimed ``out_dir`` after this one (or this one's run was undone)."""
+        """Refuse to go on when another Trainer claimed ``out_dir`` after this one (or this one's run was
+        undone)."""
         error = None
         if self.d.is_main:
             try:
@@ -115,9 +121,9 @@ class RunDir:
             except (OSError, ValueError):
                 owner = None
             if owner != self.run_id:
-                error = ValueError(f"{self.path} no longer belongs to this Trainer: another run claimed it, or this "
-                                   "run failed before its first checkpoint and the previous run was restored. "
-                                   "Create a new Trainer")
+                error = ValueError(f"{self.path} no longer belongs to this Trainer: another run claimed it, "
+                                   "or this run failed before its first checkpoint and the previous run was "
+                                   "restored. Create a new Trainer")
         self._agree(error, f"{self.path} changed hands")
 
     def committed(self):

@@ -56,8 +56,9 @@ __all__ = [
     "check_params", "format_duration", "markdown_table", "pick_device", "preset_info", "preset_names",
     "sample_text", "summarize_run", "system_info", "train_config", "write_metrics",
     # notebooks and params files
-    "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file", "parse_value",
-    "strip_notebook",
+    "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file",
+    "parse_value", "strip_notebook",
     # the runner and its command line
-    "DEFAULT_CELL_TIMEOUT", "RECORD", "Interrupted", "default_cell_timeout", "main", "run_workbook", "write_summary",
+    "DEFAULT_CELL_TIMEOUT", "RECORD", "Interrupted", "default_cell_timeout", "main", "run_workbook",
+    "write_summary",
 ]

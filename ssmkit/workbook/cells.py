@@ -38,7 +38,8 @@ def _unknown_preset(preset) -> WorkbookError:
 
 
 def pick_device(device: str = "auto") -> str:
-    """:func:`ssmkit.env.pick_device` (``"auto"`` -> cuda, else mps, else cpu), raising :class:`WorkbookError`."""
+    """:func:`ssmkit.env.pick_device` (``"auto"`` -> cuda, else mps, else cpu), raising
+    :class:`WorkbookError`."""
     from ..env import pick_device as _pick
 
     try:
@@ -48,7 +49,8 @@ def pick_device(device: str = "auto") -> str:
 
 
 def preset_names() -> list[str]:
-    """Valid ``preset`` values: run configs in ``configs/*.yaml`` (cpu-tiny, mamba-130m, ...) and model presets."""
+    """Valid ``preset`` values: run configs in ``configs/*.yaml`` (cpu-tiny, mamba-130m, ...)
+    and model presets."""
     from ..models import presets
 
     configs = sorted(p.stem for p in _config_dir().glob("*.yaml"))
@@ -107,7 +109,8 @@ def preset_info(preset: str, max_tokens: int | None = None) -> dict:
 
 def _integer(value, name: str, minimum: int) -> int:
     try:
-        return checks.integer(value, name, minimum=minimum, whole_floats=True)   # 2e5 from YAML or -p; never True
+        # 2e5 from YAML or -p; never True
+        return checks.integer(value, name, minimum=minimum, whole_floats=True)
     except ValueError:
         raise WorkbookError(f"{name} must be an integer >= {minimum}; got {value!r}") from None
 
@@ -145,7 +148,8 @@ def check_params(**params) -> dict:
 
 
 def _module_status(name: str) -> str:
-    """"version" if it imports, "not installed", or "broken (<error>)" (CUDA extensions raise more than ImportError)."""
+    """"version" if it imports, "not installed", or "broken (<error>)" (CUDA extensions
+    raise more than ImportError)."""
     import importlib.util
 
     if importlib.util.find_spec(name) is None:
@@ -158,7 +162,8 @@ def _module_status(name: str) -> str:
 
 
 def system_info(path: str | Path = ".") -> dict:
-    """Facts a run depends on: Python, torch, CUDA / GPU (name, memory, bf16), kernels, CPUs, free disk at ``path``."""
+    """Facts a run depends on: Python, torch, CUDA / GPU (name, memory, bf16), kernels, CPUs,
+    free disk at ``path``."""
     import platform
 
     import torch
@@ -182,7 +187,8 @@ def system_info(path: str | Path = ".") -> dict:
 
 
 def format_duration(seconds: float) -> str:
-    """``42`` -> "42 s", ``300`` -> "5 min", ``25200`` -> "7 h", ``3e5`` -> "3.5 days" (for ETAs and estimates)."""
+    """``42`` -> "42 s", ``300`` -> "5 min", ``25200`` -> "7 h", ``3e5`` -> "3.5 days"
+    (for ETAs and estimates)."""
     for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size if unit == "days" else seconds >= size:
             return f"{seconds / size:.2g} {unit}"
@@ -198,7 +204,8 @@ def write_metrics(out_dir: str | Path, metrics: dict) -> Path:
 
 def sample_text(model, tokenizer, prompts: list[str], max_new_tokens: int = 40, temperature: float = 0.8,
                 top_k: int = 40, seed: int = 0) -> list[str]:
-    """Continue each prompt with :func:`ssmkit.generate` (seeded sampling) and decode prompt + continuation."""
+    """Continue each prompt with :func:`ssmkit.generate` (seeded sampling) and decode
+    prompt + continuation."""
     import torch
 
     from ..models import generate
@@ -208,7 +215,8 @@ def sample_text(model, tokenizer, prompts: list[str], max_new_tokens: int = 40, 
     model.eval()
     for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt)], device=device)
-        new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+        new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       generator=gen)
         out.append(tokenizer.decode(new[0].tolist()))
     model.train()
     return out

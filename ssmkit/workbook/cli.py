@@ -25,14 +25,18 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssmkit workbook", description="run the notebooks headless with papermill")
+    parser = argparse.ArgumentParser(prog="ssmkit workbook",
+                                     description="run the notebooks headless with papermill")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
     run.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)")
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
-                     help="a parameter for the notebooks that declare it (repeatable); an undeclared key is an error")
-    run.add_argument("-f", "--params-file", help="YAML file of parameters; each notebook gets the keys it declares")
-    run.add_argument("--out", help="run directory (default: runs/<timestamp>); one that holds a run is refused")
+                     help="a parameter for the notebooks that declare it (repeatable); "
+                          "an undeclared key is an error")
+    run.add_argument("-f", "--params-file",
+                     help="YAML file of parameters; each notebook gets the keys it declares")
+    run.add_argument("--out",
+                     help="run directory (default: runs/<timestamp>); one that holds a run is refused")
     run.add_argument("--overwrite", action="store_true",
                      help="replace the results of an earlier run in --out (never a file that no run wrote)")
     run.add_argument("--kernel", help="a Jupyter kernel spec name (default: ipykernel on this Python)")
@@ -54,8 +58,9 @@ def _strip(notebooks: list[str]) -> None:
 
 
 def main(argv=None) -> None:
-    """``ssmkit workbook run|strip ...``; exits 1 if a notebook failed (or a file could not be written), 2 on bad
-    arguments or inputs (a refused run touches nothing), 128 + signal number when interrupted (130, 143)."""
+    """``ssmkit workbook run|strip ...``; exits 1 if a notebook failed (or a file could not be written), 2 on
+    bad arguments or inputs (a refused run touches nothing), 128 + signal number when interrupted
+    (130, 143)."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -73,9 +78,9 @@ def main(argv=None) -> None:
             import logging
 
             logging.basicConfig(level=logging.INFO, format="%(message)s")
-        summary = run_workbook(args.notebooks or None, params, args.out, shared=shared, kernel_name=args.kernel,
-                               cell_timeout=args.cell_timeout, overwrite=args.overwrite, progress=args.progress,
-                               log_output=args.log_output)
+        summary = run_workbook(args.notebooks or None, params, args.out, shared=shared,
+                               kernel_name=args.kernel, cell_timeout=args.cell_timeout,
+                               overwrite=args.overwrite, progress=args.progress, log_output=args.log_output)
     except WorkbookError as exc:
         parser.exit(2, f"ssmkit workbook: {exc}\n")
     except Interrupted as exc:
@@ -85,4 +90,5 @@ def main(argv=None) -> None:
         parser.exit(1, f"ssmkit workbook: {describe_os_error(exc)}\n")
     print(f"summary: {Path(summary['run']) / 'summary.md'}")
     if summary["failed"]:
-        parser.exit(1, f"ssmkit workbook: {summary['failed']} of {len(summary['notebooks'])} notebook(s) failed\n")
+        parser.exit(1, f"ssmkit workbook: {summary['failed']} of {len(summary['notebooks'])} "
+                       "notebook(s) failed\n")

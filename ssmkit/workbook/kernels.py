@@ -19,15 +19,17 @@ def check_kernel(name: str) -> None:
 
     specs = KernelSpecManager().find_kernel_specs()
     if name not in specs:
-        raise WorkbookError(f"no Jupyter kernel named {name!r}; installed: {', '.join(sorted(specs)) or 'none'} "
+        raise WorkbookError(f"no Jupyter kernel named {name!r}; "
+                            f"installed: {', '.join(sorted(specs)) or 'none'} "
                             "(without --kernel: ipykernel on this Python)")
 
 
 def kernel_manager_class(kernel_name: str | None, started: list):
     """The kernel manager of a run; each one is appended to ``started`` (see :func:`end_kernels`). Without
-    ``kernel_name`` its kernel is ipykernel on *this* interpreter (whatever ``python3`` spec a user has). Its shutdown
-    interrupts a busy kernel and lets the interrupted cell answer before asking the kernel to exit (after a timeout,
-    Ctrl-C, SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket."""
+    ``kernel_name`` its kernel is ipykernel on *this* interpreter (whatever ``python3`` spec a user has). Its
+    shutdown interrupts a busy kernel and lets the interrupted cell answer before asking the kernel to exit
+    (after a timeout, Ctrl-C, SIGTERM) instead of racing it, which made the kernel print ZMQ errors
+    about a closed socket."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -36,14 +38,16 @@ def kernel_manager_class(kernel_name: str | None, started: list):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             started.append(self)
-            if not kernel_name and "transport_encryption" in self.trait_names():   # jupyter_client >= 8.7: CurveZMQ
+            # jupyter_client >= 8.7: CurveZMQ
+            if not kernel_name and "transport_encryption" in self.trait_names():
                 import zmq
 
                 self.transport_encryption = "auto" if zmq.has("curve") else "disabled"
 
         @property
         def kernel_spec(self):
-            return super().kernel_spec if kernel_name else KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
+            return (super().kernel_spec if kernel_name
+                    else KernelSpec(resource_dir=RESOURCES, **get_kernel_dict()))
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
             if self.has_kernel and not now:
@@ -55,7 +59,8 @@ def kernel_manager_class(kernel_name: str | None, started: list):
 
 
 def end_kernels(started: list) -> None:
-    """Kill the kernels of ``started`` still alive (a signal cut nbclient's own shutdown short); empties the list."""
+    """Kill the kernels of ``started`` still alive (a signal cut nbclient's own shutdown short);
+    empties the list."""
     from jupyter_core.utils import run_sync
 
     while started:

@@ -31,7 +31,8 @@ class WorkbookError(ValueError):
 
 
 def find_notebooks(root: str | Path | None = None) -> list[Path]:
-    """``notebooks/NN_*.ipynb`` under ``root`` (default: ./notebooks if it exists, else the checkout's), sorted."""
+    """``notebooks/NN_*.ipynb`` under ``root`` (default: ./notebooks if it exists, else the checkout's),
+    sorted."""
     if root is None:
         root = Path("notebooks") if Path("notebooks").is_dir() else PROJECT_ROOT / "notebooks"
     found = sorted(p for p in Path(root).glob("[0-9][0-9]_*.ipynb"))
@@ -81,7 +82,8 @@ def declared_parameters(path: str | Path) -> dict:
 
 
 def strip_notebook(path: str | Path) -> bool:
-    """Clear outputs, execution counts and run metadata (papermill, execution timings) in place; True if changed."""
+    """Clear outputs, execution counts and run metadata (papermill, execution timings) in place;
+    True if changed."""
     path = Path(path)
     nb = read_notebook(path)
     before = json.dumps(nb, sort_keys=True)
@@ -99,14 +101,16 @@ def strip_notebook(path: str | Path) -> bool:
 
 
 def load_params_file(path: str | Path) -> dict:
-    """A YAML (or JSON) mapping of parameter names to plain values, read by :func:`ssmkit.checks.load_yaml`."""
+    """A YAML (or JSON) mapping of parameter names to plain values, read by
+    :func:`ssmkit.checks.load_yaml`."""
     import yaml
 
     path = Path(path)
     if not path.exists():
         raise WorkbookError(f"params file {path} does not exist")
     if not path.is_file():
-        raise WorkbookError(f"params file {path} is not a file; expected a YAML file of parameter names and values")
+        raise WorkbookError(f"params file {path} is not a file; "
+                            "expected a YAML file of parameter names and values")
     try:
         data = load_yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -116,5 +120,6 @@ def load_params_file(path: str | Path) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict) or not all(isinstance(k, str) and k.isidentifier() for k in data):
-        raise WorkbookError(f"params file {path} must be a mapping of parameter names to values; got {data!r:.200}")
+        raise WorkbookError(f"params file {path} must be a mapping of parameter names to values; "
+                            f"got {data!r:.200}")
     return data

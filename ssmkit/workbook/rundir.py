@@ -20,7 +20,8 @@ from pathlib import Path
 from ..io import read_json, write_atomically, write_json
 from .notebooks import WorkbookError
 
-RECORD = ".ssmkit-workbook.json"  # in a run directory: the names runs wrote there (what --overwrite may replace)
+# in a run directory: the names runs wrote there (what --overwrite may replace)
+RECORD = ".ssmkit-workbook.json"
 
 __all__ = ["RECORD", "claim", "previous_outputs", "write_summary"]
 
@@ -40,8 +41,8 @@ def recorded(out: Path) -> set[str]:
 
 
 def previous_outputs(out: Path, names: list[str], overwrite: bool) -> list[str]:
-    """The ``names`` a run would write that ``out`` already holds; raises :class:`WorkbookError` (touching nothing)
-    if one of them was not written by a run, or if there are any and not ``overwrite``."""
+    """The ``names`` a run would write that ``out`` already holds; raises :class:`WorkbookError` (touching
+    nothing) if one of them was not written by a run, or if there are any and not ``overwrite``."""
     if out.exists() and not out.is_dir():
         raise WorkbookError(f"--out {out} is a file; expected a directory for the run")
     if not out.exists():
@@ -50,18 +51,19 @@ def previous_outputs(out: Path, names: list[str], overwrite: bool) -> list[str]:
     present = [n for n in names if os.path.lexists(out / n)]
     for n in present:
         if n not in ours or (out / n).is_symlink():
-            raise WorkbookError(f"{out / n} exists and was not written by `ssmkit workbook run` (not in {RECORD}): "
-                                "refusing to replace it; move it or choose another --out")
+            raise WorkbookError(f"{out / n} exists and was not written by `ssmkit workbook run` "
+                                f"(not in {RECORD}): refusing to replace it; move it or choose another --out")
     if present and not overwrite:
         shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
-        raise WorkbookError(f"--out {out} already holds a run ({shown}): pass --overwrite to replace its results, "
-                            "or choose another directory")
+        raise WorkbookError(f"--out {out} already holds a run ({shown}): "
+                            "pass --overwrite to replace its results, or choose another directory")
     return present
 
 
 def claim(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> None:
-    """Check ``out`` again (now under the run's lock), record the names this run writes, and remove the previous
-    run's summaries and executed copies among them (its out dirs stay: the notebooks rewrite their files)."""
+    """Check ``out`` again (now under the run's lock), record the names this run writes, and remove the
+    previous run's summaries and executed copies among them (its out dirs stay: the notebooks
+    rewrite their files)."""
     present = previous_outputs(out, files + dirs, overwrite)
     write_json(out / RECORD, {"written": sorted(recorded(out) | set(files) | set(dirs))})
     for name in present:
@@ -76,8 +78,8 @@ def _fmt(value) -> str:
 
 
 def write_summary(summary: dict, out: str | Path) -> Path:
-    """``out/summary.md`` (a table, then one section per failed or interrupted notebook) and ``out/summary.json``;
-    returns the .md path."""
+    """``out/summary.md`` (a table, then one section per failed or interrupted notebook) and
+    ``out/summary.json``; returns the .md path."""
     out = Path(out)
     counts = Counter(e["status"] for e in summary["notebooks"])
     tally = f"{counts['ok']} ok, {counts['failed']} failed" + "".join(

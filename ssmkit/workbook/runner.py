@@ -38,7 +38,8 @@ from .notebooks import WorkbookError, cell_source, declared_parameters, find_not
 from .rundir import claim, previous_outputs, write_summary
 from .signals import Interrupted, StopOnSignals
 
-DEFAULT_CELL_TIMEOUT = 3600      # s: no CPU-default cell comes near it (a whole notebook takes <= 5 min); a hang ends
+# s: no CPU-default cell comes near it (a whole notebook takes <= 5 min); a hang ends
+DEFAULT_CELL_TIMEOUT = 3600
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "default_cell_timeout", "run_workbook", "timeout_seconds"]
 
@@ -54,7 +55,8 @@ def timeout_seconds(value, what: str) -> int | None:
 
 
 def default_cell_timeout() -> int | None:
-    """Seconds a cell may run by default: ``$SSMKIT_CELL_TIMEOUT`` (0: no limit), else :data:`DEFAULT_CELL_TIMEOUT`."""
+    """Seconds a cell may run by default: ``$SSMKIT_CELL_TIMEOUT`` (0: no limit), else
+    :data:`DEFAULT_CELL_TIMEOUT`."""
     text = os.environ.get("SSMKIT_CELL_TIMEOUT", "").strip()
     return timeout_seconds(text, "SSMKIT_CELL_TIMEOUT") if text else DEFAULT_CELL_TIMEOUT
 
@@ -100,11 +102,11 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
     declared by at least one notebook; shared: values (a params file) given to the notebooks that
     declare them; out: the run directory (default ``runs/<timestamp>``); overwrite: replace the results
     of an earlier run in ``out`` (see :mod:`ssmkit.workbook.rundir`); kernel_name: a Jupyter kernel spec to
-    use instead of this interpreter; cell_timeout: seconds one cell may run (None: :func:`default_cell_timeout`,
-    0: no limit). Returns the summary dict (also summary.json); ``summary["failed"]`` counts failed
-    notebooks. Raises :class:`WorkbookError` before running anything (and without touching ``out``) when a
-    notebook is missing, a parameter is declared by none of them, or ``out`` holds a run; raises
-    :class:`Interrupted` on SIGINT / SIGTERM, after the summary is written.
+    use instead of this interpreter; cell_timeout: seconds one cell may run (None:
+    :func:`default_cell_timeout`, 0: no limit). Returns the summary dict (also summary.json);
+    ``summary["failed"]`` counts failed notebooks. Raises :class:`WorkbookError` before running anything (and
+    without touching ``out``) when a notebook is missing, a parameter is declared by none of them, or ``out``
+    holds a run; raises :class:`Interrupted` on SIGINT / SIGTERM, after the summary is written.
     """
     paths = _checked_paths(notebooks)
     parameters, shared = dict(parameters or {}), dict(shared or {})
@@ -114,7 +116,8 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
     if unknown:
         raise WorkbookError(f"parameter(s) {', '.join(unknown)} not declared by any notebook of this run; "
                             f"declared: {', '.join(sorted(known)) or 'none'}")
-    timeout = default_cell_timeout() if cell_timeout is None else timeout_seconds(cell_timeout, "cell_timeout")
+    timeout = (default_cell_timeout() if cell_timeout is None
+               else timeout_seconds(cell_timeout, "cell_timeout"))
     try:
         import papermill  # noqa: F401
     except ImportError:
@@ -127,12 +130,13 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
     dirs = [p.stem for p in paths if "out_dir" in declared[p] and "out_dir" not in values[p]]
     previous_outputs(out, files + dirs, overwrite)             # a refused run touches nothing
     lock = _lock(out, files, dirs, overwrite)
-    entries = [{"notebook": str(p), "status": "not run", "executed": None, "parameters": values[p], "seconds": None,
-                "metrics_file": None, "metrics": {}, "unused_shared": sorted(set(shared) - set(declared[p]))}
+    entries = [{"notebook": str(p), "status": "not run", "executed": None, "parameters": values[p],
+                "seconds": None, "metrics_file": None, "metrics": {},
+                "unused_shared": sorted(set(shared) - set(declared[p]))}
                for p in paths]
-    summary = {"run": str(out), "started": datetime.now().isoformat(timespec="seconds"), "python": sys.executable,
-               "parameters": parameters, "shared": shared, "cell_timeout": timeout, "notebooks": entries,
-               "failed": 0, "interrupted": None}
+    summary = {"run": str(out), "started": datetime.now().isoformat(timespec="seconds"),
+               "python": sys.executable, "parameters": parameters, "shared": shared, "cell_timeout": timeout,
+               "notebooks": entries, "failed": 0, "interrupted": None}
     kernels = []
     options = {"kernel_name": kernel_name or "python3", "language": "python", "progress_bar": progress,
                "log_output": log_output, "execution_timeout": timeout,
@@ -169,8 +173,8 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
 
 
 def _run_one(path: Path, entry: dict, out: Path, declared: dict, options: dict) -> None:
-    """Execute one notebook into ``out/<name>``, filling in its summary ``entry``. A notebook's error is reported
-    there, never raised; :class:`Interrupted` passes through once the entry says "interrupted"."""
+    """Execute one notebook into ``out/<name>``, filling in its summary ``entry``. A notebook's error is
+    reported there, never raised; :class:`Interrupted` passes through once the entry says "interrupted"."""
     import papermill
 
     executed, values = out / path.name, entry["parameters"]
@@ -184,8 +188,8 @@ def _run_one(path: Path, entry: dict, out: Path, declared: dict, options: dict) 
         metrics = (path.resolve().parent / values["out_dir"] if "out_dir" in values else out / path.stem) / \
             "metrics.json"
         old_metrics = _stamp(metrics)
-        papermill.execute_notebook(str(path), str(executed), parameters=values, cwd=str(path.resolve().parent),
-                                   **options)
+        papermill.execute_notebook(str(path), str(executed), parameters=values,
+                                   cwd=str(path.resolve().parent), **options)
         entry["status"] = "ok"
     except Interrupted as exc:
         entry.update(status="interrupted", **_stopped_cell(executed), error=f"interrupted by {exc}")
@@ -207,18 +211,21 @@ def _excerpt(source: str, lines: int = 8) -> str:
 
 
 def _original_index(cells: list, index: int) -> int:
-    """Cell ``index`` of an executed copy, counted in the original notebook (papermill's injected cell left out)."""
+    """Cell ``index`` of an executed copy, counted in the original notebook (papermill's injected
+    cell left out)."""
     return index - sum("injected-parameters" in c.get("metadata", {}).get("tags", []) for c in cells[:index])
 
 
 def _stopped_cell(executed: Path) -> dict:
-    """Where a notebook stopped without a cell error (a timeout, a signal): the last cell papermill started in the
-    executed copy, as ``cell`` (original notebook, 0-based), ``execution_count`` and ``source``; {} if unknown."""
+    """Where a notebook stopped without a cell error (a timeout, a signal): the last cell papermill started in
+    the executed copy, as ``cell`` (original notebook, 0-based), ``execution_count`` and ``source``;
+    {} if unknown."""
     try:
         cells = read_notebook(executed)["cells"]
     except (WorkbookError, KeyError):
         return {}
-    started = [i for i, c in enumerate(cells) if (c.get("metadata", {}).get("papermill") or {}).get("start_time")]
+    started = [i for i, c in enumerate(cells)
+               if (c.get("metadata", {}).get("papermill") or {}).get("start_time")]
     if not started:
         return {}
     cell = cells[started[-1]]

@@ -40,16 +40,18 @@ def _running_loop():
 
 
 class StopOnSignals:
-    """While active (main thread only), the first SIGINT or SIGTERM raises :class:`Interrupted` wherever the run is;
-    later ones, and any after :meth:`disarm`, are ignored: the run is already stopping (kernel shutdown, summary).
-    A signal the process ignores (SIGINT of a background job, ``cmd &`` in a script) stays ignored.
+    """While active (main thread only), the first SIGINT or SIGTERM raises :class:`Interrupted` wherever the
+    run is; later ones, and any after :meth:`disarm`, are ignored: the run is already stopping (kernel
+    shutdown, summary). A signal the process ignores (SIGINT of a background job, ``cmd &`` in a script)
+    stays ignored.
 
-    The exception leaves nbclient's event-loop tasks for the running cell behind; :meth:`settle` ends them once the
-    kernel is gone, so asyncio does not print them at exit ("Task exception was never retrieved")."""
+    The exception leaves nbclient's event-loop tasks for the running cell behind; :meth:`settle` ends them
+    once the kernel is gone, so asyncio does not print them at exit ("Task exception was never retrieved")."""
 
     def __enter__(self):
         self.armed, self.previous, self.cut_off = True, {}, None
-        self.outer = _running_loop()                 # e.g. Jupyter's own loop when run from a notebook: not ours
+        # e.g. Jupyter's own loop when run from a notebook: not ours
+        self.outer = _running_loop()
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
                              if signal.getsignal(s) != signal.SIG_IGN}
