@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ssmkit.train import TrainConfig
 
 
@@ -17,3 +20,23 @@ def small(tmp_path, shards, **kw) -> TrainConfig:
 def losses(history):
     """The training losses of a run's history (``Trainer.fit()``'s records of kind "train")."""
     return [r["loss"] for r in history if r["kind"] == "train"]
+
+
+def jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def make_notebook(path: Path, params: str, *cells: str) -> Path:
+    """A notebook: a `parameters` cell with ``params`` (always declaring out_dir), then code cells."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
+    pcell.metadata["tags"] = ["parameters"]
+    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
+                + [nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, path)
+    return path

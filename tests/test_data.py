@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import jsonl
 
 import ssmkit.data as D
 from ssmkit.data import shards as shards_mod
@@ -17,11 +18,6 @@ from ssmkit.io import LOCK_FILE
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SSMKIT_CACHE", str(tmp_path / "cache"))
-
-
-def jsonl(path, texts):
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(40)]

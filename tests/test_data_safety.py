@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import jsonl
 
 import ssmkit.data as D
 from ssmkit import cli
@@ -31,11 +32,6 @@ TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 5 + 1) for i i
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SSMKIT_CACHE", str(tmp_path / "cache"))
-
-
-def jsonl(path, texts):
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 def prep(src, out, **kw):

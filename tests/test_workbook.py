@@ -19,6 +19,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
+from helpers import make_notebook  # noqa: E402
+
 from ssmkit import workbook  # noqa: E402
 from ssmkit.plots import LivePlot, plot_curves  # noqa: E402
 
@@ -27,19 +29,6 @@ REPORT = ("import json, pathlib, sys\n"
           "(pathlib.Path(out_dir) / 'metrics.json')"
           ".write_text(json.dumps({{k: globals()[k] for k in {names!r}}} "
           "| {{'python': sys.executable}}))")
-
-
-def make_notebook(path: Path, params: str, *cells: str) -> Path:
-    """A notebook: a `parameters` cell with ``params`` (always declaring out_dir), then code cells."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
-    pcell.metadata["tags"] = ["parameters"]
-    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
-                + [nbformat.v4.new_code_cell(c) for c in cells])
-    nbformat.write(nb, path)
-    return path
 
 
 def report(*names: str) -> str:

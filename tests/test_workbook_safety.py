@@ -21,6 +21,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
+from helpers import make_notebook  # noqa: E402
+
 from ssmkit import workbook  # noqa: E402
 from ssmkit.io import DirLock  # noqa: E402
 
@@ -28,19 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib\n"
           "(pathlib.Path(out_dir) / 'metrics.json').write_text(json.dumps({'x': x}))")
-
-
-def make_notebook(path: Path, params: str, *cells: str) -> Path:
-    """A notebook: a `parameters` cell with ``params`` (always declaring out_dir), then code cells."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
-    pcell.metadata["tags"] = ["parameters"]
-    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
-                + [nbformat.v4.new_code_cell(c) for c in cells])
-    nbformat.write(nb, path)
-    return path
 
 
 def sleeper(path: Path, pid_file: Path) -> Path:
