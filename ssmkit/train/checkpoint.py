@@ -168,10 +168,20 @@ class _SafePlanner(dcp.DefaultLoadPlanner):
 
 # --- manifest -------------------------------------------------------------------------------------
 
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """sha256 of each file, several at a time: hashlib releases the GIL, so threads use every core (a
+    22 GB checkpoint of the 1.4B preset hashes at ~1.6 GB/s per core)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def write_manifest(folder: Path) -> dict:
     """``folder/manifest.json``: bytes and sha256 of every file under ``folder`` (relative POSIX paths)."""
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
+             for p, digest in zip(paths, _sha256_all(paths))}
     write_json(folder / MANIFEST, {"version": 1, "files": files})
     return files
 
@@ -190,14 +200,16 @@ def verify(folder: Path):
                 plain_name(part, f"{folder / MANIFEST}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorrupt(f"{folder / MANIFEST} is malformed: {exc}") from None
-    for name, size, digest in entries:
+    for name, size, _ in entries:                   # cheap checks first: a missing or truncated file
         path = folder / name
         if not path.is_file():
             raise CheckpointCorrupt(f"checkpoint {folder} is incomplete: {name} is missing")
         if path.stat().st_size != size:
             raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: {name} has {path.stat().st_size} "
                                     f"bytes, the manifest says {size} (truncated?)")
-        if sha256_file(path) != digest:
+    digests = _sha256_all([folder / name for name, _, _ in entries])
+    for (name, _, digest), actual in zip(entries, digests):
+        if actual != digest:
             raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: the sha256 of {name} differs from "
                                     "its manifest")
 
