@@ -12,6 +12,9 @@ one has a test that injects the fault):
   (:func:`plain_name`); a source and a target of a copy never overlap (:func:`overlapping`);
 * two processes never write into one directory at once (:class:`DirLock`: an exclusive lock that the
   operating system drops when its holder dies, so a stale lock is taken over by itself).
+
+Progress bars of every layer (:func:`tqdm_bar`) take the form ``$SSMKIT_PROGRESS`` asks for: the
+widget in JupyterLab, plain text lines in a log or a headless notebook, or none.
 """
 
 from __future__ import annotations
@@ -250,3 +253,52 @@ class DirLock:
                 os.close(self._fd)                  # closing the last descriptor drops the lock
             except OSError:
                 pass
+
+
+# --- progress bars --------------------------------------------------------------------------------
+
+PROGRESS_ENV = "SSMKIT_PROGRESS"
+PROGRESS_MODES = ("auto", "text", "off")
+TEXT_INTERVAL = 10.0                    # seconds between two lines of a text bar
+
+
+def progress_mode() -> str:
+    """``$SSMKIT_PROGRESS``: "auto" (unset: tqdm.auto, the widget in Jupyter, a redrawn line in a terminal),
+    "text" (plain lines on stderr, for logs and headless notebooks) or "off"."""
+    value = os.environ.get(PROGRESS_ENV, "").strip().lower() or "auto"
+    if value not in PROGRESS_MODES:
+        raise ValueError(f"{PROGRESS_ENV}={os.environ[PROGRESS_ENV]!r} is not a progress mode; valid: auto "
+                         "(the default: a widget in Jupyter), text (plain lines: logs, papermill), off")
+    return value
+
+
+class _Lines:
+    """The file of a text bar: each redraw becomes a line of its own on the current ``sys.stderr`` (tqdm
+    redraws one line with carriage returns, which a log file and papermill's log keep as one long line)."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").replace("\n", "").replace("\x1b[A", "").rstrip()
+        if line:
+            sys.stderr.write(line + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def tqdm_bar(**kw):
+    """A tqdm progress bar (``kw``: tqdm's arguments) in the form :func:`progress_mode` chooses: "text" is
+    ``tqdm.std`` drawn in ASCII, one line per redraw at most every :data:`TEXT_INTERVAL` seconds."""
+    mode = progress_mode()
+    if mode == "auto":
+        from tqdm.auto import tqdm
+
+        return tqdm(**kw)
+    from tqdm.std import tqdm
+
+    if mode == "off":
+        return tqdm(**{**kw, "disable": True})
+    interval = max(TEXT_INTERVAL, kw.get("mininterval", 0))
+    return tqdm(**{**kw, "file": _Lines(), "ascii": True, "ncols": 120, "dynamic_ncols": False,
+                   "mininterval": interval, "maxinterval": max(interval, kw.get("maxinterval", 10))})

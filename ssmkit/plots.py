@@ -14,6 +14,7 @@ the functions, so ``import ssmkit`` never needs it; of ssmkit, only :mod:`ssmkit
 
 from __future__ import annotations
 
+import math
 import time
 from io import BytesIO
 from pathlib import Path
@@ -70,12 +71,16 @@ class LivePlot:
     path: where the figure is saved (at the end, and every ``save_every`` updates if > 0).
     interval: in a Jupyter kernel, redraw in place at most once per this many seconds (the last
     state is always drawn by ``on_end``). display: True / False / None (auto: in a kernel only).
+    title: None: the trainer's ``name``. total_tokens: the run's length, where the x axis ends (None: read
+    from the trainer, ``config.total_steps() * config.batch_tokens``; without one, a margin past the last
+    point). The y axis runs from 0 to 10% above the highest loss, so the first point already has a frame.
     """
 
     def __init__(self, path: str | Path | None = None, *, title: str | None = None, interval: float = 2.0,
-                 save_every: int = 0, display: bool | None = None):
+                 save_every: int = 0, display: bool | None = None, total_tokens: int | None = None):
         self.path = Path(path) if path is not None else None
         self.title, self.interval, self.save_every = title, interval, save_every
+        self.total_tokens = total_tokens
         self.display = _in_kernel() if display is None else display
         self.train: list[dict] = []      # on_log records
         self.eval: list[dict] = []       # on_eval records
@@ -86,12 +91,25 @@ class LivePlot:
 
     # --- Trainer callback interface ---
     def on_log(self, trainer, record: dict) -> None:
+        self._learn(trainer)
         self.train.append(dict(record))
         self._update()
 
     def on_eval(self, trainer, record: dict) -> None:
+        self._learn(trainer)
         self.eval.append(dict(record))
         self._update()
+
+    def _learn(self, trainer) -> None:
+        """The run's length and the model's name, from a Trainer (anything else: left as they are)."""
+        if self.title is None and isinstance(getattr(trainer, "name", None), str):
+            self.title = trainer.name
+        if self.total_tokens is None:
+            cfg = getattr(trainer, "config", None)
+            try:
+                self.total_tokens = int(cfg.total_steps() * cfg.batch_tokens)
+            except (AttributeError, TypeError, ValueError):
+                pass
 
     def on_end(self, trainer=None) -> Path | None:
         """Draw the final figure (in place in Jupyter) and save it; returns the saved path."""
@@ -113,7 +131,25 @@ class LivePlot:
                     "o-", ms=4, label="validation loss")
         if train or val:
             ax.legend()
+            self._frame(ax, [(r.get("tokens", r.get("step")), r["loss"]) for r in train]
+                        + [(r.get("tokens", r.get("step")), r["val_loss"]) for r in val],
+                        tokens=all("tokens" in r for r in train + val))
         return fig
+
+    def _frame(self, ax, points: list[tuple], tokens: bool) -> None:
+        """Axes for the whole run from its first point (matplotlib would frame one point in +-0.04): x from 0
+        to the run's total tokens (or 5% past the last point), y from 0 to 10% above the highest loss."""
+        points = [(x, y) for x, y in points if isinstance(x, (int, float)) and isinstance(y, (int, float))
+                  and math.isfinite(x) and math.isfinite(y)]
+        if not points:
+            return
+        right = max(x for x, _ in points)
+        right = max(right, self.total_tokens) if tokens and self.total_tokens else 1.05 * right
+        if right > 0:
+            ax.set_xlim(0, right)
+        top, bottom = max(y for _, y in points), min(y for _, y in points)
+        if top > 0 and bottom >= 0:
+            ax.set_ylim(0, 1.1 * top)
 
     def _update(self) -> None:
         self._updates += 1
