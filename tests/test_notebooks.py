@@ -2,11 +2,14 @@
 
 Structure (DESIGN.md, "Conventions"): no outputs or execution counts; exactly one cell tagged
 ``parameters`` holding plain values with a comment each, including preset, data, max_tokens,
-device ("auto"), out_dir and seed; no ``sys.path`` hacks; no hard-coded "cuda" device strings;
-imports of ssmkit's public API only; no functions or classes defined in cells (they belong in the
-library); short cells. Execution: each notebook under papermill on CPU with params/ci.yaml (the
-keys it declares), failing on any cell error, writing out_dir/metrics.json; and a bad ``device``
-stops it in the first cell after the parameters with ssmkit's error.
+device ("auto"), out_dir and seed; the first code cell after it passes every parameter to
+``workbook.check_params``; a stated CPU time in the metadata (``ssmkit.cpu_seconds``); no ``sys.path``
+hacks; no hard-coded "cuda" device strings; imports of ssmkit's public API only; no functions or
+classes defined in cells (they belong in the library); short cells. Execution: each notebook under
+papermill on CPU with params/ci.yaml (the keys it declares; a notebook that trains gets the file's
+TrainConfig keys through its ``overrides``, and they reach the run's config.yaml), failing on any
+cell error, writing out_dir/metrics.json; and a bad ``device`` stops it in the first cell after the
+parameters with ssmkit's error.
 
 New notebooks are picked up automatically; params/ci.yaml holds their small CI parameters.
 """
@@ -53,9 +56,12 @@ def test_structure(path):
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", "kernelspec must be python3"
     assert re.fullmatch(r"\d\d_[a-z0-9_]+", path.stem), "name notebooks NN_topic.ipynb"
-    for i, cell in code_cells(nb):
-        assert not cell.outputs and cell.execution_count is None, f"cell {i} has outputs: run `make strip`"
+    dirty = [i for i, cell in code_cells(nb) if cell.outputs or cell.execution_count is not None]
+    assert not dirty, (f"{path.name}: cells {dirty} hold outputs or execution counts (saved by JupyterLab or "
+                       "papermill): close the notebook in JupyterLab (its autosave would write them back), "
+                       "run `make strip`, then commit")
     assert "papermill" not in nb.metadata, "metadata of a papermill run: run `make strip`"
+    assert set(nb.metadata.get("language_info", {})) <= {"name"}, "a kernel's metadata: run `make strip`"
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{len(tagged)} cells tagged `parameters`; exactly one is needed"
 
@@ -80,6 +86,25 @@ def test_parameters_cell(path):
             assert "#" in line, f"parameters cell: every value needs a comment: {line!r}"
     assert REQUIRED <= set(names), f"parameters cell lacks {sorted(REQUIRED - set(names))}"
     assert names["device"] == "auto", "the default device must be 'auto' (a fallback, never hard-coded)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_check_cell_passes_every_parameter(path):
+    """So that each one is checked, and names papermill injected are compared with all of them."""
+    nb = nbformat.read(path, as_version=4)
+    index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    cell = next(c for c in nb.cells[index + 1:] if c.cell_type == "code")
+    calls = [n for n in ast.walk(parse(cell.source)) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "check_params"]
+    assert len(calls) == 1, "the first code cell after the parameters calls workbook.check_params once"
+    passed = {kw.arg: kw.value for kw in calls[0].keywords}
+    declared = workbook.declared_parameters(path)
+    assert set(passed) == set(declared), f"check_params misses {sorted(set(declared) - set(passed))}"
+    assert all(isinstance(v, ast.Name) and v.id == k for k, v in passed.items()), "pass name=name"
+    assert set(declared) <= set(workbook.params.CHECKS), "a parameter without a check in CHECKS"
+    stated = nb.metadata.get("ssmkit", {}).get("cpu_seconds")
+    assert isinstance(stated, (int, float)) and stated > 0, \
+        "state the CPU time with params/cpu.yaml in metadata.ssmkit.cpu_seconds"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -121,6 +146,17 @@ def test_runs_under_papermill(path, tmp_path):
                                      f"{entry.get('source')}\n{entry.get('error')}")
     assert entry["metrics_file"], "the notebook must write out_dir/metrics.json"
     assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), "metrics.json outside out_dir"
+    declared = workbook.declared_parameters(path)
+    if "overrides" in declared:           # it trains: ci.yaml's TrainConfig keys reach every run it trains
+        import yaml
+
+        recipe = {k: v for k, v in ci.items() if k in workbook.params.train_keys() and k not in declared}
+        assert recipe and not set(recipe) & set(entry["unused_shared"])
+        configs = list(Path(entry["metrics_file"]).parent.rglob("config.yaml"))
+        assert configs, "a notebook that trains leaves its runs' config.yaml"
+        for config in configs:
+            saved = yaml.safe_load(config.read_text())
+            assert {k: saved[k] for k in recipe} == recipe, config
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

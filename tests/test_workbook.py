@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,9 +63,15 @@ def test_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
     # ran after the failure, with its own defaults
     assert status["03_c.ipynb"]["metrics"]["x"] == 5
     md = (out / "summary.md").read_text()
-    assert re.search(r"\| 02_b.ipynb \| failed \|", md) and re.search(r"\| 03_c.ipynb \| ok \|.*x=5", md)
+    assert re.search(r"\| 02_b.ipynb \| failed \|", md) and re.search(r"\| 03_c.ipynb \| ok \|", md)
+    assert "## 03_c.ipynb\n\n| metric | value | unit |\n|---|---|---|\n| x | 5 | – |" in md   # metrics table
     assert "## 02_b.ipynb failed" in md and "Cell 3" in md and "ValueError: boom 6" in md
     assert "raise ValueError(f'boom {z}')" in md
+    # a line per code cell as it ends, the failing one marked
+    assert re.search(r"^  02_b \[3/5\] cell 'z = y \* 3' \d+\.\d s$", res.stdout, re.M), res.stdout
+    assert re.search(r"^  02_b \[4/5\] cell \"raise ValueError\(f'boom \{z\}'\)\" \d+\.\d s \(error\)$",
+                     res.stdout, re.M), res.stdout
+    assert "never = 1" not in res.stdout
     executed = nbformat.read(out / "02_b.ipynb", as_version=4)    # the executed copy keeps the traceback
     assert any(o.get("ename") == "ValueError" for cell in executed.cells for o in cell.get("outputs", []))
     # the kernel is this interpreter (whatever `python3` kernel spec the user has)
@@ -72,23 +79,34 @@ def test_failing_notebook_is_reported_and_the_others_still_run(tmp_path):
 
 
 def test_params_file_and_overrides(tmp_path):
-    a = make_notebook(tmp_path / "01_a.ipynb", "lr = 0.1\nname = 'a'\nflag = False\nsteps = 3",
-                      report("lr", "name", "flag", "steps"))
+    """Each notebook gets the keys it declares; one that declares `overrides` (it trains) also gets the
+    TrainConfig keys it does not declare, merged into its overrides; -p wins over -f."""
+    params_a = "lr = 0.1\nname = 'a'\nflag = False\nsteps = 3\noverrides = {'seed': 5, 'micro_batch': 1}"
+    a = make_notebook(tmp_path / "01_a.ipynb", params_a, report("lr", "name", "flag", "steps", "overrides"))
     b = make_notebook(tmp_path / "02_b.ipynb", "lr = 0.5\nother = 1", report("lr", "other"))
+    make_notebook(tmp_path / "03_c.ipynb", "knob = 1", "pass")    # not run: a file for the workbook is fine
     params = tmp_path / "p.yaml"
-    params.write_text("lr: 3.0e-3\nname: from-file\nunused_key: 7\nother: 2\n")
+    params.write_text("lr: 3.0e-3\nname: from-file\nother: 2\nmicro_batch: 4\nwarmup_steps: 1\nknob: 2\n")
     out = tmp_path / "run"
     res = cli("run", a, b, "-f", params, "-p", "name", "cli", "-p", "flag", "true", "-p", "steps", "1e3",
-              "--out", out)
+              "-p", "warmup_steps", "7", "--out", out)
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((out / "summary.json").read_text())
-    ma, mb = (e["metrics"] for e in summary["notebooks"])
-    assert ma == {"lr": 0.003, "name": "cli", "flag": True, "steps": 1000.0, "python": ma["python"]}
+    ea, eb = summary["notebooks"]
+    ma = json.loads(Path(ea["metrics_file"]).read_text())          # all of it (the summary keeps scalars)
+    # lr is a parameter of 01_a: it goes there, not into overrides; the notebook's own overrides stay
+    assert ma == {"lr": 0.003, "name": "cli", "flag": True, "steps": 1000.0, "python": ma["python"],
+                  "overrides": {"seed": 5, "micro_batch": 4, "warmup_steps": 7}}
+    mb = eb["metrics"]
     assert mb["lr"] == 0.003 and mb["other"] == 2                  # each notebook gets the keys it declares
-    assert summary["notebooks"][0]["unused_shared"] == ["other", "unused_key"]
+    assert ea["unused_shared"] == ["knob", "other"]
+    assert eb["unused_shared"] == ["knob", "micro_batch", "name", "warmup_steps"]
     # out_dir defaults to runs/NAME/<stem>/
-    assert Path(summary["notebooks"][1]["metrics_file"]) == (out / "02_b" / "metrics.json").resolve()
-    assert "02_b.ipynb ignores: name, unused_key" in (out / "summary.md").read_text()
+    assert Path(eb["metrics_file"]) == (out / "02_b" / "metrics.json").resolve()
+    md = (out / "summary.md").read_text()
+    assert "02_b.ipynb ignores: knob, micro_batch, name, warmup_steps" in md
+    assert "01_a.ipynb trains with overrides: `{'seed': 5, 'micro_batch': 4, 'warmup_steps': 7}`" in md
+    assert "[2/2] 02_b.ipynb ... (not used here: knob, micro_batch, name, warmup_steps)" in res.stdout
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
@@ -100,7 +118,22 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
         (["run", nb, "-p", "lrr", "1"],
          "parameter\\(s\\) lrr not declared by any notebook .*declared: lr, out_dir"),
         (["run", nb, "-p", "bad-name", "1"], "must be a Python identifier"),
+        # a TrainConfig key, but no notebook of the run trains (declares overrides)
+        (["run", nb, "-p", "micro_batch", "4"], "parameter\\(s\\) micro_batch not declared by any notebook"),
+        (["run", nb, "-p", "out_dir", ""], "out_dir must be a non-empty path"),
     ]
+    stray, bad_override = tmp_path / "stray.yaml", tmp_path / "override.yaml"
+    stray.write_text("lr: 0.2\nmicro_batch: 4\nmicro_bacth: 4\n")
+    trains = make_notebook(tmp_path / "02_t.ipynb", "seed = 0\nevals = 2\noverrides = {}", "pass")
+    bad_override.write_text("overrides: {lrr: 1}\n")
+    cases += [
+        # not declared by any notebook of the workbook (this folder's NN_*.ipynb) nor a TrainConfig key
+        (["run", nb, "-f", stray], "params file key\\(s\\) micro_bacth: not a parameter of any notebook "
+                                   "\\(evals, lr, out_dir, overrides, seed\\) nor a TrainConfig key"),
+        (["run", trains, "-f", bad_override], "02_t.ipynb: overrides: unknown TrainConfig key\\(s\\) lrr; "),
+        (["run", trains, "-p", "overrides", "{seed: 1}"], "overrides: seed is a parameter of this notebook"),
+        (["run", trains, "-p", "eval_every", "3"], "this notebook sets eval_every from its parameter evals"),
+        (["run", nb, trains, "-p", "overrides", "[1]"], "overrides must be a mapping of TrainConfig keys")]
     bad_yaml, a_list = tmp_path / "bad.yaml", tmp_path / "list.yaml"
     bad_yaml.write_text("lr: [1, 2\n")
     a_list.write_text("- 1\n- 2\n")
@@ -153,6 +186,75 @@ def test_cell_timeout_fails_the_notebook(tmp_path):
     assert "## 01_slow.ipynb failed" in md and "Cell 2 " in md and "timeout after 2 s" in md
 
 
+def test_summary_units_figures_slow_warning_and_kernel_env(tmp_path, monkeypatch):
+    """summary.md: metrics as a table with units, links to the figures this run wrote (not an older one),
+    a warning for a CPU run far over the notebook's stated CPU time; the kernel gets SSMKIT_PROGRESS=text."""
+    monkeypatch.setenv("SSMKIT_PROGRESS", "unset below")         # restored after the test
+    monkeypatch.delenv("SSMKIT_PROGRESS")
+    nb = make_notebook(tmp_path / "nb" / "01_slow.ipynb", "device = 'cpu'",
+                       "import json, os, pathlib, time\ntime.sleep(1.5)\nout = pathlib.Path(out_dir)\n"
+                       "(out / 'curve.png').write_bytes(b'png')\n"
+                       "metrics = {'val_loss': 3.25, 'train_tok_s': 1234, 'params': 7000000,\n"
+                       "           'val_ppl': 25.8, 'progress': os.environ.get('SSMKIT_PROGRESS')}\n"
+                       "(out / 'metrics.json').write_text(json.dumps(metrics))")
+    book = nbformat.read(nb, as_version=4)
+    book.metadata["ssmkit"] = {"cpu_seconds": 0.1}
+    nbformat.write(book, nb)
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    (figs / "old.png").write_bytes(b"png")
+    os.utime(figs / "old.png", (1e9, 1e9))                        # an earlier run's figure
+    summary = workbook.run_workbook([nb], parameters={"device": "cpu", "out_dir": str(figs)},
+                                    out=tmp_path / "run", quiet=True)
+    (entry,) = summary["notebooks"]
+    assert entry["status"] == "ok" and entry["cpu_seconds"] == 0.1, entry
+    assert entry["warning"].startswith("01_slow.ipynb ran ") and "x its stated CPU time (~0.1 s" in \
+        entry["warning"]
+    assert entry["figures"] == [str(figs / "curve.png")]
+    md = (tmp_path / "run" / "summary.md").read_text()
+    assert re.search(r"\| 01_slow.ipynb \| ok \| [\d.]+ \| ~0.1 \|", md)
+    assert f"> **Warning**: {entry['warning']}." in md
+    for row in ["| val_loss | 3.25 | nats/token |", "| train_tok_s | 1,234 | tokens/s |",
+                "| params | 7,000,000 | parameters |", "| val_ppl | 25.8 | – |", "| progress | text | – |"]:
+        assert row in md, row
+    assert "Figures: [curve.png](../figs/curve.png)" in md and "old.png" not in md   # relative to summary.md
+
+
+def test_cell_lines_name_each_cell_and_a_long_one_while_it_runs():
+    import io
+    import time
+
+    from ssmkit.workbook.progress import CellLines, slow_warning
+
+    book = nbformat.v4.new_notebook()
+    code = nbformat.v4.new_code_cell
+    book.cells = [nbformat.v4.new_markdown_cell("# x"), code("import os\nx = 1"), code("# Parameters\nx = 2"),
+                  code("time.sleep(1)")]
+    stream = io.StringIO()
+    lines = CellLines("01_a", stream=stream, first_notice=0.3, notice_every=0.3)
+    hooks = lines.hooks()
+    hooks["on_notebook_start"](notebook=book)
+    for i, cell in enumerate(book.cells[1:], 1):
+        hooks["on_cell_execute"](cell=cell, cell_index=i)
+        time.sleep(1.0 if i == 3 else 0)
+        hooks["on_cell_executed"](cell=cell, cell_index=i, execute_reply={"content": {"status": "ok"}})
+    out = stream.getvalue().splitlines()
+    assert out[0].startswith("  01_a [1/3] cell 'x = 1' ")
+    assert out[1].startswith("  01_a [2/3] cell 'parameters (injected)' ")
+    notices = [ln for ln in out if "running for" in ln]
+    assert 2 <= len(notices) <= 4 and all(ln.startswith("  01_a [3/3] cell 'time.sleep(1)' running for ")
+                                          for ln in notices), out
+    assert re.fullmatch(r"  01_a \[3/3\] cell 'time.sleep\(1\)' 1\.\d s", out[-1]), out
+    late = CellLines("01_a", stream=io.StringIO(), first_notice=0.2)
+    late.hooks()["on_notebook_start"](notebook=book)
+    late.hooks()["on_cell_execute"](cell=book.cells[3], cell_index=3)
+    late.stop()                                                   # a timeout or a signal ended the cell
+    time.sleep(0.5)
+    assert late.stream.getvalue() == ""
+    assert slow_warning("a", 100, 10, "cuda") is None and slow_warning("a", 20, 10, "cpu") is None
+    assert slow_warning("a", 40, 10, "cpu").startswith("a ran 40 s on CPU, 4.0x its stated CPU time (~10 s")
+
+
 def test_strip_clears_an_executed_copy(tmp_path):
     nb = make_notebook(tmp_path / "01_a.ipynb", "x = 0", "print('hel' + 'lo')")
     workbook.run_workbook([nb], out=tmp_path / "run")
@@ -163,6 +265,7 @@ def test_strip_clears_an_executed_copy(tmp_path):
     code = [c for c in stripped.cells if c.cell_type == "code"]
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in code)
     assert "papermill" not in stripped.metadata and "hello" not in executed.read_text()
+    assert stripped.metadata.language_info == {"name": "python"}  # as committed: no diff after `make strip`
     assert workbook.strip_notebook(executed) is False              # idempotent
     res = cli("strip", tmp_path / "missing.ipynb")
     assert res.returncode == 2 and "does not exist" in res.stderr
@@ -182,20 +285,108 @@ def test_parse_value():
 # --- notebook helpers -----------------------------------------------------------------------------
 
 def test_check_params_resolves_and_rejects(tmp_path):
-    p = workbook.check_params(preset="tiny", data="stdlib-docs", max_tokens=2e5, device="auto",
-                              out_dir=tmp_path / "o", seed=0, extra="kept")
+    # values as papermill and YAML hand them over: -p baseline false is the string "false", 2e5 a float
+    p = workbook.check_params(preset="tiny", data="stdlib-docs", tokenizer="bpe-300", max_tokens=2e5,
+                              device="auto", precision="bf16", evals=3.0, baseline="false",
+                              overrides="{micro_batch: 4, lr: 1.0e-3}", out_dir=tmp_path / "o", seed=0)
     assert (p["device"] in ("cpu", "cuda", "mps") and p["max_tokens"] == 200_000
             and isinstance(p["max_tokens"], int))
-    assert p["out_dir"].is_dir() and p["extra"] == "kept"
+    assert p["baseline"] is False and p["precision"] == "bf16" and p["tokenizer"] == "bpe-300"
+    assert p["overrides"] == {"micro_batch": 4, "lr": 1e-3} and p["out_dir"].is_dir()
+    assert workbook.check_params(baseline=True, evals=6, overrides={})["baseline"] is True
+    assert workbook.check_params(tokenizer=str(tmp_path))["tokenizer"] == str(tmp_path)   # a directory
     bad = {"preset": ("nope", "unknown preset 'nope'; valid: .*mamba-130m"),
            "device": ("gpu", "device='gpu' is not valid; valid: auto, cpu, cuda"),
            "max_tokens": (0, "max_tokens must be an integer >= 1; got 0"),
            "seed": (1.5, "seed must be an integer >= 0"),
            "data": ("no/such/dir", "data='no/such/dir' is not valid; valid: 'stdlib-docs', .*slimpajama"),
-           "out_dir": ("", "out_dir must be a non-empty path")}
+           "out_dir": ("", "out_dir must be a non-empty path"),
+           "evals": ("six", "evals must be an integer >= 1; got 'six'"),
+           "baseline": ("flase", "baseline must be true or false; got 'flase'"),
+           "precision": ("fp8", "precision='fp8' is not valid; valid: fp32, bf16, fp16"),
+           "tokenizer": ("gtp2", "tokenizer='gtp2' is not valid; valid: 'gpt2', 'byte', 'bpe-<N>'"),
+           "overrides": ({"micro_bach": 4}, "overrides: unknown TrainConfig key\\(s\\) micro_bach; valid: ")}
     for key, (value, message) in bad.items():
         with pytest.raises(workbook.WorkbookError, match=message):
             workbook.check_params(**{key: value})
+    with pytest.raises(workbook.WorkbookError, match="a byte-level BPE needs at least 257 tokens"):
+        workbook.check_params(tokenizer="bpe-100")
+    with pytest.raises(workbook.WorkbookError, match="hub is offline .* its cache does not hold it"):
+        workbook.check_params(tokenizer="no-such-org/no-such-tokenizer")       # offline: conftest
+    # a name without a check is refused: a new parameter cannot slip through unchecked
+    with pytest.raises(workbook.WorkbookError, match="check_params: no check for parameter 'extra' \\(known"):
+        workbook.check_params(seed=0, extra="kept")
+    # overrides may not repeat a parameter of the notebook, nor a key the notebook derives from one
+    with pytest.raises(workbook.WorkbookError, match="overrides: seed is a parameter of this notebook"):
+        workbook.check_params(seed=0, overrides={"seed": 1})
+    with pytest.raises(workbook.WorkbookError, match="sets eval_every from its parameter evals"):
+        workbook.check_params(evals=2, overrides={"eval_every": 1})
+
+
+def test_relative_out_dir_starts_at_the_notebooks_folder(tmp_path, monkeypatch):
+    """Whatever the working directory (papermill from the repository root, a cluster job elsewhere)."""
+    root = Path(__file__).resolve().parent.parent
+    name = f"pytest-out-dir-{os.getpid()}"
+    try:
+        for cwd in (root, tmp_path):
+            monkeypatch.chdir(cwd)
+            p = workbook.check_params(out_dir=f"../runs/{name}/x")
+            assert p["out_dir"] == root / "runs" / name / "x" and p["out_dir"].is_dir()
+        assert not (tmp_path.parent / "runs" / name).exists() and not (root.parent / "runs" / name).exists()
+        assert workbook.resolve_out_dir("~/r") == Path.home() / "r"
+        assert workbook.resolve_out_dir(tmp_path / "abs") == tmp_path / "abs"
+    finally:
+        shutil.rmtree(root / "runs" / name, ignore_errors=True)
+
+
+class FakeShell:
+    """What check_params reads of IPython: the input history (``In``) and the namespace."""
+
+    def __init__(self, *sources):
+        self.user_ns = {"In": ["", *sources]}
+
+
+def test_check_params_catches_what_papermill_injected(monkeypatch, capsys):
+    import IPython
+
+    monkeypatch.setenv("SSMKIT_PROGRESS", "unset below")        # restored after the test
+    monkeypatch.delenv("SSMKIT_PROGRESS")
+    parameters = "seed = 0\nevals = 6\noverrides = {}"
+    injected = "# Parameters\nseed = 1\nmax_tokenz = 1000\nlr = 0.001\n"
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(parameters, injected, "p = check(...)"))
+    message = r"papermill passed parameter\(s\) max_tokenz that this notebook does not declare .*: seed"
+    with pytest.raises(workbook.WorkbookError, match=message):
+        workbook.check_params(seed=1, evals=6, overrides={})
+    assert os.environ["SSMKIT_PROGRESS"] == "text"               # a papermill run: text progress bars
+    # TrainConfig keys (a recipe file's) join overrides; a notebook without overrides notes them
+    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nlr = 0.003\noverrides = {'warmup_steps': 5}\n"
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(parameters, injected))
+    p = workbook.check_params(seed=1, evals=6, overrides={"warmup_steps": 5})
+    assert p["overrides"] == {"warmup_steps": 5, "micro_batch": 8, "lr": 0.003}
+    assert "overrides from papermill's parameters: micro_batch=8, lr=0.003" in capsys.readouterr().out
+    # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the parameters of
+    # the workbook's other notebooks (evals: 01's) are noted as not used
+    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\n"
+    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))
+    assert workbook.check_params(seed=1) == {"seed": 1}
+    assert "not used by this notebook (parameters of other notebooks, or TrainConfig keys for those that " \
+           "train): micro_batch=8, evals=2" in capsys.readouterr().out
+    # no injected cell (JupyterLab), or a cell that only looks like one: nothing to compare
+    for history in [(parameters, "p = check(...)"), (parameters, "# Parameters\nprint(max_tokenz)")]:
+        monkeypatch.setattr(IPython, "get_ipython", lambda h=history: FakeShell(*h))
+        assert workbook.check_params(seed=2) == {"seed": 2}
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)    # outside IPython
+    assert workbook.check_params(seed=3) == {"seed": 3}
+
+
+def test_train_config_evals_and_overrides():
+    cfg = workbook.train_config("cpu-tiny", max_tokens=40960, evals=3, micro_batch=4, lr=1e-3)
+    assert (cfg.total_steps(), cfg.eval_every, cfg.micro_batch, cfg.lr) == (10, 3, 4, 1e-3)
+    assert workbook.train_config("cpu-tiny", max_tokens=4096, evals=6).eval_every == 1
+    with pytest.raises(workbook.WorkbookError, match="give evals or eval_every, not both"):
+        workbook.train_config("cpu-tiny", evals=3, eval_every=2)
+    with pytest.raises(workbook.WorkbookError, match="micro_batch must be a positive integer"):
+        workbook.train_config("cpu-tiny", micro_batch=0)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU error")

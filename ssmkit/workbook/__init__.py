@@ -1,7 +1,7 @@
 """The workbook: small helpers the notebooks call, and the papermill runner that executes them headless.
 
     from ssmkit import workbook
-    p = workbook.check_params(preset="cpu-tiny", device="auto", out_dir="runs/lab/00", seed=0)   # in a cell
+    p = workbook.check_params(preset="cpu-tiny", device="auto", out_dir="../runs/lab/00", seed=0)  # in a cell
     summary = workbook.run_workbook(["notebooks/00_setup.ipynb"], parameters={"seed": 1}, out="runs/try")
 
     ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
@@ -9,13 +9,17 @@
 
 Modules, in the order a reader meets them:
 
-* :mod:`~ssmkit.workbook.cells`: what notebook cells call (:func:`check_params`, :func:`pick_device`,
+* :mod:`~ssmkit.workbook.params`: :func:`check_params`, the first cell of every notebook (each parameter
+  checked, a relative ``out_dir`` taken from notebooks/, names papermill injected compared with the
+  declared ones, ``overrides`` of TrainConfig keys), and how ``-p`` / ``-f`` reach each notebook;
+* :mod:`~ssmkit.workbook.cells`: what the other cells call (:func:`pick_device`,
   :func:`system_info`, :func:`preset_info`, :func:`train_config`, :func:`sample_text`,
   :func:`markdown_table`, :func:`format_duration`, :func:`write_metrics`; :func:`summarize_run` is
   :func:`ssmkit.eval.summarize_run`);
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
   :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`, :func:`parse_value`);
 * :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
+  :mod:`~ssmkit.workbook.progress`: its line per cell and the slow-run warning;
 * :mod:`~ssmkit.workbook.rundir`: the run directory's record and :func:`write_summary`;
 * :mod:`~ssmkit.workbook.signals` (SIGINT / SIGTERM -> :class:`Interrupted`) and
   :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends);
@@ -25,7 +29,6 @@ papermill, matplotlib and the Jupyter machinery are imported only when a noteboo
 """
 
 from .cells import (
-    check_params,
     format_duration,
     markdown_table,
     pick_device,
@@ -47,6 +50,7 @@ from .notebooks import (
     parse_value,
     strip_notebook,
 )
+from .params import check_params, notebooks_dir, resolve_out_dir
 from .rundir import RECORD, write_summary
 from .runner import DEFAULT_CELL_TIMEOUT, default_cell_timeout, run_workbook
 from .signals import Interrupted
@@ -58,6 +62,8 @@ __all__ = [
     # notebooks and params files
     "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file",
     "parse_value", "strip_notebook",
+    # parameters
+    "notebooks_dir", "resolve_out_dir",
     # the runner and its command line
     "DEFAULT_CELL_TIMEOUT", "RECORD", "Interrupted", "default_cell_timeout", "main", "run_workbook",
     "write_summary",

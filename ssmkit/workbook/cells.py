@@ -1,10 +1,9 @@
-"""What notebook cells call: check the ``parameters`` cell, describe the machine and the preset, build
-the run config, sample text, format tables and durations, write ``metrics.json``. Cells stay short;
-logic lives here.
+"""What notebook cells call: describe the machine and the preset, build the run config, sample text,
+format tables and durations, write ``metrics.json``. Cells stay short; logic lives here. (The
+``parameters`` cell is checked by :func:`ssmkit.workbook.check_params`, in :mod:`~ssmkit.workbook.params`.)
 
-    p = check_params(preset=preset, data=data, max_tokens=max_tokens, device=device, out_dir=out_dir)
     size = preset_info(p["preset"], p["max_tokens"])      # params (meta device), vocabulary, FLOPs, GiB
-    cfg = train_config(p["preset"], max_tokens=p["max_tokens"], device=p["device"])
+    cfg = train_config(p["preset"], max_tokens=p["max_tokens"], device=p["device"], evals=6, **p["overrides"])
     write_metrics(p["out_dir"], {"val_loss": 3.2})        # the runner copies these into summary.md
 
 Values are checked with :mod:`ssmkit.checks` (``True`` is never an integer); a bad one raises
@@ -25,7 +24,7 @@ from ..eval import summarize_run
 from ..io import write_atomically
 from .notebooks import PROJECT_ROOT, WorkbookError
 
-__all__ = ["check_params", "format_duration", "markdown_table", "pick_device", "preset_info", "preset_names",
+__all__ = ["format_duration", "markdown_table", "pick_device", "preset_info", "preset_names",
            "sample_text", "summarize_run", "system_info", "train_config", "write_metrics"]
 
 
@@ -33,7 +32,7 @@ def _config_dir() -> Path:
     return Path(os.environ.get("SSMKIT_CONFIGS", PROJECT_ROOT / "configs"))
 
 
-def _unknown_preset(preset) -> WorkbookError:
+def unknown_preset(preset) -> WorkbookError:
     return WorkbookError(f"unknown preset {preset!r}; valid: {', '.join(preset_names())}")
 
 
@@ -57,22 +56,33 @@ def preset_names() -> list[str]:
     return configs + [name for name in presets() if name not in configs]
 
 
-def train_config(preset: str, **overrides):
+def train_config(preset: str, evals: int | None = None, **overrides):
     """The :class:`ssmkit.train.TrainConfig` of ``preset``: ``configs/<preset>.yaml`` with ``overrides``,
     or, for a bare model preset (``tiny``, ``mamba-130m``, ...), the default recipe around that model.
 
     ``max_tokens`` replaces the config's ``max_steps``/``max_tokens`` (the notebooks budget in tokens).
+    ``evals``: validation points over the run (sets ``eval_every`` to total steps // evals, at least 1).
+    A bad value raises :class:`WorkbookError` with TrainConfig's message.
     """
     from ..train import TrainConfig
 
     if "max_tokens" in overrides:
         overrides.setdefault("max_steps", None)
+    if evals is not None and "eval_every" in overrides:
+        raise WorkbookError("give evals or eval_every, not both")
     path = _config_dir() / f"{preset}.yaml"
-    if path.exists():
-        return TrainConfig.from_yaml(path, overrides=overrides)
-    if preset not in preset_names():
-        raise _unknown_preset(preset)
-    return TrainConfig.from_dict({"model": preset}, overrides=overrides)
+    if not path.exists() and preset not in preset_names():
+        raise unknown_preset(preset)
+    try:
+        cfg = (TrainConfig.from_yaml(path, overrides=overrides) if path.exists()
+               else TrainConfig.from_dict({"model": preset}, overrides=overrides))
+        if evals is not None:
+            cfg.eval_every = max(1, cfg.total_steps() // checks.integer(evals, "evals", minimum=1))
+    except WorkbookError:
+        raise
+    except ValueError as exc:
+        raise WorkbookError(str(exc)) from None
+    return cfg
 
 
 def preset_info(preset: str, max_tokens: int | None = None) -> dict:
@@ -94,7 +104,7 @@ def preset_info(preset: str, max_tokens: int | None = None) -> dict:
     from ..models import MambaLM, presets
 
     if not (_config_dir() / f"{preset}.yaml").exists() and preset not in presets():
-        raise _unknown_preset(preset)
+        raise unknown_preset(preset)
     run = train_config(preset, max_steps=1)                 # what the notebooks would train for this preset
     model, cfg = run.model, run.model_config()
     with torch.device("meta"):
@@ -105,46 +115,6 @@ def preset_info(preset: str, max_tokens: int | None = None) -> dict:
         info["train_flops"] = float(6 * n * max_tokens)
         info["shard_gb"] = round(2 * max_tokens / 2**30, 3)
     return info
-
-
-def _integer(value, name: str, minimum: int) -> int:
-    try:
-        # 2e5 from YAML or -p; never True
-        return checks.integer(value, name, minimum=minimum, whole_floats=True)
-    except ValueError:
-        raise WorkbookError(f"{name} must be an integer >= {minimum}; got {value!r}") from None
-
-
-def check_params(**params) -> dict:
-    """Validate a notebook's ``parameters`` cell; returns the values, resolved.
-
-    Known keys: ``preset`` (see :func:`preset_names`), ``data`` (a source name or an existing
-    path), ``max_tokens`` (int >= 1), ``device`` (resolved by :func:`pick_device`), ``out_dir``
-    (created; returned as a :class:`~pathlib.Path`), ``seed`` (int >= 0). Other keys pass through.
-    The first bad value raises :class:`WorkbookError` naming it and what is valid.
-    """
-    out = dict(params)
-    if "preset" in out and out["preset"] not in preset_names():
-        raise _unknown_preset(out["preset"])
-    if "data" in out:
-        from ..data import REMOTE
-
-        data = out["data"]
-        if not isinstance(data, str) or not (data in ("stdlib-docs", *REMOTE) or Path(data).exists()):
-            raise WorkbookError(f"data={data!r} is not valid; valid: 'stdlib-docs', "
-                                f"{', '.join(repr(n) for n in REMOTE)}, or an existing path")
-    if "max_tokens" in out:
-        out["max_tokens"] = _integer(out["max_tokens"], "max_tokens", 1)
-    if "seed" in out:
-        out["seed"] = _integer(out["seed"], "seed", 0)
-    if "device" in out:
-        out["device"] = pick_device(out["device"])
-    if "out_dir" in out:
-        if not isinstance(out["out_dir"], (str, Path)) or not str(out["out_dir"]):
-            raise WorkbookError(f"out_dir must be a non-empty path; got {out['out_dir']!r}")
-        out["out_dir"] = Path(out["out_dir"])
-        out["out_dir"].mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def _module_status(name: str) -> str:
@@ -196,7 +166,11 @@ def format_duration(seconds: float) -> str:
 
 
 def write_metrics(out_dir: str | Path, metrics: dict) -> Path:
-    """Write ``out_dir/metrics.json`` atomically (:func:`ssmkit.io.write_atomically`); returns its path."""
+    """Write ``out_dir/metrics.json`` atomically (:func:`ssmkit.io.write_atomically`); returns its path.
+
+    ``summary.md`` shows each metric with a unit read from its name (:func:`ssmkit.workbook.rundir.unit`):
+    ``*_loss`` nats/token, ``*tok_s`` tokens/s, ``*_seconds`` s, ``*params`` parameters, ``*_gb`` GiB,
+    ``tokens`` / ``*_tokens`` tokens, ``*_flops`` FLOPs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return write_atomically(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")

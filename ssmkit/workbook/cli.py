@@ -1,10 +1,11 @@
 """``ssmkit workbook run|strip``: the command line of the runner.
 
     ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
-                        [--cell-timeout SECONDS] [--kernel NAME] [--progress] [--log-output]
+                        [--cell-timeout SECONDS] [--kernel NAME] [--quiet] [--progress] [--log-output]
     ssmkit workbook strip [NOTEBOOK ...]          # clear outputs before committing
 
-Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order. ``-p`` values are read with the
+Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order, printing a line per notebook and one per
+code cell as it ends (``--quiet``: per notebook only). ``-p`` values are read with the
 grammar of ``ssmkit train --set`` (:func:`ssmkit.checks.parse_value`: ``none``, ``true``, ``1e3``,
 ``[1, 2]``, ``"text"``); ``-f`` is a YAML params file. Exit status: 0 all ok, 1 a notebook failed
 (or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing),
@@ -31,10 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
     run.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)")
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
-                     help="a parameter for the notebooks that declare it (repeatable); "
-                          "an undeclared key is an error")
+                     help="a parameter for the notebooks that declare it (repeatable); a TrainConfig key "
+                          "goes to the notebooks that train (their `overrides`); any other key is an error")
     run.add_argument("-f", "--params-file",
-                     help="YAML file of parameters; each notebook gets the keys it declares")
+                     help="YAML file of parameters; each notebook gets the keys it declares, and a notebook "
+                          "that trains (declares `overrides`) TrainConfig keys too; other keys are errors")
     run.add_argument("--out",
                      help="run directory (default: runs/<timestamp>); one that holds a run is refused")
     run.add_argument("--overwrite", action="store_true",
@@ -43,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", metavar="SECONDS",
                      help="seconds one cell may run, 0: no limit "
                           f"(default: $SSMKIT_CELL_TIMEOUT or {DEFAULT_CELL_TIMEOUT})")
-    run.add_argument("--progress", action="store_true", help="papermill's per-cell progress bar")
+    run.add_argument("--quiet", action="store_true", help="one line per notebook, none per cell")
+    run.add_argument("--progress", action="store_true", help="papermill's progress bar over the cells")
     run.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     strip = sub.add_parser("strip", help="clear outputs and execution counts in place")
     strip.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/*.ipynb)")
@@ -80,7 +83,8 @@ def main(argv=None) -> None:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         summary = run_workbook(args.notebooks or None, params, args.out, shared=shared,
                                kernel_name=args.kernel, cell_timeout=args.cell_timeout,
-                               overwrite=args.overwrite, progress=args.progress, log_output=args.log_output)
+                               overwrite=args.overwrite, progress=args.progress, log_output=args.log_output,
+                               quiet=args.quiet)
     except WorkbookError as exc:
         parser.exit(2, f"ssmkit workbook: {exc}\n")
     except Interrupted as exc:

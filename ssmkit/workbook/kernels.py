@@ -7,6 +7,7 @@ jupyter_client, ipykernel and zmq are imported only here, and only when a notebo
 from __future__ import annotations
 
 import asyncio
+import os
 
 from .notebooks import WorkbookError
 
@@ -24,8 +25,9 @@ def check_kernel(name: str) -> None:
                             "(without --kernel: ipykernel on this Python)")
 
 
-def kernel_manager_class(kernel_name: str | None, started: list):
-    """The kernel manager of a run; each one is appended to ``started`` (see :func:`end_kernels`). Without
+def kernel_manager_class(kernel_name: str | None, started: list, env: dict | None = None):
+    """The kernel manager of a run; each one is appended to ``started`` (see :func:`end_kernels`). ``env``:
+    environment variables its kernels get unless this process sets them (``SSMKIT_PROGRESS=text``). Without
     ``kernel_name`` its kernel is ipykernel on *this* interpreter (whatever ``python3`` spec a user has). Its
     shutdown interrupts a busy kernel and lets the interrupted cell answer before asking the kernel to exit
     (after a timeout, Ctrl-C, SIGTERM) instead of racing it, which made the kernel print ZMQ errors
@@ -48,6 +50,10 @@ def kernel_manager_class(kernel_name: str | None, started: list):
         def kernel_spec(self):
             return (super().kernel_spec if kernel_name
                     else KernelSpec(resource_dir=RESOURCES, **get_kernel_dict()))
+
+        async def start_kernel(self, **kw) -> None:
+            kw["env"] = {**(env or {}), **(kw.get("env") or os.environ)}
+            await super().start_kernel(**kw)
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
             if self.has_kernel and not now:

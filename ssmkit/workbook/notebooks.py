@@ -82,21 +82,37 @@ def declared_parameters(path: str | Path) -> dict:
 
 
 def strip_notebook(path: str | Path) -> bool:
-    """Clear outputs, execution counts and run metadata (papermill, execution timings) in place;
-    True if changed."""
+    """Clear outputs, execution counts and what a session adds (papermill's run metadata, ipywidgets'
+    state, the kernel's ``language_info`` beyond its name, per-cell execution timings, view state:
+    ``collapsed``, ``scrolled``, ``jupyter.{source,outputs}_hidden``, the ``trusted`` flag, empty ``tags``)
+    in place, and write it as nbformat does (keys sorted, indent 1), so that a notebook run and saved in
+    JupyterLab strips back to the committed bytes. True if the file changed."""
     path = Path(path)
     nb = read_notebook(path)
-    before = json.dumps(nb, sort_keys=True)
+    meta = nb.setdefault("metadata", {})
     for key in ("papermill", "widgets"):
-        nb.get("metadata", {}).pop(key, None)
+        meta.pop(key, None)
+    info = meta.get("language_info")
+    if isinstance(info, dict) and "name" in info:      # a kernel adds version, mimetype, codemirror_mode...
+        meta["language_info"] = {"name": info["name"]}
     for cell in nb.get("cells", []):
-        for key in ("papermill", "execution", "collapsed", "scrolled"):
-            cell.get("metadata", {}).pop(key, None)
+        cell_meta = cell.setdefault("metadata", {})
+        for key in ("papermill", "execution", "collapsed", "scrolled", "trusted"):
+            cell_meta.pop(key, None)
+        view = cell_meta.get("jupyter")
+        if isinstance(view, dict):
+            for key in ("source_hidden", "outputs_hidden"):
+                view.pop(key, None)
+            if not view:
+                del cell_meta["jupyter"]
+        if cell_meta.get("tags") == []:
+            del cell_meta["tags"]
         if cell.get("cell_type") == "code":
             cell["outputs"], cell["execution_count"] = [], None
-    if json.dumps(nb, sort_keys=True) == before:
+    text = json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+    if path.read_text(encoding="utf-8") == text:
         return False
-    write_atomically(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    write_atomically(path, text)
     return True
 
 

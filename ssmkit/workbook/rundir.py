@@ -71,15 +71,43 @@ def claim(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> None
             (out / name).unlink()
 
 
+# a metric's unit, read from the last word of its name (val_loss, train_tok_s, preset_params, disk_free_gb)
+UNITS = {"loss": "nats/token", "tok_s": "tokens/s", "tokens_per_s": "tokens/s", "seconds": "s",
+         "params": "parameters", "gb": "GiB", "flops": "FLOPs", "tokens": "tokens"}
+
+
+def unit(name: str) -> str:
+    """The unit of metric ``name``: :data:`UNITS` of the name itself or of its ending ``_<word>``
+    (``val_loss`` nats/token, ``train_tok_s`` tokens/s, ``smoke_seconds`` s, ``preset_params`` parameters,
+    ``disk_free_gb`` GiB, ...); "" for none (perplexity, counts, names)."""
+    for word, what in UNITS.items():
+        if name == word or name.endswith("_" + word):
+            return what
+    return ""
+
+
 def _fmt(value) -> str:
+    if value is None:
+        return "–"
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     return str(value).replace("|", "\\|")
 
 
+def _link(path: str, out: Path) -> str:
+    rel = os.path.relpath(path, out)
+    return f"[{Path(path).name}]({f'<{rel}>' if ' ' in rel else rel})"
+
+
 def write_summary(summary: dict, out: str | Path) -> Path:
-    """``out/summary.md`` (a table, then one section per failed or interrupted notebook) and
-    ``out/summary.json``; returns the .md path."""
+    """``out/summary.md`` and ``out/summary.json``; returns the .md path.
+
+    summary.md: a table of the notebooks (status, time, stated CPU time), a warning for each CPU run that
+    took far longer than stated, then per notebook its metrics as a table (name, value, unit: :func:`unit`)
+    and links to the figures it wrote, a section per failed or interrupted notebook, and the parameters.
+    """
     out = Path(out)
     counts = Counter(e["status"] for e in summary["notebooks"])
     tally = f"{counts['ok']} ok, {counts['failed']} failed" + "".join(
@@ -87,11 +115,22 @@ def write_summary(summary: dict, out: str | Path) -> Path:
     stopped = f" Interrupted by {summary['interrupted']}." if summary.get("interrupted") else ""
     rows = [f"# Workbook run `{summary['run']}`", "",
             f"Started {summary['started']}, finished {summary.get('finished', '?')}; {tally}.{stopped}", "",
-            "| notebook | status | time (s) | key metrics |", "|---|---|---|---|"]
+            "| notebook | status | time (s) | stated CPU time (s) |", "|---|---|---|---|"]
     for e in summary["notebooks"]:
-        metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in e["metrics"].items()) or "–"
-        seconds = "–" if e["seconds"] is None else e["seconds"]
-        rows.append(f"| {Path(e['notebook']).name} | {e['status']} | {seconds} | {metrics} |")
+        stated = f"~{e['cpu_seconds']:g}" if e.get("cpu_seconds") else "–"
+        rows.append(f"| {Path(e['notebook']).name} | {e['status']} | {_fmt(e['seconds'])} | {stated} |")
+    warnings = [e["warning"] for e in summary["notebooks"] if e.get("warning")]
+    if warnings:
+        rows += [""] + [f"> **Warning**: {w}." for w in warnings]
+    for e in summary["notebooks"]:
+        if e["metrics"] or e.get("figures"):
+            rows += ["", f"## {Path(e['notebook']).name}", ""]
+        if e["metrics"]:
+            rows += ["| metric | value | unit |", "|---|---|---|"]
+            rows += [f"| {k} | {_fmt(v)} | {unit(k) or '–'} |" for k, v in e["metrics"].items()]
+            rows += [""] if e.get("figures") else []
+        if e.get("figures"):
+            rows.append("Figures: " + ", ".join(_link(f, out) for f in e["figures"]))
     for e in summary["notebooks"]:
         if e["status"] in ("failed", "interrupted"):
             rows += ["", f"## {Path(e['notebook']).name} {e['status']}", ""]
@@ -102,6 +141,8 @@ def write_summary(summary: dict, out: str | Path) -> Path:
     if summary.get("parameters") or summary.get("shared"):
         rows += ["", "## Parameters", "", f"- explicit (-p): `{summary['parameters']}`",
                  f"- shared (-f): `{summary['shared']}`"]
+        rows += [f"- {Path(e['notebook']).name} trains with overrides: `{e['parameters']['overrides']}`"
+                 for e in summary["notebooks"] if e["parameters"].get("overrides")]
         rows += [f"- {Path(e['notebook']).name} ignores: {', '.join(e['unused_shared'])}"
                  for e in summary["notebooks"] if e["unused_shared"]]
     try:

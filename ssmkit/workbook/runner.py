@@ -9,12 +9,22 @@ interrupted, not run), wall time and key metrics, read from a ``metrics.json`` t
 in this run, never a stale one. A failing notebook is reported with its cell and error; the others
 still run.
 
-Parameters. ``parameters`` are explicit: a key that no notebook of the run declares in its
-``parameters`` cell is an error (a typo would otherwise run silently with the default). ``shared``
-(a params file) is a recipe: each notebook gets the keys it declares and the rest are listed as
-unused. ``parameters`` win over ``shared``. Notebooks run with their own folder as working
-directory, as in JupyterLab, on a kernel of the Python that runs this module (so ssmkit is
-importable there).
+Parameters (:func:`~ssmkit.workbook.params.route_parameters`). ``parameters`` are explicit: a key that no
+notebook of the run declares in its ``parameters`` cell is an error (a typo would otherwise run silently
+with the default). ``shared`` (a params file) is a recipe: each notebook gets the keys it declares, and a
+notebook that declares ``overrides`` (it trains) gets the TrainConfig keys it does not declare in its
+``overrides`` (a recipe's ``micro_batch``, ``lr``, ...); the keys a notebook does not take are listed in
+the summary; a key that is neither a parameter of a notebook of the workbook (the run's, and the
+``NN_*.ipynb`` beside them) nor a TrainConfig key is an error. ``parameters`` win over ``shared``. A
+relative ``out_dir`` starts at the checkout's notebooks/ folder
+(:func:`~ssmkit.workbook.params.resolve_out_dir`), as in the notebooks' own check. Notebooks run with
+their own folder as working directory, as in JupyterLab, on a kernel of the Python that runs this module
+(so ssmkit is importable there), with ``SSMKIT_PROGRESS=text`` (unless set): the Trainer's progress bar as
+text lines, which papermill's output keeps (a widget bar shows frozen there).
+
+Output. One line per notebook, and one per code cell as it ends (:class:`~ssmkit.workbook.progress.CellLines`;
+``quiet``: none); a notebook that ran more than 3x its stated CPU time (``metadata.ssmkit.cpu_seconds``)
+on a CPU is flagged in the terminal and in summary.md.
 
 Timeouts. A cell that runs longer than ``cell_timeout`` seconds (default :data:`DEFAULT_CELL_TIMEOUT`,
 or ``$SSMKIT_CELL_TIMEOUT``; 0: no limit) fails its notebook with "timeout after N s". Signals: see
@@ -35,11 +45,14 @@ from .. import checks
 from ..io import DirLock, LockError, describe_os_error
 from .kernels import check_kernel, end_kernels, kernel_manager_class
 from .notebooks import WorkbookError, cell_source, declared_parameters, find_notebooks, read_notebook
+from .params import resolve_out_dir, route_parameters, workbook_parameters
+from .progress import CellLines, slow_warning
 from .rundir import claim, previous_outputs, write_summary
 from .signals import Interrupted, StopOnSignals
 
 # s: no CPU-default cell comes near it (a whole notebook takes <= 5 min); a hang ends
 DEFAULT_CELL_TIMEOUT = 3600
+KERNEL_ENV = {"SSMKIT_PROGRESS": "text"}    # what a headless kernel gets unless this process sets it
 
 __all__ = ["DEFAULT_CELL_TIMEOUT", "default_cell_timeout", "run_workbook", "timeout_seconds"]
 
@@ -95,7 +108,7 @@ def _lock(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> DirL
 
 def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, shared: dict | None = None,
                  kernel_name: str | None = None, cell_timeout: float | None = None, overwrite: bool = False,
-                 progress: bool = False, log_output: bool = False) -> dict:
+                 progress: bool = False, log_output: bool = False, quiet: bool = False) -> dict:
     """Execute notebooks with papermill into ``out`` and write ``summary.md`` / ``summary.json`` there.
 
     notebooks: paths (default: :func:`find_notebooks`); parameters: explicit values, each must be
@@ -103,19 +116,18 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
     declare them; out: the run directory (default ``runs/<timestamp>``); overwrite: replace the results
     of an earlier run in ``out`` (see :mod:`ssmkit.workbook.rundir`); kernel_name: a Jupyter kernel spec to
     use instead of this interpreter; cell_timeout: seconds one cell may run (None:
-    :func:`default_cell_timeout`, 0: no limit). Returns the summary dict (also summary.json);
-    ``summary["failed"]`` counts failed notebooks. Raises :class:`WorkbookError` before running anything (and
-    without touching ``out``) when a notebook is missing, a parameter is declared by none of them, or ``out``
-    holds a run; raises :class:`Interrupted` on SIGINT / SIGTERM, after the summary is written.
+    :func:`default_cell_timeout`, 0: no limit); progress: papermill's bar over the cells; log_output: the
+    notebooks' output on this terminal; quiet: no line per cell. Returns the summary dict (also
+    summary.json); ``summary["failed"]`` counts failed notebooks. Raises :class:`WorkbookError` before
+    running anything (and without touching ``out``) when a notebook is missing, a parameter reaches none of
+    them, or ``out`` holds a run; raises :class:`Interrupted` on SIGINT / SIGTERM, after the summary is
+    written.
     """
     paths = _checked_paths(notebooks)
     parameters, shared = dict(parameters or {}), dict(shared or {})
     declared = {p: declared_parameters(p) for p in paths}
-    known = set().union(*declared.values())
-    unknown = sorted(set(parameters) - known)
-    if unknown:
-        raise WorkbookError(f"parameter(s) {', '.join(unknown)} not declared by any notebook of this run; "
-                            f"declared: {', '.join(sorted(known)) or 'none'}")
+    values, unused = route_parameters(declared, parameters, shared,
+                                      workbook_parameters({p.parent for p in paths}) if shared else set())
     timeout = (default_cell_timeout() if cell_timeout is None
                else timeout_seconds(cell_timeout, "cell_timeout"))
     try:
@@ -124,15 +136,17 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
         raise WorkbookError("papermill is not installed: pip install 'ssmkit[workbook]'") from None
     if kernel_name:
         check_kernel(kernel_name)
-    values = {p: {k: v for k, v in {**shared, **parameters}.items() if k in declared[p]} for p in paths}
+    for p in paths:
+        if "out_dir" in values[p]:          # the notebooks' own rule, so that the runner finds metrics.json
+            values[p]["out_dir"] = str(resolve_out_dir(values[p]["out_dir"]))
     out = Path(out) if out else Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     files = ["summary.md", "summary.json", *(p.name for p in paths)]
     dirs = [p.stem for p in paths if "out_dir" in declared[p] and "out_dir" not in values[p]]
     previous_outputs(out, files + dirs, overwrite)             # a refused run touches nothing
     lock = _lock(out, files, dirs, overwrite)
     entries = [{"notebook": str(p), "status": "not run", "executed": None, "parameters": values[p],
-                "seconds": None, "metrics_file": None, "metrics": {},
-                "unused_shared": sorted(set(shared) - set(declared[p]))}
+                "seconds": None, "cpu_seconds": _stated_cpu_seconds(p), "metrics_file": None, "metrics": {},
+                "figures": [], "unused_shared": unused[p]}
                for p in paths]
     summary = {"run": str(out), "started": datetime.now().isoformat(timespec="seconds"),
                "python": sys.executable, "parameters": parameters, "shared": shared, "cell_timeout": timeout,
@@ -140,19 +154,29 @@ def run_workbook(notebooks=None, parameters: dict | None = None, out=None, *, sh
     kernels = []
     options = {"kernel_name": kernel_name or "python3", "language": "python", "progress_bar": progress,
                "log_output": log_output, "execution_timeout": timeout,
-               "kernel_manager_class": kernel_manager_class(kernel_name, kernels)}
+               "kernel_manager_class": kernel_manager_class(kernel_name, kernels, env=KERNEL_ENV)}
     stopped = None
     try:
         with StopOnSignals() as signals:
             try:
                 for i, (path, entry) in enumerate(zip(paths, entries), 1):
-                    print(f"[{i}/{len(paths)}] {path.name} ...", flush=True)
+                    unused_here = ", ".join(entry["unused_shared"])
+                    print(f"[{i}/{len(paths)}] {path.name} ..."
+                          + (f" (not used here: {unused_here})" if unused_here else ""), flush=True)
+                    lines = None if quiet else CellLines(path.stem)
+                    hooks = lines.hooks() if lines else {}
                     try:
-                        _run_one(path, entry, out, declared[path], options)
+                        _run_one(path, entry, out, declared[path], {**options, **hooks})
                     finally:
+                        if lines:
+                            lines.stop()
                         end_kernels(kernels)
                     error = f": {entry['error']}" if "error" in entry else ""
                     print(f"      {entry['status']} in {entry['seconds']} s{error}", flush=True)
+                    entry["warning"] = entry["cpu_seconds"] and slow_warning(
+                        path.name, entry["seconds"], entry["cpu_seconds"], _device(entry)) or None
+                    if entry["warning"]:
+                        print(f"      warning: {entry['warning']}", flush=True)
             except Interrupted as exc:
                 stopped, summary["interrupted"] = exc, str(exc)
                 signals.settle()
@@ -179,14 +203,13 @@ def _run_one(path: Path, entry: dict, out: Path, declared: dict, options: dict) 
 
     executed, values = out / path.name, entry["parameters"]
     entry.update(status="running", executed=str(executed))
-    start, metrics, old_metrics = time.perf_counter(), None, None
+    start, began, metrics, old_metrics = time.perf_counter(), time.time(), None, None
     try:
         if "out_dir" in declared and "out_dir" not in values:
             (out / path.stem).mkdir(exist_ok=True)
             values["out_dir"] = str((out / path.stem).resolve())
-        # a relative out_dir given as a parameter starts at the notebook's folder (its working directory)
-        metrics = (path.resolve().parent / values["out_dir"] if "out_dir" in values else out / path.stem) / \
-            "metrics.json"
+        # out_dir is absolute here (run_workbook resolved a given one)
+        metrics = Path(values["out_dir"] if "out_dir" in values else out / path.stem) / "metrics.json"
         old_metrics = _stamp(metrics)
         papermill.execute_notebook(str(path), str(executed), parameters=values,
                                    cwd=str(path.resolve().parent), **options)
@@ -201,6 +224,33 @@ def _run_one(path: Path, entry: dict, out: Path, declared: dict, options: dict) 
         entry["seconds"] = round(time.perf_counter() - start, 1)
         if metrics is not None and _stamp(metrics) not in (None, old_metrics):   # this run's, not a stale one
             entry["metrics_file"], entry["metrics"] = str(metrics), _key_metrics(metrics)
+        if metrics is not None:                    # figures this run wrote in out_dir (not an earlier run's)
+            entry["figures"] = _figures(metrics.parent, since=began - 1)
+
+
+def _stated_cpu_seconds(path: Path) -> float | None:
+    """The CPU time a notebook states in ``metadata.ssmkit.cpu_seconds`` (None if none)."""
+    value = (read_notebook(path).get("metadata", {}).get("ssmkit") or {}).get("cpu_seconds")
+    return float(value) if checks.is_number(value) and value > 0 else None
+
+
+def _device(entry: dict) -> str | None:
+    """The device a notebook ran on: its metrics' ``device``, else its ``device`` parameter ("auto": what it
+    resolves to here); None if unknown."""
+    device = entry["metrics"].get("device") or entry["parameters"].get("device")
+    if device == "auto" or (device is None and "device" not in entry["parameters"]):
+        from ..env import pick_device
+
+        device = pick_device("auto")
+    return str(device).partition(":")[0] if device else None
+
+
+def _figures(folder: Path, since: float) -> list[str]:
+    """The .png files directly in ``folder`` written at or after ``since`` (epoch seconds), sorted."""
+    try:
+        return sorted(str(p) for p in folder.glob("*.png") if p.is_file() and p.stat().st_mtime >= since)
+    except OSError:
+        return []
 
 
 # --- where and why a notebook stopped ------------------------------------------------------------
@@ -262,7 +312,7 @@ def _stamp(path: Path):
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _key_metrics(path: Path, limit: int = 12) -> dict:
+def _key_metrics(path: Path, limit: int = 24) -> dict:
     """Scalar entries of a metrics.json (numbers, bools, short strings), at most ``limit``."""
     try:
         data = json.loads(path.read_text())
