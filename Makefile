@@ -40,7 +40,7 @@ lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Pyt
 strip: $(STAMP)          ## clear outputs and execution counts of notebooks/*.ipynb before committing
 	$(PY) -m ssmkit.cli workbook strip
 
-demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (< 2 min)
+demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (~1 min)
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
 
 bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps, as ratios

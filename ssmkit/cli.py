@@ -1,6 +1,10 @@
-"""The ``ssmkit`` command line. Subcommands so far: ``env`` (the environment report), ``demo`` (the
-CPU training demo), ``convert`` (checkpoint layouts), ``data prepare`` (token shards), ``train``
-(ssmkit.train.cli) and ``workbook`` (ssmkit.workbook); the last two parse their own options."""
+"""The ``ssmkit`` command line. Subcommands: ``env`` (the environment report), ``demo`` (the CPU
+training demo), ``generate`` (text from a checkpoint), ``convert`` (checkpoint layouts), ``data
+prepare`` (token shards), ``train`` (ssmkit.train.cli) and ``workbook`` (ssmkit.workbook); demo, train
+and workbook parse their own options.
+
+    ssmkit generate runs/cpu-tiny/checkpoints/latest --prompt "The for statement" --max-new-tokens 64
+"""
 
 from __future__ import annotations
 
@@ -20,13 +24,96 @@ def _count(text: str) -> int:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _generate_parser(sub) -> argparse.ArgumentParser:
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model (checkpoint or model dir)",
+                         description="Print the prompt and its continuation, decoded.")
+    gen.add_argument("checkpoint", metavar="CHECKPOINT",
+                     help="a model directory (config.json), a Trainer checkpoint step_N/, a checkpoints/ "
+                          "directory or its latest file, a run's out_dir, or a hub id")
+    gen.add_argument("--prompt", required=True, help="the text to continue ('' starts a new document)")
+    gen.add_argument("--max-new-tokens", type=lambda t: 0 if t.strip() == "0" else _count(t), default=64,
+                     metavar="N", help="tokens to add (default 64; generation stops early at end-of-text)")
+    gen.add_argument("--temperature", type=_number, default=0.8, metavar="T",
+                     help="sampling temperature; 0 is greedy (default 0.8)")
+    gen.add_argument("--top-k", type=_count, default=None, metavar="K", help="sample from the K most likely")
+    gen.add_argument("--top-p", type=_number, default=None, metavar="P",
+                     help="sample from the smallest set of tokens whose probability reaches P (0 < P <= 1)")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling (default 0)")
+    gen.add_argument("--tokenizer", default=None, metavar="NAME",
+                     help="gpt2, byte, bpe-<N>, a hub id or a directory (default: the checkpoint's files)")
+    gen.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N")
+    gen.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: as saved)")
+    return gen
+
+
+def generate_text(args) -> str:
+    """``ssmkit generate``: the checkpoint's model and tokenizer, the prompt continued, decoded. A user's
+    mistake (no such checkpoint, no tokenizer, a tokenizer that does not fit) raises ValueError."""
+    import torch
+
+    from .hub import from_pretrained
+    from .io import read_json
+    from .models import generate
+    from .models.generate import check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    source, step = str(args.checkpoint), None
+    looks_like_hub_id = not Path(source).exists() and source.count("/") == 1 and not source.startswith(".")
+    if not looks_like_hub_id:
+        from .train.checkpoint import find_model, verify
+
+        model_dir, step = find_model(source)
+        if step is not None:
+            verify(step, prefix="model/")                 # the weights and tokenizer, as the manifest says
+        source = str(model_dir)
+    name = args.tokenizer or source
+    from .data import get_tokenizer
+    from .data.tokenizers import TOKENIZER_FILES
+
+    if args.tokenizer is None and not looks_like_hub_id and \
+            not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        trained = None
+        if step is not None:
+            state = read_json(step / "trainer.json", "checkpoint state")
+            trained = state.get("tokenizer") or (state.get("config") or {}).get("tokenizer")
+        hint = f" (trainer.json says it was trained with {trained!r}: --tokenizer {trained})" if trained \
+            else ""
+        raise ValueError(f"{source} holds no tokenizer files; pass --tokenizer NAME, the tokenizer the model "
+                         f"was trained with{hint}")
+    tok = get_tokenizer(name)
+    model = from_pretrained(source, dtype=args.dtype, device=args.device)
+    vocab = model.config.vocab_size
+    if len(tok) > vocab:
+        raise ValueError(f"the tokenizer {name!r} has {len(tok):,} tokens, more than the model's vocabulary "
+                         f"of {vocab:,}: it is not the tokenizer this model was trained with")
+    ids = tok.encode(args.prompt, add_special_tokens=False) if args.prompt else []
+    if not ids:                                       # '' starts a new document: the end-of-text token
+        if tok.eos_token_id is None:
+            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [tok.eos_token_id]
+    device = next(model.parameters()).device
+    eos = tok.eos_token_id if tok.eos_token_id is not None and tok.eos_token_id < vocab else None
+    out = generate(model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
+                   generator=torch.Generator(device=device).manual_seed(args.seed))
+    return tok.decode(out[0].tolist(), skip_special_tokens=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ssmkit", description="train state-space language models")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="torch, device, kernels and the backend of every op")
-    sub.add_parser("demo", help="train the tiny preset on CPU for a few hundred steps, then sample",
-                   add_help=False)
+    sub.add_parser("demo", help="train the tiny preset on CPU for a few hundred steps, then sample; "
+                                "--help for options", add_help=False)
+    _generate_parser(sub)
     sub.add_parser("train", help="train a model from a YAML config (see configs/); --help for options",
                    add_help=False)
     sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options",
@@ -100,10 +187,22 @@ def main(argv=None):
         if args.mds_seq_len is not None:
             print(f"MDS: {args.out}/mds, samples of {args.mds_seq_len + 1} tokens "
                   "(streaming.StreamingDataset)")
+    elif args.command == "generate":
+        if rest:
+            parser.error(f"unrecognized arguments for generate: {' '.join(rest)}")
+        from .io import describe_os_error
+
+        try:
+            text = generate_text(args)
+        except ValueError as exc:               # no checkpoint, no tokenizer, a corrupt file, a bad value
+            parser.exit(1, f"ssmkit generate: {exc}\n")
+        except OSError as exc:
+            parser.exit(1, f"ssmkit generate: {describe_os_error(exc)}\n")
+        print(text)
     elif args.command == "demo":
         from .demo import main as demo_main
 
-        demo_main(rest)
+        demo_main(rest, prog="ssmkit demo")
     elif args.command == "train":
         from .train.cli import main as train_main
 

@@ -50,14 +50,16 @@ def evaluate(model, data, seq_len=128, n=16, seed=1234) -> float:
     return loss
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--mixer", default="mamba1", choices=["mamba1", "mamba2"])
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+def main(argv=None, prog: str | None = None):
+    """``python -m ssmkit.demo`` / ``ssmkit demo`` (``prog`` names the command in --help and errors)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
+    p.add_argument("--mixer", default="mamba1", choices=["mamba1", "mamba2"],
+                   help="the tiny preset's mixer: mamba1 (S6) or mamba2 (SSD) (default mamba1)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per window (default 128)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the sample")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -98,4 +100,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m ssmkit.demo")

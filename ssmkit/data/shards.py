@@ -3,9 +3,10 @@
 
 Documents are tokenized in worker processes (in order), each followed by EOS, and packed into one
 flat token stream cut into shards of ``shard_tokens`` tokens, stored as raw ``uint16`` (vocabulary
-below 65536) or ``uint32``. Blank documents are skipped. ``index.json`` records the tokenizer,
-vocabulary size, dtype, every shard's token count and sha256, the source, its fingerprint
-(:func:`~ssmkit.data.sources.source_fingerprint`) and the options.
+below 65536) or ``uint32``. Blank documents are skipped. ``index.json`` records the tokenizer (its
+name; for a ``bpe-<N>`` trained on a local source, the directory holding it: see
+:func:`~ssmkit.data.tokenizers.tokenizer_for`), vocabulary size, dtype, every shard's token count and
+sha256, the source, its fingerprint (:func:`~ssmkit.data.sources.source_fingerprint`) and the options.
 
 Crash safety and resume: a shard is written to a temporary name and renamed when complete, and
 after each shard ``progress.json`` records where in the source the next one starts (document and
@@ -36,12 +37,11 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from .. import checks
-from ..io import cache_dir, plain_name, read_json, write_atomically, write_json
+from ..io import cache_dir, plain_name, read_json, tqdm_bar, write_atomically, write_json
 from .sources import Document, load_source, source_fingerprint
-from .tokenizers import get_tokenizer
+from .tokenizers import get_tokenizer, tokenizer_for
 
 INDEX, PROGRESS = "index.json", "progress.json"
 FORMAT_VERSION = 1
@@ -228,7 +228,7 @@ def _token_lists(docs: Iterator[Document], tokenizer: str, workers: int,
 @contextmanager
 def progress_bar(**kw):
     """A tqdm bar that stays when the work finishes and is erased when it fails (so the error reads alone)."""
-    bar = tqdm(**kw)
+    bar = tqdm_bar(**kw)                                   # the form $SSMKIT_PROGRESS asks for
     try:
         yield bar
     except BaseException:
@@ -281,12 +281,17 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
     options = dict(source=source if named else "<documents>", split=split, tokenizer=tokenizer,
                    max_tokens=max_tokens, shard_tokens=shard_tokens, dtype=dtype,
                    source_fingerprint=source_fingerprint(source) if named else None)
+    # bpe-<N> is trained on the source's train split (tokenizer_for decides); `loadable` names exactly
+    # that tokenizer (index.json's "tokenizer": what a checkpoint saves, what the workers load)
+    loadable = tokenizer_for(tokenizer, source if named else None)
+    if tokenizer.startswith("bpe-"):                                # its corpus' fingerprint and recipe
+        options["bpe"] = Path(get_tokenizer(loadable).name_or_path).name
     if (out / INDEX).exists():                                      # finished before: check it, nothing to do
         index = load_index(out)
         _same_options(out, "shards", index.get("options"), options)
         check_shards(out, index["shards"], index["dtype"], index["vocab_size"], verify="auto")
         return index
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(loadable)
     vocab = len(tok)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer!r} has no EOS token to separate documents")
@@ -339,7 +344,7 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
     left = lambda: None if max_tokens is None else max_tokens - written - len(buffer)  # noqa: E731
     with progress_bar(total=max_tokens, initial=written, unit="tok", unit_scale=True, disable=not progress,
                       desc=f"prepare {options['source']}") as bar:
-        for doc_index, ids in enumerate(_token_lists(docs, tokenizer, workers), start=state["next_doc"]):
+        for doc_index, ids in enumerate(_token_lists(docs, loadable, workers), start=state["next_doc"]):
             state["documents"] = doc_index + 1
             if not ids:                                             # a blank document: nothing to learn from
                 state["empty_documents"] += 1
@@ -364,7 +369,7 @@ def write_shards(source, tokenizer, out: Path, *, split, max_tokens, shard_token
     if named and source_fingerprint(source) != options["source_fingerprint"]:
         raise ValueError(f"the source {source!r} changed while it was being prepared; "
                          f"delete {out} and prepare again when it no longer changes")
-    index = dict(version=FORMAT_VERSION, tokenizer=tokenizer, vocab_size=vocab, eos_token_id=tok.eos_token_id,
+    index = dict(version=FORMAT_VERSION, tokenizer=loadable, vocab_size=vocab, eos_token_id=tok.eos_token_id,
                  dtype=dtype.name, total_tokens=written, documents=state["documents"],
                  empty_documents=state["empty_documents"], shards=state["shards"], options=options)
     write_json(out / INDEX, index)

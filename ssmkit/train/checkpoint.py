@@ -3,7 +3,9 @@
     out_dir/checkpoints/
         latest                  the name of the newest committed checkpoint, e.g. "step_00000200"
         step_00000200/
-            model/              save_pretrained: loads with ssmkit.from_pretrained, exports to HF
+            model/              save_pretrained: loads with ssmkit.from_pretrained, exports to HF; with
+                                the tokenizer's files (trainer.json "tokenizer"), so `ssmkit generate`
+                                and ssmkit.data.get_tokenizer(".../model") need nothing else
             state/              torch.distributed.checkpoint of {"model", "optim"} (sharded under FSDP;
                                 DCP reshards on load, so 2 processes can resume with 1)
             trainer.json        step, tokens seen, data loader position, scaler, skipped steps, config
@@ -186,15 +188,16 @@ def write_manifest(folder: Path) -> dict:
     return files
 
 
-def verify(folder: Path):
-    """Check every file listed in ``folder/manifest.json`` (present, size, sha256); CheckpointCorrupt
-    otherwise."""
+def verify(folder: Path, prefix: str = ""):
+    """Check every file listed in ``folder/manifest.json`` (present, size, sha256), or only those whose
+    path starts with ``prefix`` (``"model/"``: the weights and tokenizer); CheckpointCorrupt otherwise."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise CheckpointCorrupt(f"{folder} has no {MANIFEST}: it is not a complete ssmkit checkpoint")
     try:
         files = read_json(folder / MANIFEST, "checkpoint manifest")["files"]
-        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()
+                   if name.startswith(prefix)]
         for name, _, _ in entries:
             for part in name.split("/"):
                 plain_name(part, f"{folder / MANIFEST}")
@@ -221,6 +224,37 @@ def is_complete(folder: Path) -> bool:
         (folder / "trainer.json").is_file()
 
 
+# --- the tokenizer beside the weights --------------------------------------------------------------
+
+_TOKENIZERS: dict[str, object] = {}       # name -> tokenizer: loaded once per process
+
+
+def save_tokenizer(name: str | None, folder: Path, model: nn.Module) -> bool:
+    """Write the files of tokenizer ``name`` (the training data's ``index.json`` "tokenizer") into
+    ``folder`` (a checkpoint's ``model/``), so the checkpoint loads with its tokenizer. False, with a
+    warning, when there is no name, it cannot be loaded, or it does not fit the model's vocabulary (a
+    checkpoint is never lost for want of its tokenizer); errors writing the files (disk full) propagate."""
+    from ..data import get_tokenizer
+
+    if not name:
+        return False
+    try:
+        if name not in _TOKENIZERS:
+            _TOKENIZERS[name] = get_tokenizer(name)
+        tok = _TOKENIZERS[name]
+    except (ValueError, RuntimeError, OSError) as exc:
+        warnings.warn(f"the checkpoint is saved without its tokenizer {name!r}, which cannot be loaded "
+                      f"({exc}); pass --tokenizer to `ssmkit generate`", stacklevel=3)
+        return False
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        warnings.warn(f"the checkpoint is saved without the tokenizer {name!r}: its {len(tok)} tokens do not "
+                      f"fit the model's vocabulary of {vocab}", stacklevel=3)
+        return False
+    tok.save_pretrained(str(folder))
+    return True
+
+
 # --- save, recover, find, load --------------------------------------------------------------------
 
 def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist,
@@ -243,6 +277,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         if d.is_main:
             if hasattr(model, "save_pretrained"):
                 model.save_pretrained(tmp / "model", **({"state_dict": full} if sharded else {}))
+                save_tokenizer(trainer_state.get("tokenizer"), tmp / "model", model)
             write_json(tmp / "trainer.json", trainer_state)
         d.barrier()
         if d.is_main:
@@ -375,3 +410,36 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
     if rng.exists():                       # a rank new to this run (world size grew) keeps its seeded RNG
         set_rng_state(read_json(rng, "RNG state"))
     return state_json
+
+
+def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """The model directory behind ``path`` and the training checkpoint holding it (None for a plain model
+    directory). ``path`` may be a model directory (``config.json``), a checkpoint ``step_N/`` (its
+    ``model/``), a ``checkpoints/`` directory or its ``latest`` file (the checkpoint it names, as
+    :func:`latest` reads it: plain names only), or a run's ``out_dir`` (its ``checkpoints/``). A path that
+    is none of these is a ValueError saying what is accepted."""
+    given = Path(path)
+    accepted = ("expected a model directory (config.json), a checkpoint step_N/ (with model/), a "
+                "checkpoints/ directory or its latest file, or a run's out_dir (with checkpoints/)")
+    if given.is_file():
+        if given.name != LATEST:
+            raise ValueError(f"{given} is a file: {accepted}")
+        step = latest(given.parent)
+    elif not given.is_dir():
+        raise ValueError(f"{given} does not exist: {accepted}")
+    elif (given / "config.json").is_file():
+        parent = given.parent if given.name == "model" and is_complete(given.parent) else None
+        return given, parent
+    elif (given / "trainer.json").is_file():
+        step = given
+    else:
+        root = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+        step = latest(root)
+        if step is None:
+            raise ValueError(f"{given} holds no model and no complete checkpoint: {accepted}")
+    if step is None:
+        raise ValueError(f"{given} names no complete checkpoint in {given.parent}: {accepted}")
+    if not (step / "model" / "config.json").is_file():
+        raise ValueError(f"checkpoint {step} has no model/ (its model has no save_pretrained); "
+                         "load it with Trainer(..., resume=True) instead")
+    return step / "model", step

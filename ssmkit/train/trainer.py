@@ -22,18 +22,18 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..data import TokenLoader, prepare, source_fingerprint
 from ..env import reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
-from ..io import cache_dir, read_json, write_atomically
+from ..io import cache_dir, read_json, tqdm_bar, write_atomically
 from ..models import build_model
 from . import checkpoint
 from .config import TrainConfig
@@ -91,14 +91,37 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
     return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
 
 
+@contextlib.contextmanager
+def _no_hf_bars():
+    """transformers' progress bars off for the duration, then as they were: ``save_pretrained`` of a
+    transformers model (the Llama baseline) draws a "Writing model shards" bar inside the training cell."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_off:
+            disable_progress_bars()
+
+
 class Trainer:
     """Train ``model`` (None: built from ``config.model``) on ``data``: None (``config.data``, prepared if it
     is a source), a shard directory, or a :class:`~ssmkit.data.TokenLoader` matching the config. ``val_data``:
     a shard directory (None: ``config.val_data`` or the source's validation split). ``resume=True``
-    continues from the latest checkpoint in ``config.out_dir``."""
+    continues from the latest checkpoint in ``config.out_dir``. ``name``: the model's name on the progress
+    bar and in messages (default: the preset's name when the model is built from the config, else the
+    model's class name)."""
 
     def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None,
-                 val_data=None, callbacks=(), resume: bool = False):
+                 val_data=None, callbacks=(), resume: bool = False, name: str | None = None):
         cfg = self.config = config or TrainConfig()
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
@@ -126,6 +149,7 @@ class Trainer:
             self.val_loader = _rank0_first(d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch,
                                                                   d.rank, d.world_size, seed=0))
         vocab = self.loader.index["vocab_size"]
+        self.name = name or (cfg.model if model is None else type(model).__name__)
         if model is None:
             torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
             model = build_model(cfg.model_config(vocab))
@@ -190,14 +214,22 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
     def fit(self, until: int | None = None) -> list[dict]:
         """Train to ``config.max_steps`` (or ``until``: stop early, e.g. to look at a notebook's plot, with
-        a checkpoint; the schedule is still the full run's). Returns the records of this call."""
+        a checkpoint; the schedule is still the full run's). Returns the records of this call. With no step
+        left to take (a finished run resumed) it says so in one line and returns [] at once: no evaluation,
+        no checkpoint, no callbacks."""
         cfg, d = self.config, self.dist
         total = cfg.total_steps()
         stop = total if until is None else min(until, total)
         first_record = len(self.history)
+        if self.step >= stop:                  # a finished run resumed: no evaluation or checkpoint again
+            if d.is_main:
+                print(f"{self.name}: nothing to train, already at step {self.step} of "
+                      + (f"{total} (the run is finished; raise max_steps or max_tokens to go on)"
+                         if stop == total else f"{stop} (until={until})"), flush=True)
+            return []
         self._start_tracking()
-        bar = tqdm(total=stop, initial=self.step, unit="step", disable=not (d.is_main and cfg.progress),
-                   desc=f"train {cfg.model}", dynamic_ncols=True)
+        bar = tqdm_bar(total=stop, initial=self.step, unit="step", disable=not (d.is_main and cfg.progress),
+                       desc=f"train {self.name}", dynamic_ncols=True)
         with self.run_dir.hold():                                    # no other run writes out_dir meanwhile
             self.run_dir.check_owner()
             try:
@@ -250,8 +282,8 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == stop:
                 elapsed = time.perf_counter() - t0
                 record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",
-                                tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",     # shown at the next redraw
+                                tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
                 window = []
             if not window:
                 t0, tokens0 = time.perf_counter(), self.tokens
@@ -331,8 +363,9 @@ class Trainer:
         state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped,
                  "bad_in_row": self.bad_in_row, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict(),
-                 "world_size": self.dist.world_size, "config": self.config.to_dict()}
-        with self.run_dir.hold():
+                 "world_size": self.dist.world_size, "config": self.config.to_dict(),
+                 "tokenizer": self.loader.index.get("tokenizer")}    # its files go into model/
+        with self.run_dir.hold(), _no_hf_bars():                   # no "Writing model shards" bar
             path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
                                    self.config.keep_last)
             self._committed = True
@@ -345,7 +378,8 @@ class Trainer:
         path = checkpoint.latest(self.ckpt_dir)
         if path is None:
             if self.dist.is_main:
-                print(f"no checkpoint in {self.ckpt_dir}: starting from step 0")
+                print(f"nothing to resume in {self.out_dir}: it holds no checkpoint; starting a new run "
+                      "from step 0", flush=True)
             return False
         checkpoint.verify_everywhere(path, self.dist)                  # before anything of it is read
         saved_config = read_json(path / "trainer.json", "checkpoint state").get("config")
