@@ -263,12 +263,18 @@ def get_tokenizer(name: str | os.PathLike, corpus: str | os.PathLike | Iterable[
     return tok
 
 
-_SIZES: dict[str, int] = {}
+_LOADED: dict[str, object] = {}          # name -> tokenizer, for read-only uses (sizes, saving its files)
+
+
+def loaded_tokenizer(name: str):
+    """:func:`get_tokenizer` (``name``) loaded once per process and shared: for reading it (its size, its
+    files), not for changing it (padding side, added tokens): call get_tokenizer for a private copy."""
+    if name not in _LOADED:
+        _LOADED[name] = get_tokenizer(name)
+    return _LOADED[name]
 
 
 def vocab_size(name: str) -> int:
     """The number of tokens of tokenizer ``name`` (what a model's ``vocab_size`` must cover), from the
-    tokenizer itself: loaded once per process (a BPE not trained yet is trained and cached)."""
-    if name not in _SIZES:
-        _SIZES[name] = len(get_tokenizer(name))
-    return _SIZES[name]
+    tokenizer itself (a BPE not trained yet is trained and cached)."""
+    return len(loaded_tokenizer(name))

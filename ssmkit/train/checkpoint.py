@@ -226,22 +226,17 @@ def is_complete(folder: Path) -> bool:
 
 # --- the tokenizer beside the weights --------------------------------------------------------------
 
-_TOKENIZERS: dict[str, object] = {}       # name -> tokenizer: loaded once per process
-
-
 def save_tokenizer(name: str | None, folder: Path, model: nn.Module) -> bool:
     """Write the files of tokenizer ``name`` (the training data's ``index.json`` "tokenizer") into
     ``folder`` (a checkpoint's ``model/``), so the checkpoint loads with its tokenizer. False, with a
     warning, when there is no name, it cannot be loaded, or it does not fit the model's vocabulary (a
     checkpoint is never lost for want of its tokenizer); errors writing the files (disk full) propagate."""
-    from ..data import get_tokenizer
+    from ..data.tokenizers import loaded_tokenizer
 
     if not name:
         return False
     try:
-        if name not in _TOKENIZERS:
-            _TOKENIZERS[name] = get_tokenizer(name)
-        tok = _TOKENIZERS[name]
+        tok = loaded_tokenizer(name)
     except (ValueError, RuntimeError, OSError) as exc:
         warnings.warn(f"the checkpoint is saved without its tokenizer {name!r}, which cannot be loaded "
                       f"({exc}); pass --tokenizer to `ssmkit generate`", stacklevel=3)
