@@ -31,12 +31,17 @@ def logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+            chunk_size: int = 0) -> torch.Tensor:
     """Mean next-token cross-entropy over all positions, in fp32 (labels -100 are not scored).
 
     input_ids, labels: (batch, seqlen) int64; ``labels[b, t]`` is the target of position t (the loader's
     windows are already shifted). ``model(input_ids)`` returns logits (batch, seqlen, vocab) or an
-    object with ``.logits`` (ssmkit's LMOutput, transformers' outputs). Returns a scalar tensor."""
+    object with ``.logits`` (ssmkit's LMOutput, transformers' outputs). Returns a scalar tensor.
+    chunk_size > 0: the model computes the loss over chunks of that many positions and never holds all
+    logits (ssmkit models: ``loss_chunk_size``; long context)."""
+    if chunk_size:
+        return model(input_ids, labels=labels, shift_labels=False, loss_chunk_size=chunk_size).loss
     logits = logits_of(model(input_ids))
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 

@@ -7,18 +7,67 @@ official ``config.json`` maps onto it one to one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
 
 from .. import checks
 
-MIXERS = ("mamba1", "mamba2")
-DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128}   # mamba_ssm's Mamba and Mamba2 defaults
+MIXERS = ("mamba1", "mamba2", "attn", "swa")      # "swa": attention over a sliding window of attn_cfg.window_size
+SSM_MIXERS = ("mamba1", "mamba2")
+DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128, "attn": 16, "swa": 16}   # mamba_ssm's Mamba / Mamba2 defaults
+# mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's default False
+# trains a model that sees the future) and ssmkit's window_size (Samba's sliding window; None = full).
+ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
+                     out_proj_bias=True, softmax_scale=None, causal=True, d_conv=0, rotary_emb_dim=0,
+                     rotary_emb_base=10000.0, rotary_emb_interleaved=False, window_size=None)
 INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand",
               "headdim", "ngroups", "chunk_size")
 BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias",
-               "bias", "D_has_hdim", "norm_before_gate")
+               "bias", "D_has_hdim", "norm_before_gate", "mixer_rms_weights")
+
+
+def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = False) -> dict:
+    """``attn_cfg`` with every key of :data:`ATTN_DEFAULTS` filled in and checked; num_heads defaults to
+    d_model / 64 (4 below d_model 256)."""
+    cfg = dict(attn_cfg or {})
+    unknown = sorted(set(cfg) - set(ATTN_DEFAULTS))
+    if unknown:
+        raise ConfigError("attn_cfg", f"has unknown keys {unknown}; valid keys: {', '.join(ATTN_DEFAULTS)}")
+    cfg = {**ATTN_DEFAULTS, **cfg}
+    if cfg["causal"] is not True:
+        raise ConfigError("attn_cfg.causal", f"must be true: a language model may not attend to later tokens "
+                                             f"(mamba_ssm's MHA defaults to causal=False); got {cfg['causal']!r}")
+    if cfg["num_heads"] is None:
+        cfg["num_heads"] = d_model // 64 if d_model >= 256 else 4
+    field = lambda name, **kw: _field(f"attn_cfg.{name}", checks.integer, cfg[name], **kw)  # noqa: E731
+    heads = cfg["num_heads"] = field("num_heads", minimum=1)
+    cfg["num_heads_kv"] = kv = field("num_heads_kv", minimum=1) if cfg["num_heads_kv"] is not None else heads
+    if heads % kv:
+        raise ConfigError("attn_cfg.num_heads_kv", f"must divide num_heads={heads}; got {kv}")
+    if cfg["head_dim"] is None and d_model % heads:
+        raise ConfigError("attn_cfg.num_heads", f"must divide d_model={d_model} (or give head_dim); got {heads}")
+    cfg["head_dim"] = head_dim = field("head_dim", minimum=1) if cfg["head_dim"] is not None else d_model // heads
+    for name in ("mlp_dim", "d_conv", "rotary_emb_dim"):
+        cfg[name] = field(name, minimum=0)
+    if cfg["rotary_emb_dim"] % 2 or cfg["rotary_emb_dim"] > head_dim:
+        raise ConfigError("attn_cfg.rotary_emb_dim", f"must be even and <= head_dim={head_dim}; "
+                                                     f"got {cfg['rotary_emb_dim']}")
+    if cfg["window_size"] is not None:
+        cfg["window_size"] = field("window_size", minimum=1)
+    elif needs_window:
+        raise ConfigError("attn_cfg.window_size", "is needed by the layout's 'swa' layers (sliding-window "
+                                                  "attention over the last window_size positions)")
+    for name in ("qkv_proj_bias", "out_proj_bias", "rotary_emb_interleaved"):
+        if not isinstance(cfg[name], bool):
+            raise ConfigError(f"attn_cfg.{name}", f"must be true or false; got {cfg[name]!r}")
+    cfg["rotary_emb_base"] = _field("attn_cfg.rotary_emb_base", checks.number, cfg["rotary_emb_base"],
+                                    low=0, low_open=True)
+    if cfg["softmax_scale"] is not None:
+        cfg["softmax_scale"] = _field("attn_cfg.softmax_scale", checks.number, cfg["softmax_scale"],
+                                      low=0, low_open=True)
+    return cfg
 
 
 class ConfigError(ValueError):
@@ -62,8 +111,14 @@ class ModelConfig:
     n_layer: int = 24                     # number of blocks
     vocab_size: int = 50277               # tokenizer size (GPT-NeoX for the official models)
     pad_vocab_size_multiple: int = 8      # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
-    mixer: str = "mamba1"                 # "mamba1" | "mamba2": the mixer of every layer ...
-    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba2", "mamba2", ...]
+    mixer: str = "mamba1"                 # "mamba1" | "mamba2" | "attn": the mixer of every layer ...
+    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba1", "attn", "mamba1", "swa"]
+    d_intermediate: int = 0               # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP (mamba_ssm)
+    attn_layer_idx: list[int] | None = None   # mamba_ssm: the layers that are attention (MHA) ...
+    attn_every: int = 0                   # ... or every N-th layer (Jamba's rule i % N == attn_offset); 0 = none
+    attn_offset: int = 0
+    attn_cfg: dict | None = None          # mamba_ssm's MHA arguments, see ATTN_DEFAULTS (filled in)
+    zamba2: dict | None = None            # Zamba2's shared attention blocks (models/zamba2_config.py); None = off
     tie_embeddings: bool = True           # LM head shares the embedding matrix
     rms_norm: bool = True                 # RMSNorm (True) or LayerNorm (False) before each mixer
     norm_epsilon: float = 1e-5
@@ -83,7 +138,8 @@ class ModelConfig:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True
     bias: bool = False                    # bias of in_proj / out_proj
-    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off)
+    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off) ...
+    mixer_rms_weights: bool = False       # ... with learnable weights (Jamba's dt/b/c_layernorm)
     headdim: int = 64                     # mamba2: P, channels per head
     ngroups: int = 1                      # mamba2: B/C groups (like GQA's key/value groups)
     chunk_size: int = 256                 # mamba2: Q, SSD chunk length
@@ -95,17 +151,17 @@ class ModelConfig:
     def __post_init__(self):
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}")
-        if self.layout is not None:
-            self.layout = list(self.layout)
-            if len(self.layout) != self.n_layer:
-                raise ValueError(f"layout has {len(self.layout)} entries but n_layer={self.n_layer}")
-            bad = [m for m in self.layout if m not in MIXERS]
-            if bad:
-                raise ValueError(f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}")
         if self.d_state is None:
             self.d_state = DEFAULT_D_STATE[self.mixer]
         for name in INT_FIELDS:
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
+        for name in ("d_intermediate", "attn_every"):
+            setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=0))
+        self._resolve_attention_layers()
+        if self.zamba2 is not None:
+            from .zamba2_config import check_zamba2
+
+            self.zamba2 = check_zamba2(dict(self.zamba2), self.d_model, self.n_layer)
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
@@ -122,9 +178,11 @@ class ModelConfig:
         # Δ init is log-uniform
         self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)
         self.dt_max = _field("dt_max", checks.number, self.dt_max, low=self.dt_min)
+        if self.mixer_rms_weights and self.mixer_rms_eps is None:
+            raise ConfigError("mixer_rms_weights", "needs mixer_rms_eps (the epsilon of the norms it weights)")
         self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
         self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
-        if "mamba2" in self.mixers:
+        if "mamba2" in self.mixers or self.zamba2 is not None:
             if self.d_inner % self.headdim:
                 raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = "
                                  f"{self.d_inner}; got headdim={self.headdim}")
@@ -132,11 +190,53 @@ class ModelConfig:
                 raise ValueError(f"mamba2 needs ngroups to divide nheads = {self.nheads}; "
                                  f"got ngroups={self.ngroups}")
 
+    def _resolve_attention_layers(self):
+        """One answer to "which layers are attention": ``layout`` names them; else ``attn_every`` (Jamba:
+        layer i when i % attn_every == attn_offset) or mamba_ssm's ``attn_layer_idx``; else none (all when
+        mixer is "attn"). ``attn_layer_idx`` is filled in, and given twice the answers must agree."""
+        n, given = self.n_layer, self.attn_layer_idx
+        if given is not None:
+            given = list(given)
+            if not all(checks.is_integer(i) and 0 <= i < n for i in given) or len(set(given)) != len(given):
+                raise ConfigError("attn_layer_idx", f"must be distinct layer indices in 0..{n - 1}; got {given!r}")
+            given = sorted(given)
+        if self.attn_every:
+            self.attn_offset = _field("attn_offset", checks.integer, self.attn_offset, minimum=0,
+                                      maximum=self.attn_every - 1)
+        if self.layout is not None:
+            self.layout = list(self.layout)
+            if len(self.layout) != n:
+                raise ValueError(f"layout has {len(self.layout)} entries but n_layer={n}")
+            bad = [m for m in self.layout if m not in MIXERS]
+            if bad:
+                raise ValueError(f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}")
+            found = [i for i, m in enumerate(self.layout) if m in ("attn", "swa")]
+        elif self.mixer in ("attn", "swa"):
+            found = list(range(n))
+        elif self.attn_every:
+            found = [i for i in range(n) if i % self.attn_every == self.attn_offset]
+        else:
+            found = given or []
+        for name, other in (("attn_layer_idx", given),
+                            ("attn_every", [i for i in range(n) if i % self.attn_every == self.attn_offset]
+                             if self.attn_every else None)):
+            if other is not None and other != found:
+                raise ConfigError(name, f"gives attention layers {other}, but the config's other fields give "
+                                        f"{found}: set one of layout / attn_every / attn_layer_idx")
+        self.attn_layer_idx = found
+        if found or self.attn_cfg is not None:
+            self.attn_cfg = check_attn_cfg(self.attn_cfg, self.d_model, needs_window="swa" in self.mixers)
+
     # --- derived sizes ---
     @property
     def mixers(self) -> list[str]:
-        """The mixer of each layer."""
-        return list(self.layout) if self.layout is not None else [self.mixer] * self.n_layer
+        """The mixer of each layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (attention
+        over the last attn_cfg.window_size positions)."""
+        if self.layout is not None:
+            return list(self.layout)
+        attn = "swa" if (self.attn_cfg or {}).get("window_size") else "attn"
+        base = "mamba1" if self.mixer in ("attn", "swa") else self.mixer
+        return [attn if i in self.attn_layer_idx else base for i in range(self.n_layer)]
 
     @property
     def d_inner(self) -> int:
@@ -159,7 +259,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["A_init_range"], d["dt_limit"] = list(self.A_init_range), list(self.dt_limit)
-        return d
+        return copy.deepcopy(d)
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -194,6 +294,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16),
     "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
                         chunk_size=64),
+    # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
+    # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 + attention).
+    # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them give order.
+    "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16, attn_every=4,
+                        attn_offset=2, attn_cfg=dict(num_heads=4)),
     # Mamba-1, Gu & Dao 2023, table 12 / the state-spaces/mamba-* checkpoints
     "mamba-130m": _mamba1(768, 24),
     "mamba-370m": _mamba1(1024, 48),
@@ -206,6 +311,10 @@ PRESETS: dict[str, dict] = {
     "mamba2-780m": _mamba2(1536, 48),
     "mamba2-1.3b": _mamba2(2048, 48),
     "mamba2-2.7b": _mamba2(2560, 64),
+    # the plan's stage-3 default: mamba-130m's 24 layers with attention every 8 (Jamba's period and
+    # offset 4: layers 4, 12, 20), 12 heads of 64; Jamba's MLPs left out to stay at the 130M class
+    "hybrid-130m": dict(_mamba1(768, 24), attn_every=8, attn_offset=4,
+                        attn_cfg=dict(num_heads=12, qkv_proj_bias=False, out_proj_bias=False)),
 }
 
 

@@ -1,12 +1,22 @@
 """The language model: embedding -> n_layer pre-norm residual blocks -> final norm -> LM head.
 
 Module names follow mamba_ssm's ``MambaLMHeadModel`` (``backbone.embedding``,
-``backbone.layers.N.norm``, ``backbone.layers.N.mixer.*``, ``backbone.norm_f``, ``lm_head``), so
-its checkpoints load by name. Each block computes
+``backbone.layers.N.norm``, ``backbone.layers.N.mixer.*``, ``backbone.layers.N.norm2``,
+``backbone.layers.N.mlp.*``, ``backbone.norm_f``, ``lm_head``), so its checkpoints (hybrids with
+attention and MLPs included) load by name. Each block computes
 
     residual = residual + hidden;  hidden = mixer(norm(residual))
+    residual = residual + hidden;  hidden = mlp(norm2(residual))        (only with d_intermediate > 0)
 
-with the residual stream optionally kept in fp32 (``residual_in_fp32``).
+with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
+Mamba-1, Mamba-2 or causal attention (full or sliding-window): a Jamba-style hybrid is this same
+stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. With
+``cfg.zamba2`` the backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
+
+For long sequences two switches trade compute for memory: ``model.gradient_checkpointing = True``
+recomputes each block in the backward pass (activations of one block live at a time), and
+``loss_chunk_size`` computes the LM head and the loss over chunks of positions, so the (L x V) logits
+never exist at once (same loss and gradients as the plain loss).
 """
 
 from __future__ import annotations
@@ -17,19 +27,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from .cache import InferenceCache, LayerState
+from .attention import Attention
+from .cache import InferenceCache
 from .config import ModelConfig
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
+from .mlp import GatedMLP
 from .norms import RMSNorm
 
-MIXER_CLASSES = {"mamba1": Mamba1, "mamba2": Mamba2}
+
+def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
+    """The mixer of one layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (sliding window)."""
+    if kind == "mamba1":
+        return Mamba1(cfg)
+    if kind == "mamba2":
+        return Mamba2(cfg)
+    return Attention(cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
 
 
 @dataclass
 class LMOutput:
-    logits: torch.Tensor                 # (batch, seqlen, padded_vocab_size), or the last k positions
+    logits: torch.Tensor | None          # (batch, seqlen, padded_vocab_size), the last k positions, or None
+                                         # (a chunked loss never holds them all)
     loss: torch.Tensor | None = None     # mean cross-entropy over labelled positions
     cache: InferenceCache | None = None  # the states after this call, when a cache was passed
 
@@ -38,18 +63,29 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
-        self.norm = (RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm
-                     else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon))
-        self.mixer = MIXER_CLASSES[mixer](cfg)
+        self.norm = make_norm(cfg)
+        self.mixer = make_mixer(cfg, mixer)
+        if cfg.d_intermediate > 0:
+            self.norm2 = make_norm(cfg)
+            self.mlp = GatedMLP(cfg.d_model, cfg.d_intermediate)
+        else:
+            self.mlp = None
 
-    def forward(self, hidden, residual, state: LayerState | None = None, mask: torch.Tensor | None = None):
+    def _add_norm(self, hidden, residual, norm):
+        """residual += hidden; the normed residual, and the residual (fp32 with residual_in_fp32)."""
+        residual = hidden if residual is None else residual + hidden
+        normed = norm(residual.to(norm.weight.dtype))
+        return normed, residual.float() if self.residual_in_fp32 else residual
+
+    def forward(self, hidden, residual, state=None, mask: torch.Tensor | None = None):
         """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
         mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`)."""
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.norm(residual.to(self.norm.weight.dtype))
-        if self.residual_in_fp32:
-            residual = residual.float()
-        return self.mixer(hidden, state, mask), residual
+        hidden, residual = self._add_norm(hidden, residual, self.norm)
+        hidden = self.mixer(hidden, state, mask)
+        if self.mlp is not None:
+            hidden, residual = self._add_norm(hidden, residual, self.norm2)
+            hidden = self.mlp(hidden)
+        return hidden, residual
 
 
 class Backbone(nn.Module):
@@ -57,15 +93,41 @@ class Backbone(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
-        self.norm_f = (RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm
-                       else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon))
+        self.norm_f = make_norm(cfg)
+        self.gradient_checkpointing = False
+
+    def allocate_states(self, batch_size: int, dtype, device) -> list:
+        """Zero states for generation, one per layer: a LayerState (SSM) or a KVState (attention)."""
+        return [layer.mixer.allocate_state(batch_size, dtype, device) for layer in self.layers]
 
     def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
         hidden, residual = self.embedding(input_ids), None
+        recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask)
+            if recompute:   # keep only the block's inputs; its activations are recomputed in the backward
+                hidden, residual = checkpoint(layer, hidden, residual, None, mask, use_reentrant=False)
+            else:
+                hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask)
         residual = hidden if residual is None else residual + hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
+                          chunk_size: int) -> torch.Tensor:
+    """Mean cross-entropy of ``lm_head(hidden)`` against targets, ``chunk_size`` positions at a time.
+
+    hidden: (batch, seqlen, d_model); targets: (batch, seqlen), -100 = no loss. Each chunk's logits
+    (chunk_size x V) are made, reduced to a summed loss and freed; the backward pass recomputes them
+    (activation checkpointing), so peak memory holds one chunk's logits instead of all L x V."""
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def summed(h_chunk, t_chunk):
+        return F.cross_entropy(lm_head(h_chunk).float(), t_chunk, ignore_index=-100, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for lo in range(0, t.shape[0], chunk_size):
+        total = total + checkpoint(summed, h[lo:lo + chunk_size], t[lo:lo + chunk_size], use_reentrant=False)
+    return total / (t != -100).sum()
 
 
 def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):
@@ -109,7 +171,13 @@ class MambaLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.backbone = Backbone(cfg)
+        if cfg.zamba2 is not None:
+            from .zamba2 import Zamba2Backbone
+
+            self.backbone = Zamba2Backbone(cfg)
+        else:
+            self.backbone = Backbone(cfg)
+        self.loss_chunk_size = 0            # > 0: the loss over chunks of this many positions (long context)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
@@ -117,17 +185,20 @@ class MambaLM(nn.Module):
 
     def _init_weights(self, module):
         """mamba_ssm's ``_init_weights``: zero biases (but Δ's), N(0, 0.02) embeddings, and the
-        GPT-2 rescaling of every out_proj by 1/sqrt(n_layer) (one residual branch per layer)."""
+        GPT-2 rescaling of every residual branch's last matrix (mixers' out_proj, MLPs' fc2) by
+        1/sqrt(n_residuals), n_residuals = n_layer (2 * n_layer with an MLP in each block)."""
         cfg = self.config
         if (isinstance(module, nn.Linear) and module.bias is not None
                 and not getattr(module.bias, "_no_reinit", False)):
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=cfg.initializer_range)
-        if cfg.rescale_prenorm_residual and isinstance(module, (Mamba1, Mamba2)):
+        last = {Mamba1: "out_proj", Mamba2: "out_proj", Attention: "out_proj", GatedMLP: "fc2"}.get(type(module))
+        if cfg.rescale_prenorm_residual and last is not None:
+            weight = getattr(module, last).weight
             with torch.no_grad():
-                nn.init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
-                module.out_proj.weight /= math.sqrt(cfg.n_layer)
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+                weight /= math.sqrt(cfg.n_layer * (2 if cfg.d_intermediate > 0 else 1))
 
     def allocate_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
         """Fresh zero states for generation; see :class:`ssmkit.models.cache.InferenceCache`."""
@@ -135,7 +206,7 @@ class MambaLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, logits_to_keep: int = 0, shift_labels: bool = True,
-                attention_mask: torch.Tensor | None = None) -> LMOutput:
+                attention_mask: torch.Tensor | None = None, loss_chunk_size: int | None = None) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
         labels: (batch, seqlen) aligned with input_ids as in transformers (shifted here, so
@@ -147,6 +218,9 @@ class MambaLM(nn.Module):
         real positions then equal those of the row run alone, unpadded. Only on a fresh cache (the
         prefill): padding in the middle of a sequence has no such meaning for a recurrent state.
         Labels at padded positions are not masked here: set them to -100.
+        loss_chunk_size: with labels, compute logits and loss over chunks of this many positions
+        (default ``self.loss_chunk_size``; 0 = at once): the output's logits are then None, since the
+        point is never to hold all of them (see :func:`chunked_cross_entropy`).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}")
@@ -165,18 +239,21 @@ class MambaLM(nn.Module):
             cache.seqlen_offset += input_ids.shape[1]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
+        chunk = self.loss_chunk_size if loss_chunk_size is None else loss_chunk_size
+        if labels is None:
+            return LMOutput(logits=self.lm_head(hidden), cache=cache)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
+        if logits_to_keep:
+            raise ValueError("labels need logits for every position; use logits_to_keep=0")
+        if shift_labels:   # position t predicts token t+1; the last position has no target
+            labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if chunk:
+            return LMOutput(logits=None, loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
+                            cache=cache)
         logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            if logits_to_keep:
-                raise ValueError("labels need logits for every position; use logits_to_keep=0")
-            if shift_labels:   # position t predicts token t+1; the last position has no target
-                labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                   ignore_index=-100)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
     # save_pretrained(directory, format="hf" | "mamba_ssm", tokenizer_from=None, state_dict=None,

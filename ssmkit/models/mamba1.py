@@ -24,6 +24,7 @@ from einops import rearrange
 from .. import ops
 from .cache import LayerState
 from .config import ModelConfig
+from .norms import RMSNorm
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,10 @@ class Mamba1(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=cfg.bias)
+        if cfg.mixer_rms_weights:      # Jamba: RMSNorm with weights on Δ, B, C (transformers' names)
+            self.dt_layernorm = RMSNorm(self.dt_rank, cfg.mixer_rms_eps)
+            self.b_layernorm = RMSNorm(self.d_state, cfg.mixer_rms_eps)
+            self.c_layernorm = RMSNorm(self.d_state, cfg.mixer_rms_eps)
         for p in (self.A_log, self.D, self.dt_proj.bias):
             p._no_weight_decay = True
         self.dt_proj.bias._no_reinit = True
@@ -101,7 +106,9 @@ class Mamba1(nn.Module):
     def _select(self, x):
         """The selection (section 3.2): Δ (rank dt_rank), B, C from x (..., d_inner), each (..., ·)."""
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        if self.mixer_rms_eps is not None:                                   # FalconMamba
+        if hasattr(self, "dt_layernorm"):                                    # Jamba
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif self.mixer_rms_eps is not None:                                 # FalconMamba
             dt, B, C = (weightless_rms(t, self.mixer_rms_eps) for t in (dt, B, C))
         return dt, B, C
 

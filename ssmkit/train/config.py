@@ -63,6 +63,8 @@ class TrainConfig:
     device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps
     strategy: str = "single"              # single | ddp | fsdp (under torchrun)
     compile: bool = False                 # torch.compile the model
+    activation_checkpointing: bool = False  # recompute each block in the backward (long context: less memory)
+    loss_chunk_size: int = 0              # > 0: LM head + loss over chunks of this many positions (no L x V logits)
     max_bad_steps: int = 5                # stop after this many non-finite losses in a row (each is skipped)
     # --- bookkeeping ---
     seed: int = 0
@@ -91,7 +93,7 @@ class TrainConfig:
             checks.text(getattr(self, name), name)
         if self.val_data is not None:
             checks.text(self.val_data, "val_data (a shard directory or null)")
-        for name in ("compile", "overwrite", "progress"):
+        for name in ("compile", "overwrite", "progress", "activation_checkpointing"):
             setattr(self, name, checks.boolean(getattr(self, name), name))
         for name, valid in CHOICES.items():
             setattr(self, name, checks.choice(getattr(self, name), name, valid))
@@ -100,7 +102,7 @@ class TrainConfig:
                      "max_bad_steps", "data_workers"):
             setattr(self, name, checks.integer(getattr(self, name), name, minimum=1,
                                                whole_floats=name in budgets))
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "loss_chunk_size"):
             setattr(self, name, checks.integer(getattr(self, name), name, minimum=0))
         for name in ("max_steps", "max_tokens", "data_tokens"):
             setattr(self, name, checks.integer(getattr(self, name), name, minimum=1, none_ok=True,

@@ -52,6 +52,16 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")[-80:]
 
 
+def _long_context(model, cfg: TrainConfig):
+    """Switch on activation checkpointing and the chunked loss, which only ssmkit models have."""
+    backbone = getattr(model, "backbone", None)
+    if not hasattr(backbone, "gradient_checkpointing") or not hasattr(model, "loss_chunk_size"):
+        raise ValueError(f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
+                         f"{type(model).__name__} has neither (set them to false / 0)")
+    backbone.gradient_checkpointing = cfg.activation_checkpointing
+    model.loss_chunk_size = cfg.loss_chunk_size
+
+
 def _rank0_first(d: Dist, fn):
     """``fn()`` on rank 0, then on the other ranks (which find its work done: prepared shards, verified
     checksums); an error on rank 0 stops every rank instead of leaving them waiting."""
@@ -158,6 +168,8 @@ class Trainer:
             raise ValueError(f"the model has {rows} vocabulary rows but the data's tokenizer "
                              f"{self.loader.index['tokenizer']!r} has {vocab} tokens")
         self.model = model.to(d.device)                              # fp32 master weights
+        if cfg.activation_checkpointing or cfg.loss_chunk_size:
+            _long_context(self.model, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
         if cfg.compile:
             self.module = torch.compile(self.module)
@@ -262,7 +274,7 @@ class Trainer:
             for micro in range(self.grad_accum):
                 x, y = next(batches)
                 with self._sync(micro == self.grad_accum - 1), self._autocast():
-                    loss = lm_loss(self.module, x, y)
+                    loss = lm_loss(self.module, x, y, self.config.loss_chunk_size)
                 self.scaler.scale(loss / self.grad_accum).backward()
                 loss_sum += loss.detach()
             loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
