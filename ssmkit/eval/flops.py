@@ -21,7 +21,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts).
     Mamba-1 scan: 9 · d_inner · d_state per token forward (Gu & Dao 2023, section 3.3.2).
     Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P (states).
-    Attention (other models with num_attention_heads): 12 · n_layer · d_model · seq_len (PaLM, appendix B).
+    Attention: 12 · (heads · head_dim) · keys per layer, keys = seq_len (a sliding window: at most its size);
+    other models with num_attention_heads: 12 · n_layer · d_model · seq_len (PaLM, appendix B).
 
     model: an ssmkit LM (``model.config.mixers`` lists each layer's mixer) or a transformers model;
     seq_len: the training length L (the SSD chunk is min(Q, L); attention costs grow with L).
@@ -35,7 +36,11 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     mixers = getattr(cfg, "mixers", None)
     if mixers is not None:
         for mixer in mixers:
-            if mixer == "mamba1":
+            if mixer in ("attn", "swa"):       # scores and values: 12 · (H·head_dim) · keys seen (PaLM)
+                a = cfg.attn_cfg
+                keys = seq_len if mixer == "attn" else min(seq_len, a["window_size"])
+                flops += 12 * a["num_heads"] * a["head_dim"] * keys
+            elif mixer == "mamba1":
                 flops += 3 * 9 * cfg.d_inner * cfg.d_state
             else:
                 q = min(cfg.chunk_size, seq_len)
