@@ -229,7 +229,8 @@ def test_flops_per_token_closed_forms():
                + cfg2.nheads * (2 * q * cfg2.headdim + 4 * cfg2.d_state * cfg2.headdim))   # mask·X, states
         assert ev.flops_per_token(model2, seq_len) == 6 * linear2 + cfg2.n_layer * 3 * ssd
     # a hybrid: attention layers cost 12 · H·d · keys (a sliding window caps the keys), Mamba layers as above
-    cfg3 = ssmkit.ModelConfig(d_model=64, n_layer=4, vocab_size=257, layout=["mamba1", "attn", "mamba1", "swa"],
+    cfg3 = ssmkit.ModelConfig(d_model=64, n_layer=4, vocab_size=257,
+                              layout=["mamba1", "attn", "mamba1", "swa"],
                               attn_cfg=dict(num_heads=2, head_dim=16, window_size=32))
     model3 = ssmkit.build_model(cfg3)
     linear3 = sum(m.weight.numel() for m in model3.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))

@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import losses, small
 
 from ssmkit.models import MambaLM, ModelConfig, generate
 from ssmkit.models.attention import Attention, rotary
 from ssmkit.models.cache import KVState
 from ssmkit.models.config import ConfigError, check_attn_cfg
 from ssmkit.models.mlp import GatedMLP, mlp_width
+from ssmkit.train import Trainer
 
 
 def reference_attention(att: Attention, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,8 @@ def test_attention_equals_transformers_llama_attention():
                                              rotary_emb_base=500.0, qkv_proj_bias=False,
                                              out_proj_bias=False), 64))
     with torch.no_grad():
-        ours.in_proj.weight.copy_(torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]))
+        qkv = [theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight]
+        ours.in_proj.weight.copy_(torch.cat(qkv))
         ours.out_proj.weight.copy_(theirs.o_proj.weight)
     x = torch.randn(2, 19, 64)
     pos = torch.arange(19)[None].expand(2, -1)
@@ -253,5 +256,14 @@ def test_hybrid_init_rescales_every_residual_branch():
     for layer in model.backbone.layers:
         for w, fan_in in ((layer.mixer.out_proj.weight, layer.mixer.out_proj.in_features),
                           (layer.mlp.fc2.weight, layer.mlp.fc2.in_features)):
-            limit = 1 / math.sqrt(fan_in) / math.sqrt(16)          # kaiming_uniform(a=sqrt(5)) bound / sqrt(2 * 8)
+            limit = 1 / math.sqrt(fan_in) / math.sqrt(16)       # kaiming_uniform(a=sqrt(5)) / sqrt(2 * 8)
             assert w.abs().max() <= limit + 1e-7 and w.abs().max() > 0.8 * limit
+
+
+def test_trainer_long_context_switches_train_the_same_model(tmp_path, shards):
+    """activation_checkpointing and loss_chunk_size in the run config: the same losses step for step."""
+    plain = losses(Trainer(config=small(tmp_path / "a", shards, model="tiny-hybrid", max_steps=3)).fit())
+    trainer = Trainer(config=small(tmp_path / "b", shards, model="tiny-hybrid", max_steps=3,
+                                   activation_checkpointing=True, loss_chunk_size=24))
+    assert trainer.model.backbone.gradient_checkpointing and trainer.model.loss_chunk_size == 24
+    assert losses(trainer.fit()) == pytest.approx(plain, abs=1e-5)

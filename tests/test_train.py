@@ -134,7 +134,7 @@ def test_accumulation_equals_the_large_batch(tmp_path, shards):
             torch.testing.assert_close(runs[micro][1][k], v, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2", "tiny-hybrid"])
 def test_resume_is_exact(tmp_path, shards, preset):
     straight = losses(Trainer(config=small(tmp_path / "a", shards, model=preset, max_steps=8)).fit())
     half = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))

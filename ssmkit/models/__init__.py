@@ -1,17 +1,20 @@
-"""Model configs and presets, the Mamba-1 / Mamba-2 mixers, the LM, its cache and generation, and a
-Transformer baseline of matched size."""
+"""Model configs and presets, the Mamba-1 / Mamba-2 mixers, causal attention and the gated MLP of hybrids,
+the LM, its cache and generation, and a Transformer baseline of matched size."""
 
+from .attention import Attention
 from .baseline import matched_transformer, parameter_report
-from .cache import InferenceCache, LayerState
+from .cache import InferenceCache, KVState, LayerState
 from .config import MIXERS, PRESETS, ModelConfig, presets
 from .generate import generate, sample_next
 from .lm import Block, LMOutput, MambaLM, build_model
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
+from .mlp import GatedMLP
 from .norms import RMSNorm, RMSNormGated
 
 __all__ = [
-    "InferenceCache", "LayerState", "MIXERS", "PRESETS", "ModelConfig", "presets", "generate", "sample_next",
+    "Attention", "GatedMLP", "InferenceCache", "KVState", "LayerState", "MIXERS", "PRESETS", "ModelConfig",
+    "presets", "generate", "sample_next",
     "Block", "LMOutput", "MambaLM", "build_model", "Mamba1", "Mamba2", "RMSNorm", "RMSNormGated",
     "matched_transformer", "parameter_report",
 ]

@@ -31,7 +31,8 @@ from .cache import KVState
 from .mamba1 import zero_padding
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, interleaved: bool) -> torch.Tensor:
+def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float,
+           interleaved: bool) -> torch.Tensor:
     """Rotate the first ``dim`` channels of each head (Su et al. 2021, RoFormer eq. 34).
 
     x: (batch, heads, seqlen, head_dim); positions: (batch, seqlen) -> x rotated. Channel pair i turns by
@@ -96,7 +97,8 @@ class Attention(nn.Module):
     def allocate_state(self, batch_size, dtype, device) -> KVState:
         conv = (torch.zeros(batch_size, self.qkv_dim, self.d_conv, dtype=dtype, device=device)
                 if self.d_conv > 0 else None)
-        return KVState(batch_size, self.num_heads_kv, self.head_dim, dtype, device, window=self.window, conv=conv)
+        return KVState(batch_size, self.num_heads_kv, self.head_dim, dtype, device, window=self.window,
+                       conv=conv)
 
     def _conv(self, qkv: torch.Tensor, state: KVState | None) -> torch.Tensor:
         """The short causal conv over qkv: (batch, seqlen, qkv_dim), continuing from ``state.conv``."""

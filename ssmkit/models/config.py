@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .. import checks
 
-MIXERS = ("mamba1", "mamba2", "attn", "swa")      # "swa": attention over a sliding window of attn_cfg.window_size
+MIXERS = ("mamba1", "mamba2", "attn", "swa")      # "swa": attention over the last attn_cfg.window_size
 SSM_MIXERS = ("mamba1", "mamba2")
 DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128, "attn": 16, "swa": 16}   # mamba_ssm's Mamba / Mamba2 defaults
 # mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's default False
@@ -37,8 +37,9 @@ def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = Fal
         raise ConfigError("attn_cfg", f"has unknown keys {unknown}; valid keys: {', '.join(ATTN_DEFAULTS)}")
     cfg = {**ATTN_DEFAULTS, **cfg}
     if cfg["causal"] is not True:
-        raise ConfigError("attn_cfg.causal", f"must be true: a language model may not attend to later tokens "
-                                             f"(mamba_ssm's MHA defaults to causal=False); got {cfg['causal']!r}")
+        raise ConfigError("attn_cfg.causal", "must be true: a language model may not attend to later tokens "
+                                             f"(mamba_ssm's MHA defaults to causal=False); "
+                                             f"got {cfg['causal']!r}")
     if cfg["num_heads"] is None:
         cfg["num_heads"] = d_model // 64 if d_model >= 256 else 4
     field = lambda name, **kw: _field(f"attn_cfg.{name}", checks.integer, cfg[name], **kw)  # noqa: E731
@@ -47,8 +48,10 @@ def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = Fal
     if heads % kv:
         raise ConfigError("attn_cfg.num_heads_kv", f"must divide num_heads={heads}; got {kv}")
     if cfg["head_dim"] is None and d_model % heads:
-        raise ConfigError("attn_cfg.num_heads", f"must divide d_model={d_model} (or give head_dim); got {heads}")
-    cfg["head_dim"] = head_dim = field("head_dim", minimum=1) if cfg["head_dim"] is not None else d_model // heads
+        raise ConfigError("attn_cfg.num_heads", f"must divide d_model={d_model} (or give head_dim); "
+                                                f"got {heads}")
+    head_dim = field("head_dim", minimum=1) if cfg["head_dim"] is not None else d_model // heads
+    cfg["head_dim"] = head_dim
     for name in ("mlp_dim", "d_conv", "rotary_emb_dim"):
         cfg[name] = field(name, minimum=0)
     if cfg["rotary_emb_dim"] % 2 or cfg["rotary_emb_dim"] > head_dim:
@@ -112,13 +115,13 @@ class ModelConfig:
     vocab_size: int = 50277               # tokenizer size (GPT-NeoX for the official models)
     pad_vocab_size_multiple: int = 8      # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
     mixer: str = "mamba1"                 # "mamba1" | "mamba2" | "attn": the mixer of every layer ...
-    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba1", "attn", "mamba1", "swa"]
-    d_intermediate: int = 0               # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP (mamba_ssm)
+    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba1", "attn", "swa"]
+    d_intermediate: int = 0               # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
     attn_layer_idx: list[int] | None = None   # mamba_ssm: the layers that are attention (MHA) ...
-    attn_every: int = 0                   # ... or every N-th layer (Jamba's rule i % N == attn_offset); 0 = none
+    attn_every: int = 0                   # ... or every N-th (Jamba: i % N == attn_offset); 0 = none
     attn_offset: int = 0
     attn_cfg: dict | None = None          # mamba_ssm's MHA arguments, see ATTN_DEFAULTS (filled in)
-    zamba2: dict | None = None            # Zamba2's shared attention blocks (models/zamba2_config.py); None = off
+    zamba2: dict | None = None            # Zamba2's shared attention blocks (zamba2_config.py); None = off
     tie_embeddings: bool = True           # LM head shares the embedding matrix
     rms_norm: bool = True                 # RMSNorm (True) or LayerNorm (False) before each mixer
     norm_epsilon: float = 1e-5
@@ -138,7 +141,7 @@ class ModelConfig:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True
     bias: bool = False                    # bias of in_proj / out_proj
-    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off) ...
+    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off)
     mixer_rms_weights: bool = False       # ... with learnable weights (Jamba's dt/b/c_layernorm)
     headdim: int = 64                     # mamba2: P, channels per head
     ngroups: int = 1                      # mamba2: B/C groups (like GQA's key/value groups)
@@ -179,7 +182,7 @@ class ModelConfig:
         self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)
         self.dt_max = _field("dt_max", checks.number, self.dt_max, low=self.dt_min)
         if self.mixer_rms_weights and self.mixer_rms_eps is None:
-            raise ConfigError("mixer_rms_weights", "needs mixer_rms_eps (the epsilon of the norms it weights)")
+            raise ConfigError("mixer_rms_weights", "needs mixer_rms_eps (the epsilon of the weighted norms)")
         self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
         self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
         if "mamba2" in self.mixers or self.zamba2 is not None:
@@ -198,7 +201,8 @@ class ModelConfig:
         if given is not None:
             given = list(given)
             if not all(checks.is_integer(i) and 0 <= i < n for i in given) or len(set(given)) != len(given):
-                raise ConfigError("attn_layer_idx", f"must be distinct layer indices in 0..{n - 1}; got {given!r}")
+                raise ConfigError("attn_layer_idx", f"must be distinct layer indices in 0..{n - 1}; "
+                                                    f"got {given!r}")
             given = sorted(given)
         if self.attn_every:
             self.attn_offset = _field("attn_offset", checks.integer, self.attn_offset, minimum=0,
@@ -295,7 +299,8 @@ PRESETS: dict[str, dict] = {
     "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
                         chunk_size=64),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
-    # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 + attention).
+    # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 +
+    # attention).
     # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them give order.
     "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16, attn_every=4,
                         attn_offset=2, attn_cfg=dict(num_heads=4)),

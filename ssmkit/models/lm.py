@@ -39,7 +39,8 @@ from .norms import RMSNorm
 
 
 def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """The mixer of one layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (sliding window)."""
+    """The mixer of one layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (a sliding
+    window)."""
     if kind == "mamba1":
         return Mamba1(cfg)
     if kind == "mamba2":
@@ -48,7 +49,9 @@ def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
-    return RMSNorm(cfg.d_model, cfg.norm_epsilon) if cfg.rms_norm else nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
+    if cfg.rms_norm:
+        return RMSNorm(cfg.d_model, cfg.norm_epsilon)
+    return nn.LayerNorm(cfg.d_model, cfg.norm_epsilon)
 
 
 @dataclass
@@ -102,7 +105,8 @@ class Backbone(nn.Module):
 
     def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
         hidden, residual = self.embedding(input_ids), None
-        recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        recompute = (self.gradient_checkpointing and self.training and cache is None
+                     and torch.is_grad_enabled())
         for i, layer in enumerate(self.layers):
             if recompute:   # keep only the block's inputs; its activations are recomputed in the backward
                 hidden, residual = checkpoint(layer, hidden, residual, None, mask, use_reentrant=False)
@@ -193,7 +197,8 @@ class MambaLM(nn.Module):
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=cfg.initializer_range)
-        last = {Mamba1: "out_proj", Mamba2: "out_proj", Attention: "out_proj", GatedMLP: "fc2"}.get(type(module))
+        last = {Mamba1: "out_proj", Mamba2: "out_proj", Attention: "out_proj",
+                GatedMLP: "fc2"}.get(type(module))
         if cfg.rescale_prenorm_residual and last is not None:
             weight = getattr(module, last).weight
             with torch.no_grad():
@@ -253,7 +258,8 @@ class MambaLM(nn.Module):
             return LMOutput(logits=None, loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
                             cache=cache)
         logits = self.lm_head(hidden)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
     # save_pretrained(directory, format="hf" | "mamba_ssm", tokenizer_from=None, state_dict=None,

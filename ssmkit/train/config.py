@@ -64,7 +64,7 @@ class TrainConfig:
     strategy: str = "single"              # single | ddp | fsdp (under torchrun)
     compile: bool = False                 # torch.compile the model
     activation_checkpointing: bool = False  # recompute each block in the backward (long context: less memory)
-    loss_chunk_size: int = 0              # > 0: LM head + loss over chunks of this many positions (no L x V logits)
+    loss_chunk_size: int = 0              # > 0: LM head + loss over chunks of this many positions
     max_bad_steps: int = 5                # stop after this many non-finite losses in a row (each is skipped)
     # --- bookkeeping ---
     seed: int = 0
