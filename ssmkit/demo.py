@@ -50,12 +50,16 @@ def evaluate(model, data, seq_len=128, n=16, seed=1234) -> float:
     return loss
 
 
+DEMO_PRESETS = {"mamba1": "tiny", "mamba2": "tiny-mamba2", "hybrid": "tiny-hybrid"}
+
+
 def main(argv=None, prog: str | None = None):
     """``python -m ssmkit.demo`` / ``ssmkit demo`` (``prog`` names the command in --help and errors)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
-    p.add_argument("--mixer", default="mamba1", choices=["mamba1", "mamba2"],
-                   help="the tiny preset's mixer: mamba1 (S6) or mamba2 (SSD) (default mamba1)")
+    p.add_argument("--mixer", default="mamba1", choices=list(DEMO_PRESETS),
+                   help="the tiny model: mamba1 (S6), mamba2 (SSD), or hybrid (Mamba-1 with one causal "
+                        "attention layer in four, Jamba's layout) (default mamba1)")
     p.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per window (default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -66,7 +70,7 @@ def main(argv=None, prog: str | None = None):
     data = builtin_bytes()
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
-    cfg = ModelConfig.preset("tiny" if args.mixer == "mamba1" else "tiny-mamba2")
+    cfg = ModelConfig.preset(DEMO_PRESETS[args.mixer])
     model = build_model(cfg)
     print(f"model: {args.mixer}, d_model {cfg.d_model}, {cfg.n_layer} layers, "
           f"{model.num_parameters() / 1e3:.0f}K parameters; "

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ENV = dict(os.environ)   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1 for every test and subprocess
 
 
@@ -22,8 +24,9 @@ def test_demo_loss_falls_and_samples():
     assert "sample:\nThe for statement " in out
 
 
-def test_demo_mamba2():
-    out = run("-m", "ssmkit.demo", "--mixer", "mamba2", "--steps", "20", "--batch-size", "4",
+@pytest.mark.parametrize("mixer", ["mamba2", "hybrid"])
+def test_demo_other_mixers(mixer):
+    out = run("-m", "ssmkit.demo", "--mixer", mixer, "--steps", "20", "--batch-size", "4",
               "--seq-len", "64").stdout
     first, last = map(float, re.search(r"val loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first
