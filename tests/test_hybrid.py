@@ -189,6 +189,9 @@ LAYOUTS = {
     "mixed": dict(layout=["mamba1", "mamba2", "attn", "swa", "mamba2", "attn", "mamba1", "swa"],
                   attn_cfg={"window_size": 6}),
     "pure-attention": dict(mixer="attn", attn_cfg={"rotary_emb_dim": 16}),
+    "zamba2": dict(mixer="mamba2", dt_limit=(0.001, float("inf")), residual_in_fp32=False,
+                   zamba2=dict(hybrid_layer_ids=[1, 4, 6], num_mem_blocks=2, num_attention_heads=4,
+                               intermediate_size=128, adapter_rank=8, use_mem_rope=True)),
 }
 
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from .. import checks
+from .zamba2_config import TINY_ZAMBA2, Zamba2ConfigError, check_zamba2
 
 MIXERS = ("mamba1", "mamba2", "attn", "swa")      # "swa": attention over the last attn_cfg.window_size
 SSM_MIXERS = ("mamba1", "mamba2")
@@ -162,9 +163,10 @@ class ModelConfig:
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=0))
         self._resolve_attention_layers()
         if self.zamba2 is not None:
-            from .zamba2_config import check_zamba2
-
-            self.zamba2 = check_zamba2(dict(self.zamba2), self.d_model, self.n_layer)
+            try:
+                self.zamba2 = check_zamba2(dict(self.zamba2), self.d_model, self.n_layer)
+            except Zamba2ConfigError as exc:
+                raise ConfigError(exc.field, str(exc).removeprefix(f"{exc.field} ")) from None
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
@@ -296,6 +298,8 @@ def _mamba2(d_model, n_layer):
 PRESETS: dict[str, dict] = {
     # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
     "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16),
+    # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with adapters
+    "tiny-zamba2": TINY_ZAMBA2,
     "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
                         chunk_size=64),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
