@@ -12,6 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# ssmkit.hub.layouts.FORMATS, spelled out so `ssmkit --help` needs no torch import (a test keeps them equal)
+CONVERT_FORMATS = ["hf", "mamba_ssm", "jamba", "zamba2"]
+
 
 def _count(text: str) -> int:
     """argparse type of ``data prepare``'s counts: a positive integer."""
@@ -118,11 +121,14 @@ def main(argv=None):
                    add_help=False)
     sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options",
                    add_help=False)
-    conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers or mamba_ssm layout")
+    conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (Mamba / Mamba2, Jamba, "
+                                          "Zamba2) or mamba_ssm layout (hybrids included)")
     conv.add_argument("src", help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
     conv.add_argument("dst", help="output directory: new, empty, or a checkpoint ssmkit wrote "
                                   "(replaced atomically)")
-    conv.add_argument("--to", required=True, choices=["hf", "mamba_ssm"], help="layout to write")
+    conv.add_argument("--to", required=True, choices=CONVERT_FORMATS,
+                      help="layout to write: hf (transformers' Mamba / FalconMamba / Mamba2), mamba_ssm "
+                           "(MambaLMHeadModel, attention hybrids too), jamba, zamba2")
     conv.add_argument("--overwrite", action="store_true",
                       help="DST holds other files too: replace only the checkpoint's files in it, "
                            "keep the rest")

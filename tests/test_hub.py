@@ -137,8 +137,15 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
         ssmkit.from_pretrained(tmp_path / "ms")
     ms_cfg["ssm_cfg"].pop("mystery_knob")
     (tmp_path / "ms" / "config.json").write_text(json.dumps({**ms_cfg, "attn_layer_idx": [1]}))
-    with pytest.raises(CheckpointError, match="attention layers"):
+    with pytest.raises(CheckpointError, match=r"'attn_cfg\.causal' is missing"):
         ssmkit.from_pretrained(tmp_path / "ms")
+
+
+def test_convert_offers_every_format():
+    from ssmkit.cli import CONVERT_FORMATS
+    from ssmkit.hub.layouts import FORMATS
+
+    assert CONVERT_FORMATS == list(FORMATS)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])

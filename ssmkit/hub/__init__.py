@@ -1,12 +1,14 @@
-"""Load and save checkpoints in the two layouts of the ecosystem.
+"""Load and save checkpoints in the layouts of the ecosystem.
 
 * Hugging Face transformers: ``config.json`` with ``model_type`` "mamba", "falcon_mamba" or "mamba2"
   and weights
   ``model.safetensors`` (or ``pytorch_model.bin``, or shards with ``*.index.json``) named
   ``backbone.embeddings.weight``, ``backbone.layers.N.{norm,mixer.*}``, ``backbone.norm_f.weight``,
-  ``lm_head.weight``.
-* mamba_ssm's ``MambaLMHeadModel``: ``config.json`` with ``d_model``, ``n_layer``, ``ssm_cfg``, ...
-  and ``pytorch_model.bin`` named as ssmkit's own modules (``backbone.embedding.weight``, ...).
+  ``lm_head.weight``; and the hybrids ``model_type`` "jamba" (dense FFNs; ``format="jamba"``,
+  :mod:`~ssmkit.hub.jamba`) and "zamba2" (``format="zamba2"``, :mod:`~ssmkit.hub.zamba2`).
+* mamba_ssm's ``MambaLMHeadModel``: ``config.json`` with ``d_model``, ``n_layer``, ``ssm_cfg``,
+  ``attn_layer_idx``, ``attn_cfg``, ``d_intermediate`` and ``pytorch_model.bin`` named as ssmkit's own
+  modules (``backbone.embedding.weight``, ``backbone.layers.N.{norm,mixer,norm2,mlp}.*``, ...).
 
 ``from_pretrained`` detects the layout, maps every weight by name, checks every shape and never
 loads partially; every problem with a checkpoint (a config field, a shard index, a weight file) is

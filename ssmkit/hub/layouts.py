@@ -1,9 +1,12 @@
-"""The two checkpoint layouts: the files a checkpoint holds, and its ``config.json`` read and written.
+"""The checkpoint layouts: the files a checkpoint holds, and its ``config.json`` read and written.
 
 * transformers (``"hf"``): ``model_type`` "mamba", "falcon_mamba" or "mamba2", fields as in
   ``MambaConfig`` / ``FalconMambaConfig`` / ``Mamba2Config`` (:func:`config_from_hf`, :func:`config_to_hf`);
-* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``
-  (:func:`config_from_mamba_ssm`, :func:`config_to_mamba_ssm`).
+* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``,
+  and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and ``d_intermediate`` (a GatedMLP in
+  every block) (:func:`config_from_mamba_ssm`, :func:`config_to_mamba_ssm`);
+* transformers' Jamba (``"jamba"``, :mod:`ssmkit.hub.jamba`) and Zamba2 (``"zamba2"``,
+  :mod:`ssmkit.hub.zamba2`), each a module of its own with the config and the tensor names both ways.
 
 Every field that cannot be represented is a :class:`CheckpointError` naming it as the file spells it.
 Loading (:mod:`ssmkit.hub.load`) and saving (:mod:`ssmkit.hub.save`) build on this module.
@@ -14,14 +17,16 @@ from __future__ import annotations
 import math
 
 from ..models import ModelConfig
-from ..models.config import ConfigError
+from ..models.config import SSM_MIXERS, ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
-FORMATS = ("hf", "mamba_ssm")
-WEIGHT_FILES = {"hf": "model.safetensors", "mamba_ssm": "pytorch_model.bin"}
-OUR_FILES = ("config.json", *WEIGHT_FILES.values(), *TOKENIZER_FILES)    # all save_pretrained ever writes
-SHARD_INDEXES = tuple(f"{name}.index.json" for name in WEIGHT_FILES.values())
+FORMATS = ("hf", "mamba_ssm", "jamba", "zamba2")
+WEIGHT_FILES = {"hf": "model.safetensors", "mamba_ssm": "pytorch_model.bin", "jamba": "model.safetensors",
+                "zamba2": "model.safetensors"}
+_WEIGHT_NAMES = tuple(dict.fromkeys(WEIGHT_FILES.values()))               # each file name once
+OUR_FILES = ("config.json", *_WEIGHT_NAMES, *TOKENIZER_FILES)             # all save_pretrained ever writes
+SHARD_INDEXES = tuple(f"{name}.index.json" for name in _WEIGHT_NAMES)
 
 
 class CheckpointError(ValueError):
@@ -111,6 +116,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A ModelConfig as a transformers config dict (MambaConfig / Mamba2Config)."""
+    if cfg.zamba2 is not None:
+        raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
+    extras = [what for what, has in (("attention layers (attn_layer_idx)", cfg.attn_layer_idx),
+                                     ("MLPs (d_intermediate)", cfg.d_intermediate),
+                                     ("Jamba's weighted Δ/B/C norms (mixer_rms_weights)",
+                                      cfg.mixer_rms_weights)) if has]
+    if extras:
+        raise CheckpointError(f"transformers' MambaConfig / Mamba2Config cannot hold {' or '.join(extras)}; "
+                              f"{_formats_for(cfg)}")
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
         raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; "
                               "save format='mamba_ssm'")
@@ -140,11 +154,45 @@ _SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "
                "norm_before_gate")
 
 
+def _formats_for(cfg: ModelConfig) -> str:
+    """Which other format can hold a hybrid ``cfg``, as advice for an error message: Jamba's Δ/B/C norms
+    (mixer_rms_weights) only format "jamba" holds (ssmkit.hub.jamba, which says why not if it cannot);
+    everything else only mamba_ssm's layout."""
+    if cfg.mixer_rms_weights:
+        return "save format='jamba'"
+    try:
+        config_to_mamba_ssm(cfg)
+        return "save format='mamba_ssm'"
+    except CheckpointError as exc:
+        return f"format='mamba_ssm' cannot hold it either ({exc})"
+
+
+def _attention_from_mamba_ssm(c: dict) -> dict:
+    """The hybrid fields of a mamba_ssm config as ModelConfig kwargs: attn_layer_idx, attn_cfg
+    (mamba_ssm's MHA arguments, checked as mamba_ssm would build them), d_intermediate."""
+    idx, attn = c.get("attn_layer_idx") or [], c.get("attn_cfg") or {}
+    if not isinstance(idx, list):
+        raise CheckpointError(f"field 'attn_layer_idx' must be a list of layer indices; got {idx!r}")
+    if not isinstance(attn, dict):
+        raise CheckpointError(f"field 'attn_cfg' must be an object of MHA arguments; got {attn!r}")
+    if "window_size" in attn:
+        raise CheckpointError("field 'attn_cfg.window_size' is not an argument of mamba_ssm's MHA (it is "
+                              "ssmkit's sliding window, which the mamba_ssm layout cannot hold)")
+    if idx:
+        if attn.get("causal") is not True:
+            raise CheckpointError(
+                f"field 'attn_cfg.causal' is {'missing' if 'causal' not in attn else repr(attn['causal'])}: "
+                "mamba_ssm's MHA then builds bidirectional attention layers (its default is causal=False), "
+                "which see later tokens; ssmkit builds causal attention only")
+        if "num_heads" not in attn:
+            raise CheckpointError("field 'attn_cfg.num_heads' is missing; mamba_ssm's MHA requires it")
+    elif attn.get("causal") is not True:
+        attn = {}                   # no attention layer: mamba_ssm never reads it
+    return dict(attn_layer_idx=idx, attn_cfg=attn or None, d_intermediate=c.get("d_intermediate", 0))
+
+
 def config_from_mamba_ssm(c: dict) -> ModelConfig:
     """mamba_ssm's MambaConfig dict as a ModelConfig."""
-    if c.get("d_intermediate", 0) or c.get("attn_layer_idx"):
-        raise CheckpointError("mamba_ssm configs with MLP blocks (d_intermediate > 0) or attention layers "
-                              "(attn_layer_idx) are not supported yet")
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in c]
     if missing:
         raise CheckpointError(f"fields {missing} are missing; a mamba_ssm config states the model's size")
@@ -170,20 +218,30 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
     kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
                   pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8),
                   rms_norm=c.get("rms_norm", True), residual_in_fp32=c.get("residual_in_fp32", True),
-                  tie_embeddings=c.get("tie_embeddings", True), norm_epsilon=c.get("norm_epsilon", 1e-5))
+                  tie_embeddings=c.get("tie_embeddings", True), norm_epsilon=c.get("norm_epsilon", 1e-5),
+                  **_attention_from_mamba_ssm(c))
     return _build_config(kwargs, {k: f"ssm_cfg.{k}" for k in known})
 
 
 def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
-    if cfg.layout is not None and len(set(cfg.layout)) > 1:
+    """A ModelConfig as mamba_ssm's MambaConfig dict; hybrids (attention layers, MLPs) included."""
+    if cfg.zamba2 is not None:
+        raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
+    ssm_kinds = sorted({m for m in cfg.mixers if m in SSM_MIXERS})
+    if len(ssm_kinds) > 1:
         raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; "
                               "mixed layouts cannot be saved")
+    if "swa" in cfg.mixers:
+        raise CheckpointError("attn_cfg.window_size (sliding-window attention, 'swa' layers) is not an "
+                              "argument of mamba_ssm's MHA: this model cannot be saved in the mamba_ssm "
+                              "layout")
     if cfg.mixer_rms_eps is not None:
-        raise CheckpointError("mamba_ssm has no FalconMamba norms (mixer_rms_eps); save format='hf'")
+        raise CheckpointError("mamba_ssm has no norms on Δ, B, C (mixer_rms_eps); save "
+                              + ("format='jamba'" if cfg.mixer_rms_weights else "format='hf' (FalconMamba)"))
     if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
         raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; "
                               "save format='hf'")
-    mixer = cfg.mixers[0]
+    mixer = ssm_kinds[0] if ssm_kinds else cfg.mixer if cfg.mixer in SSM_MIXERS else "mamba1"
     ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
     ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"
     if "dt_limit" in ssm:   # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
@@ -193,8 +251,11 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
             ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
     if "A_init_range" in ssm:
         ssm["A_init_range"] = list(ssm["A_init_range"])
-    return dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                ssm_cfg=ssm, attn_layer_idx=[], attn_cfg={}, rms_norm=cfg.rms_norm,
+    # every MHA argument written out, causal=True above all (mamba_ssm's default is False)
+    attn = {k: v for k, v in (cfg.attn_cfg or {}).items() if k != "window_size"}
+    return dict(d_model=cfg.d_model, d_intermediate=cfg.d_intermediate, n_layer=cfg.n_layer,
+                vocab_size=cfg.vocab_size, ssm_cfg=ssm, attn_layer_idx=list(cfg.attn_layer_idx),
+                attn_cfg=attn, rms_norm=cfg.rms_norm,
                 residual_in_fp32=cfg.residual_in_fp32, fused_add_norm=True,
                 pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                 tie_embeddings=cfg.tie_embeddings)   # exactly MambaConfig's fields: it is built with **config

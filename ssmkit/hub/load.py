@@ -1,7 +1,9 @@
 """Loading: ``from_pretrained`` reads a transformers or mamba_ssm checkpoint directory (or a hub id).
 
-The layout is detected from ``config.json`` (:mod:`ssmkit.hub.layouts`), every weight is mapped by
-name and every shape checked before anything is copied: a checkpoint loads whole or not at all, and
+The layout is detected from ``config.json``: a transformers config by its ``model_type`` (:data:`READERS`:
+"mamba", "falcon_mamba", "mamba2" in :mod:`ssmkit.hub.layouts`, "jamba" in :mod:`ssmkit.hub.jamba`,
+"zamba2" in :mod:`ssmkit.hub.zamba2`), a mamba_ssm config by ``d_model`` and ``n_layer``. Every weight is
+mapped by name and every shape checked before anything is copied: a checkpoint loads whole or not at all, and
 every problem with it (a config field, a shard index, a weight file) is a
 :class:`~ssmkit.hub.layouts.CheckpointError` naming the file.
 """
@@ -9,6 +11,7 @@ every problem with it (a config field, a shard index, a weight file) is a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,11 +19,34 @@ import torch
 from .. import io
 from ..env import pick_device
 from ..models import MambaLM, ModelConfig
+from . import jamba, zamba2
 from .layouts import CheckpointError, config_from_hf, config_from_mamba_ssm
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
+
+
+
+def _from_hf_names(state: dict, cfg: ModelConfig) -> dict:
+    """transformers' Mamba / Mamba2 names are ours but for the embedding's."""
+    ours = {"backbone.embeddings.weight": "backbone.embedding.weight"}
+    return {ours.get(k, k): v for k, v in state.items()}
+
+
+def _same_names(state: dict, cfg: ModelConfig) -> dict:
+    return state
+
+
+# transformers model_type -> (config.json -> ModelConfig, its state dict -> ours); a name the renaming
+# does not know is kept, so that loading reports it as unexpected
+READERS = {
+    "mamba": (config_from_hf, _from_hf_names),
+    "falcon_mamba": (config_from_hf, _from_hf_names),
+    "mamba2": (config_from_hf, _from_hf_names),
+    "jamba": (jamba.config_from_jamba, jamba.state_from_jamba),
+    "zamba2": (zamba2.config_from_zamba2, zamba2.state_from_zamba2),
+}
 
 # --------------------------------------------------------------------------------------------
 # weights
@@ -107,9 +133,9 @@ def _resolve(path_or_id: str | os.PathLike) -> Path:
         ) from None
 
 
-def _read_config(folder: Path) -> tuple[ModelConfig, dict]:
-    """The ModelConfig of a checkpoint folder and the weight renames of its layout; any problem is a
-    CheckpointError naming config.json (and the field)."""
+def _read_config(folder: Path) -> tuple[ModelConfig, Callable[[dict, ModelConfig], dict]]:
+    """The ModelConfig of a checkpoint folder and its layout's renaming of the weights to ours; any
+    problem is a CheckpointError naming config.json (and the field)."""
     path = folder / "config.json"
     if not path.exists():
         raise CheckpointError(f"{folder} has no config.json")
@@ -121,9 +147,13 @@ def _read_config(folder: Path) -> tuple[ModelConfig, dict]:
         if not isinstance(raw, dict):
             raise CheckpointError(f"it holds a JSON {type(raw).__name__}, not an object of config fields")
         if "model_type" in raw:
-            return config_from_hf(raw), {"backbone.embeddings.weight": "backbone.embedding.weight"}
+            if raw["model_type"] not in READERS:
+                raise CheckpointError(f"model_type {raw['model_type']!r} is not supported; ssmkit loads "
+                                      f"{', '.join(map(repr, READERS))}")
+            read_config, rename = READERS[raw["model_type"]]
+            return read_config(raw), rename
         if "d_model" in raw and "n_layer" in raw:
-            return config_from_mamba_ssm(raw), {}
+            return config_from_mamba_ssm(raw), _same_names
         raise CheckpointError("unknown layout; expected a transformers config (model_type) "
                               "or a mamba_ssm config (d_model, n_layer, ssm_cfg)")
     except CheckpointError as exc:
@@ -142,7 +172,8 @@ def _dtype(dtype) -> torch.dtype | None:
 
 def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device=None) -> MambaLM:
-    """Load a transformers (Mamba / Mamba2) or mamba_ssm checkpoint directory, or a hub id.
+    """Load a transformers (Mamba, FalconMamba, Mamba2, dense Jamba, Zamba2) or mamba_ssm checkpoint
+    directory, or a hub id.
 
     dtype: a torch.dtype or a name (float32/fp32, bfloat16/bf16, float16/fp16/half); device: "cpu",
     "cuda", "cuda:N", "mps", "auto" or a torch.device. Both are checked before anything is read.
@@ -152,7 +183,11 @@ def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | No
         device = pick_device(str(device) if isinstance(device, torch.device) else device)
     folder = _resolve(path_or_id)
     cfg, rename = _read_config(folder)
-    state = {rename.get(k, k): v for k, v in _read_state_dict(folder).items()}
+    state = _read_state_dict(folder)
+    try:
+        state = rename(state, cfg)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
     with torch.device("meta"):
         model = MambaLM(cfg)
     model = model.to_empty(device="cpu")

@@ -1,5 +1,8 @@
 """Saving: ``save_pretrained`` writes a checkpoint transformers or mamba_ssm loads unchanged.
 
+Each format is a pair in :data:`WRITERS`: the config.json it writes and the renaming of our tensors to
+its names ("hf": transformers' Mamba / Mamba2, "mamba_ssm", "jamba": transformers' Jamba, "zamba2").
+
 Only our files are written (:data:`~ssmkit.hub.layouts.OUR_FILES`), whole or not at all: a checkpoint
 of ours is rebuilt beside and swapped in, a directory holding anything else is refused unless
 ``overwrite=True``, and then only our files in it are replaced.
@@ -20,7 +23,8 @@ from pathlib import Path
 import torch
 
 from .. import io
-from ..models import MambaLM
+from ..models import MambaLM, ModelConfig
+from . import jamba, zamba2
 from .layouts import (
     FORMATS,
     OUR_FILES,
@@ -32,6 +36,30 @@ from .layouts import (
 )
 
 _OUR_TEMP = re.compile(r"\.ssmkit-save-.*")                              # a crashed in-place save's leftover
+
+
+def _to_hf_names(state: dict, cfg: ModelConfig) -> dict:
+    """transformers' Mamba / Mamba2 names: ours but for the embedding's; no lm_head when tied."""
+    theirs = {"backbone.embedding.weight": "backbone.embeddings.weight"}
+    state = {theirs.get(k, k): v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _same_names(state: dict, cfg: ModelConfig) -> dict:
+    return state
+
+
+# format -> (ModelConfig -> config.json dict, our state dict -> the format's); each raises CheckpointError for
+# a model the format cannot hold, and both run before anything is written
+WRITERS = {
+    "hf": (config_to_hf, _to_hf_names),
+    "mamba_ssm": (config_to_mamba_ssm, _same_names),
+    "jamba": (jamba.config_to_jamba, jamba.state_to_jamba),
+    "zamba2": (zamba2.config_to_zamba2, zamba2.state_to_zamba2),
+}
+assert set(WRITERS) == set(FORMATS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +123,8 @@ def _replace_in_place(tmp: Path, directory: Path, weights: str):
 def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = "hf",
                     tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
                     overwrite: bool = False) -> Path:
-    """Write ``model`` as a directory transformers ("hf") or mamba_ssm ("mamba_ssm") loads unchanged.
+    """Write ``model`` as a directory transformers ("hf": Mamba / Mamba2, "jamba", "zamba2") or mamba_ssm
+    ("mamba_ssm") loads unchanged; a model the format cannot hold is a CheckpointError naming the field.
 
     ``state_dict`` replaces the model's own tensors (a full state dict gathered from FSDP shards).
     Tokenizer files found in ``tokenizer_from`` (default: where the model was loaded from) are copied
@@ -131,13 +160,9 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
     cfg = model.config
     state = model.state_dict() if state_dict is None else state_dict
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    if format == "hf":
-        config = config_to_hf(cfg)
-        state["backbone.embeddings.weight"] = state.pop("backbone.embedding.weight")
-        if cfg.tie_embeddings:
-            state.pop("lm_head.weight")
-    else:
-        config = config_to_mamba_ssm(cfg)
+    config_to, state_to = WRITERS[format]
+    config = config_to(cfg)
+    state = state_to(state, cfg)
     source = tokenizer_from or getattr(model, "name_or_path", None)
     source = Path(source) if source is not None and Path(source).is_dir() else None
 
@@ -148,7 +173,7 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
     try:
         io.write_json(tmp / "config.json", config)
         weights = tmp / WEIGHT_FILES[format]
-        if format == "hf":
+        if weights.suffix == ".safetensors":
             from safetensors.torch import save_file
 
             save_file(state, str(weights), metadata={"format": "pt"})
@@ -178,7 +203,7 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
 def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format: str = "hf",
                             tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
                             overwrite: bool = False) -> Path:
-    """Write a checkpoint transformers ("hf") or mamba_ssm ("mamba_ssm") loads; see
+    """Write a checkpoint transformers ("hf", "jamba", "zamba2") or mamba_ssm ("mamba_ssm") loads; see
     :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
     ``overwrite=True``, which keeps those files)."""
     return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
