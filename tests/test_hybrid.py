@@ -13,6 +13,7 @@ from ssmkit.models import MambaLM, ModelConfig, generate
 from ssmkit.models.attention import Attention, rotary
 from ssmkit.models.cache import KVState
 from ssmkit.models.config import ConfigError, check_attn_cfg
+from ssmkit.models.lm import chunked_cross_entropy
 from ssmkit.models.mlp import GatedMLP, mlp_width
 from ssmkit.train import Trainer
 
@@ -270,3 +271,29 @@ def test_trainer_long_context_switches_train_the_same_model(tmp_path, shards):
                                    activation_checkpointing=True, loss_chunk_size=24))
     assert trainer.model.backbone.gradient_checkpointing and trainer.model.loss_chunk_size == 24
     assert losses(trainer.fit()) == pytest.approx(plain, abs=1e-5)
+
+
+def test_chunked_loss_never_holds_the_full_logits_at_16k():
+    """16,384 positions x a 50,304-row vocabulary: the logits alone are 3.1 GiB in fp32. The chunked loss
+    (chunks of 1,024) holds one chunk's logits (~200 MiB with their softmax) in the forward and backward."""
+    from ssmkit.eval.long_context import peak_rss_mb
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 50304, bias=False)
+    hidden = torch.randn(1, 16384, 32, requires_grad=True)
+    targets = torch.randint(0, 50304, (1, 16384))
+
+    def step():
+        loss = chunked_cross_entropy(hidden, head, targets, 1024)
+        loss.backward()
+        return loss.detach()
+
+    loss, extra = peak_rss_mb(step)
+    if extra is None:
+        pytest.skip("no per-call peak memory on this platform (needs Linux /proc)")
+    full_logits_mb = 16384 * 50304 * 4 / 2**20
+    assert extra < 0.25 * full_logits_mb, f"peak {extra:.0f} MiB; all logits would be {full_logits_mb:.0f}"
+    with torch.no_grad():          # the same value as the plain loss (chunks of 1,024 vs all at once)
+        h, t = hidden[:, :4096], targets[:, :4096]
+        torch.testing.assert_close(chunked_cross_entropy(h, head, t, 1024), F.cross_entropy(head(h[0]), t[0]))
+    assert torch.isfinite(loss)
