@@ -11,17 +11,23 @@ notebooks and benchmarks for their tables.
     ev.time_round_robin({"ours": a, "peer": b}, steps=7)  # seconds per call, peers interleaved
     ev.peak_memory_mb(device)                             # MiB: CUDA allocator peak, else peak RSS
     ev.summarize_run(history)                             # first/last val loss, perplexity, median tokens/s
+    ev.train_step_cost(model, seq_len=4096)               # {"tokens_per_s", "peak_mb", ...}: long context
+    ev.generation_cost(model, prompt_len=4096)            # prefill s, decode tokens/s, peak MB, cache MB
 
 Modules: ``loss`` (loss, perplexity), ``tasks`` (synthetic-task accuracy), ``flops`` (FLOPs, peak, MFU),
-``measure`` (timing, memory), ``summary`` (a Trainer history's headline numbers). This layer sits above
-models, hub and data and below train: it imports none of train, workbook or cli.
+``measure`` (timing, memory), ``summary`` (a Trainer history's headline numbers), ``long_context``
+(training and generation cost against length, per-call peak memory, crossover, length extrapolation).
+This layer sits above models, hub and data and below train: it imports none of train, workbook or cli.
 """
 
 from .flops import PEAK_BF16_FLOPS, flops_per_token, mfu, peak_flops
+from .long_context import crossover, generation_cost, length_extrapolation, peak_rss_mb, train_step_cost
 from .loss import lm_loss, perplexity
 from .measure import peak_memory_mb, throughput, time_round_robin
 from .summary import summarize_run
 from .tasks import answer_accuracy, task_accuracy
 
-__all__ = ["PEAK_BF16_FLOPS", "answer_accuracy", "flops_per_token", "lm_loss", "mfu", "peak_flops",
-           "peak_memory_mb", "perplexity", "summarize_run", "task_accuracy", "throughput", "time_round_robin"]
+__all__ = ["PEAK_BF16_FLOPS", "answer_accuracy", "crossover", "flops_per_token", "generation_cost",
+           "length_extrapolation", "lm_loss", "mfu", "peak_flops", "peak_memory_mb", "peak_rss_mb",
+           "perplexity", "summarize_run", "task_accuracy", "throughput", "time_round_robin",
+           "train_step_cost"]
