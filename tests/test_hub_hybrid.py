@@ -177,7 +177,7 @@ def test_mamba_ssm_refusals_name_the_field(tmp_path):
     hybrid = model(attn_layer_idx=[1], attn_cfg=dict(num_heads=2), d_intermediate=64)
     with pytest.raises(CheckpointError, match=r"attention layers \(attn_layer_idx\) or MLPs "
                                               r"\(d_intermediate\).*save format='mamba_ssm'$"):
-        hybrid.save_pretrained(tmp_path / "x")
+        hybrid.save_pretrained(tmp_path / "x", format="hf")
     jamba_like = model(attn_layer_idx=[1], attn_cfg=dict(num_heads=2, qkv_proj_bias=False,
                                                          out_proj_bias=False),
                        d_intermediate=64, mixer_rms_eps=1e-6, mixer_rms_weights=True, norm_epsilon=1e-6)

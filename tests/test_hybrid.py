@@ -312,3 +312,23 @@ def test_chunked_loss_never_holds_the_full_logits_at_16k():
     h, t = torch.randn(1, 4096, 32), torch.randint(0, 503, (1, 4096))
     with torch.no_grad():
         torch.testing.assert_close(chunked_cross_entropy(h, head, t, 1024), F.cross_entropy(head(h[0]), t[0]))
+
+
+def test_every_model_saves_in_its_natural_format_by_default(tmp_path, shards):
+    """save_pretrained() without a format (as the Trainer's checkpoints call it) picks one that holds the
+    model: a Trainer run of the hybrid preset leaves a checkpoint from_pretrained loads with equal logits."""
+    import ssmkit
+    from ssmkit.hub.save import natural_format
+
+    kinds = {"tiny": "hf", "tiny-mamba2": "hf", "tiny-hybrid": "mamba_ssm", "tiny-zamba2": "zamba2"}
+    assert {name: natural_format(ModelConfig.preset(name)) for name in kinds} == kinds
+    assert natural_format(_cfg(d_intermediate=64)) == "mamba_ssm"
+    assert natural_format(_cfg(mixer_rms_eps=1e-6, mixer_rms_weights=True, d_intermediate=128,
+                               attn_every=2)) == "jamba"
+    trainer = Trainer(config=small(tmp_path, shards, model="tiny-hybrid", max_steps=2))
+    trainer.fit()
+    step = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    loaded = ssmkit.from_pretrained(step / "model").eval()
+    x = torch.randint(0, 200, (1, 16))
+    torch.testing.assert_close(loaded(x).logits, trainer.model.eval()(x).logits)
+    assert loaded.config.mixers == trainer.model.config.mixers

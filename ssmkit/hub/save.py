@@ -120,11 +120,25 @@ def _replace_in_place(tmp: Path, directory: Path, weights: str):
     os.replace(tmp / "config.json", directory / "config.json")
 
 
-def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = "hf",
+def natural_format(cfg: ModelConfig) -> str:
+    """The format a model is saved in when none is asked for: "zamba2" for a Zamba2 model, "jamba" for
+    Mamba-1 layers with Jamba's weighted Δ/B/C norms, "mamba_ssm" for attention layers or MLPs (transformers'
+    Mamba configs hold neither), else "hf" (transformers' Mamba / FalconMamba / Mamba2)."""
+    if cfg.zamba2 is not None:
+        return "zamba2"
+    if cfg.mixer_rms_weights:
+        return "jamba"
+    if cfg.attn_layer_idx or cfg.d_intermediate:
+        return "mamba_ssm"
+    return "hf"
+
+
+def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str | None = None,
                     tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
                     overwrite: bool = False) -> Path:
     """Write ``model`` as a directory transformers ("hf": Mamba / Mamba2, "jamba", "zamba2") or mamba_ssm
     ("mamba_ssm") loads unchanged; a model the format cannot hold is a CheckpointError naming the field.
+    ``format=None`` picks the model's :func:`natural_format` (so a Trainer checkpoint of any model saves).
 
     ``state_dict`` replaces the model's own tensors (a full state dict gathered from FSDP shards).
     Tokenizer files found in ``tokenizer_from`` (default: where the model was loaded from) are copied
@@ -137,6 +151,8 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
     ``overwrite=True``: then only our files are replaced in it, one rename each, and the rest stay
     untouched. The other format's weight file is removed either way, so it cannot shadow the new one.
     """
+    if format is None:
+        format = natural_format(model.config)
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not supported; valid formats: {', '.join(FORMATS)}")
     given = directory = Path(directory)
@@ -200,12 +216,12 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str = 
     return given
 
 
-def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format: str = "hf",
+def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format: str | None = None,
                             tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
                             overwrite: bool = False) -> Path:
-    """Write a checkpoint transformers ("hf", "jamba", "zamba2") or mamba_ssm ("mamba_ssm") loads; see
-    :func:`ssmkit.hub.save_pretrained` (a directory holding other files is refused unless
-    ``overwrite=True``, which keeps those files)."""
+    """Write a checkpoint transformers ("hf", "jamba", "zamba2") or mamba_ssm ("mamba_ssm") loads (None: the
+    model's natural format, "hf" for pure Mamba); see :func:`ssmkit.hub.save_pretrained` (a directory
+    holding other files is refused unless ``overwrite=True``, which keeps those files)."""
     return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
                            state_dict=state_dict, overwrite=overwrite)
 

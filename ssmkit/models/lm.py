@@ -262,7 +262,7 @@ class MambaLM(nn.Module):
                                ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    # save_pretrained(directory, format="hf" | "mamba_ssm", tokenizer_from=None, state_dict=None,
+    # save_pretrained(directory, format=None | "hf" | "mamba_ssm" | ..., tokenizer_from=None, state_dict=None,
     # overwrite=False) is attached to this class by ssmkit.hub.save: the hub builds on models, so models
     # never import the hub. ``import ssmkit`` imports the hub, so every MambaLM has the method.
 

@@ -16,6 +16,9 @@ Modules, in the order a reader meets them:
   :func:`system_info`, :func:`preset_info`, :func:`train_config`, :func:`sample_text`,
   :func:`markdown_table`, :func:`format_duration`, :func:`write_metrics`; :func:`summarize_run` is
   :func:`ssmkit.eval.summarize_run`);
+* :mod:`~ssmkit.workbook.hybrid`: what notebook 03 (hybrid SSM + attention) calls: :func:`hybrid_config`
+  (Jamba's rule), :func:`layer_pattern`, :func:`parameter_split`, :func:`train_on_task`, :func:`ratio_sweep`,
+  :func:`context_costs`, :func:`extrapolation`, ...;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
   :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`, :func:`parse_value`);
 * :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
@@ -41,6 +44,21 @@ from .cells import (
     write_metrics,
 )
 from .cli import main
+from .hybrid import (
+    attention_share,
+    build_lm,
+    context_costs,
+    context_models,
+    crossovers,
+    extrapolation,
+    hybrid_config,
+    layer_pattern,
+    mixer_comparison,
+    parameter_split,
+    plot_panels,
+    ratio_sweep,
+    train_on_task,
+)
 from .notebooks import (
     PROJECT_ROOT,
     WorkbookError,
@@ -59,6 +77,10 @@ __all__ = [
     # cells
     "check_params", "format_duration", "markdown_table", "pick_device", "preset_info", "preset_names",
     "sample_text", "summarize_run", "system_info", "train_config", "write_metrics",
+    # notebook 03: hybrids
+    "attention_share", "build_lm", "context_costs", "context_models", "crossovers", "extrapolation",
+    "hybrid_config", "layer_pattern", "mixer_comparison", "parameter_split", "plot_panels", "ratio_sweep",
+    "train_on_task",
     # notebooks and params files
     "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file",
     "parse_value", "strip_notebook",

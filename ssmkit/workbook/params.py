@@ -151,6 +151,21 @@ def _precision(value):
     return checks.choice(value, "precision", CHOICES["precision"])
 
 
+def _lengths(value) -> list[int]:
+    """A non-empty ascending list of distinct lengths >= 2 (``-p`` passes its text: "[1024, 4096]")."""
+    parsed = checks.parse_value(value) if isinstance(value, str) else value
+    try:
+        if not isinstance(parsed, (list, tuple)) or not parsed:
+            raise ValueError
+        lengths = [checks.integer(v, "length", minimum=2, whole_floats=True) for v in parsed]
+    except ValueError:
+        raise WorkbookError(f"context_lengths must be a list of sequence lengths >= 2, e.g. [1024, 4096]; "
+                            f"got {value!r}") from None
+    if lengths != sorted(set(lengths)):
+        raise WorkbookError(f"context_lengths must be ascending and distinct; got {lengths}")
+    return lengths
+
+
 def _out_dir(value) -> Path:
     path = resolve_out_dir(value)
     path.mkdir(parents=True, exist_ok=True)
@@ -169,6 +184,13 @@ CHECKS = {
     "evals": _integer("evals", 1),
     "baseline": lambda value: checks.boolean(value, "baseline"),    # also "true"/"false" (papermill -p)
     "out_dir": _out_dir,                                    # an absolute Path, created
+    "attn_every": _integer("attn_every", 1),                # 03: attention at layer i if i % attn_every
+                                                            #     == attn_every // 2 (Jamba's rule)
+    "sweep_width": _integer("sweep_width", 1),              # 03: d_model of the ratio sweep's models
+    "sweep_depth": _integer("sweep_depth", 8),              # 03: their layers (8+: attn_every 8 has one)
+    "sweep_steps": _integer("sweep_steps", 1),              # 03: training steps on the recall task
+    "sweep_tokens": _integer("sweep_tokens", 0),            # 03: language-model tokens each (0: none)
+    "context_lengths": _lengths,                            # 03: ascending sequence lengths
     "seed": _integer("seed", 0),
     "overrides": None,
 }
@@ -211,7 +233,9 @@ def check_params(**params) -> dict:
     :func:`~ssmkit.workbook.pick_device`), ``precision`` (fp32, bf16, fp16), ``evals`` (int >= 1),
     ``baseline`` (true/false), ``out_dir`` (an absolute :class:`~pathlib.Path`, created; a relative path
     starts at the checkout's ``notebooks/`` folder, whatever the working directory: :func:`resolve_out_dir`),
-    ``seed`` (int >= 0), ``overrides`` (:func:`check_overrides`).
+    ``seed`` (int >= 0), ``overrides`` (:func:`check_overrides`); notebook 03's ``attn_every`` (>= 1),
+    ``sweep_width`` (>= 1), ``sweep_depth`` (>= 8), ``sweep_steps`` (>= 1), ``sweep_tokens`` (>= 0) and
+    ``context_lengths`` (ascending lengths >= 2, e.g. ``[1024, 4096]`` or its text).
 
     Under papermill (a cell injected by it, found in the kernel's input history): names it injected that
     are not among ``params`` stop the run, except TrainConfig keys, which are added to ``overrides`` (or

@@ -1,0 +1,417 @@
+"""Stage 3 of the plan, hybrid SSM + attention stacks (Jamba): what notebooks/03_hybrid.ipynb calls.
+
+    cfg_h = hybrid_config(cfg, attn_every=4)                 # the TrainConfig cfg with its model a hybrid
+    model = build_lm(cfg_h, vocab_size=257)                  # seeded by cfg_h.seed; the Trainer can save it
+    layer_pattern(cfg_h)                                     # "M M A M" (offset attn_every // 2)
+    parameter_split(model)                                   # {"ssm": ..., "attention": ..., "mlp": ...}
+    train_on_task(model, make_task("mqar", ...), steps=100)  # {"loss", "accuracy", "seconds", "steps"}
+    rows = ratio_sweep(cfg, task, width=64, depth=8)         # pure SSM, attn_every 8, 4, 2, pure attention
+    rows = context_costs(context_models(cfg, 4), [1024, 4096])        # time and memory against length
+
+Jamba's rule (Lieber et al. 2024): layer i of n is attention when ``i % attn_every == attn_offset``, so
+``attn_every=8, attn_offset=4`` puts 3 attention layers among 24 (Jamba's 1:7), ``attn_every=1`` makes every
+layer attention and ``attn_every=0`` none. Layer letters: M Mamba-1, M2 Mamba-2, A attention, W sliding-window
+attention, T a Transformer block (attention + MLP, transformers' Llama).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from .. import checks
+from ..io import write_atomically
+from .cells import pick_device
+
+__all__ = ["SWEEP", "attention_share", "build_lm", "context_costs", "context_models", "crossovers",
+           "extrapolation", "hybrid_config", "layer_pattern", "mixer_comparison", "parameter_split",
+           "plot_panels", "ratio_sweep", "train_on_task"]
+
+SWEEP = (0, 8, 4, 2, 1)        # attn_every of the ratio sweep: pure SSM, 1/8, 1/4, 1/2, pure attention
+LETTERS = {"mamba1": "M", "mamba2": "M2", "attn": "A", "swa": "W"}
+_CLEARED = {"layout": None, "attn_layer_idx": None}     # one rule names the attention layers: attn_every
+
+
+def _model_config(thing):
+    """The ModelConfig of a ModelConfig, a TrainConfig (``model_config()``) or a model (``.config``)."""
+    from ..models import ModelConfig
+
+    if isinstance(thing, ModelConfig):
+        return thing
+    if hasattr(thing, "model_config"):
+        return thing.model_config()
+    return thing.config
+
+
+def _mixers(thing) -> list[str]:
+    cfg = _model_config(thing)
+    if hasattr(cfg, "mixers"):
+        return cfg.mixers
+    return ["transformer"] * cfg.num_hidden_layers        # transformers' Llama: attention + MLP blocks
+
+
+def layer_pattern(thing) -> str:
+    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, A attention, W sliding-
+    window attention, T a Transformer block). ``thing``: a ModelConfig, TrainConfig or model."""
+    return " ".join(LETTERS.get(m, "T") for m in _mixers(thing))
+
+
+def attention_share(thing) -> float:
+    """The fraction of layers that attend (attention, sliding window or Transformer blocks)."""
+    mixers = _mixers(thing)
+    return sum(m not in ("mamba1", "mamba2") for m in mixers) / len(mixers)
+
+
+def hybrid_config(cfg, attn_every: int, attn_offset: int | None = None, *, mixer: str | None = None,
+                  out_dir=None, **model_overrides):
+    """``cfg`` (a :class:`~ssmkit.train.TrainConfig`) with its model made a Jamba-style hybrid: layer i is
+    attention when ``i % attn_every == attn_offset`` (default offset ``attn_every // 2``, Jamba's 4 of 8),
+    the others the SSM ``mixer`` (default: the preset's; "mamba2" gets Mamba-2's default state size, and
+    heads of 64 channels, fewer when ``d_inner`` is narrower).
+
+    ``attn_every=0``: no attention (the pure SSM); ``1``: every layer (a pure attention stack, which then
+    gets rotary positions on every head dimension, since no SSM layer gives it order; Jamba's attention
+    layers have none). ``model_overrides``: more ModelConfig fields (d_model, n_layer, ...).
+    The result is checked by building its ModelConfig; ``out_dir`` replaces the run directory."""
+    attn_every = checks.integer(attn_every, "attn_every", minimum=0)
+    over = {**cfg.model_overrides, **_CLEARED, **model_overrides}
+    if mixer is not None:
+        base = dataclasses.replace(cfg, model_overrides=over).model_config(vocab_size=256)
+        if base.mixer != mixer:                          # another SSM: its own defaults, unless given
+            over["mixer"] = mixer
+            if "d_state" not in model_overrides:
+                over["d_state"] = None
+            if mixer == "mamba2" and "headdim" not in model_overrides:
+                over["headdim"] = math.gcd(base.d_inner, 64)            # 64, or what divides a narrow d_inner
+    if attn_every == 0:
+        over.update(attn_every=0, attn_offset=0, attn_cfg=None)
+    else:
+        offset = attn_every // 2 if attn_offset is None else attn_offset
+        over.update(attn_every=attn_every, attn_offset=checks.integer(offset, "attn_offset", minimum=0))
+        if attn_every == 1 and not (over.get("attn_cfg") or {}).get("rotary_emb_dim"):
+            base = dataclasses.replace(cfg, model_overrides=over).model_config(vocab_size=256)
+            over["attn_cfg"] = {**(over.get("attn_cfg") or {}), "rotary_emb_dim": base.attn_cfg["head_dim"]}
+    changes = {"model_overrides": over}
+    if out_dir is not None:
+        changes["out_dir"] = str(out_dir)
+    out = dataclasses.replace(cfg, **changes)
+    out.model_config(vocab_size=256)                         # a bad combination fails here, not in training
+    return out
+
+
+def build_lm(cfg, vocab_size: int):
+    """A fresh :class:`~ssmkit.models.MambaLM` of ``cfg`` (a TrainConfig: ``cfg.model_config(vocab_size)``),
+    initialised under ``torch.manual_seed(cfg.seed)``. (Its checkpoints save in its natural format: a
+    hybrid's in mamba_ssm's layout, see :func:`ssmkit.hub.save.natural_format`.)"""
+    import torch
+
+    from ..models import build_model
+
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model_config(vocab_size=vocab_size))
+
+
+# --- parameters -----------------------------------------------------------------------------------
+
+def _kind(module) -> str | None:
+    """The part of the model a module's parameters count toward, by its class (None: look inside)."""
+    from torch import nn
+
+    from ..models import Mamba1, Mamba2
+
+    name = type(module).__name__
+    if isinstance(module, (Mamba1, Mamba2)):
+        return "ssm"
+    if "Attention" in name:                                   # ssmkit's Attention, LlamaAttention
+        return "attention"
+    if "MLP" in name:                                         # GatedMLP, LlamaMLP
+        return "mlp"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if "Norm" in name:                                        # RMSNorm, LayerNorm, LlamaRMSNorm
+        return "norms"
+    return None
+
+
+def parameter_split(model) -> dict:
+    """Parameters by part: ``ssm`` (Mamba mixers), ``attention``, ``mlp``, ``embedding`` (embedding and an
+    untied LM head), ``norms``, ``other``, and ``total`` (their sum; tied weights counted once, as
+    ``model.num_parameters()``). Works for ssmkit models and transformers' Llama."""
+    split = dict.fromkeys(("ssm", "attention", "mlp", "embedding", "norms", "other"), 0)
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        kind = _kind(module)
+        params = module.parameters() if kind else module.parameters(recurse=False)
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            head = prefix.split(".")[-1] in ("lm_head", "output")
+            split[kind or ("embedding" if head else "other")] += p.numel()
+    split["total"] = sum(split.values())
+    return split
+
+
+# --- a synthetic task -----------------------------------------------------------------------------
+
+def train_on_task(model, task, steps: int = 200, batch: int = 16, lr: float = 3e-3, seed: int = 0,
+                  n_test: int = 256, warmup: float = 0.1, weight_decay: float = 0.1) -> dict:
+    """Train ``model`` on a synthetic ``task`` (``ssmkit.data.make_task("mqar", ...)``) for ``steps`` AdamW
+    steps of ``batch`` fresh sequences (loss on the answers only); score it on ``n_test`` held-out ones.
+
+    The recipe of the plan in small: AdamW (0.9, 0.95), weight decay on matrices only, clipping at 1.0, a
+    linear warmup over ``warmup`` of the steps, then a cosine to lr / 10. Data: ``task.split(steps * batch,
+    n_test, seed)``. Returns ``{"loss": mean training loss of the last tenth of the steps, "accuracy": the
+    fraction of test answers right, "seconds", "steps"}``; the model is left in eval mode."""
+    import torch
+
+    from ..eval import answer_accuracy
+    from ..eval.loss import model_device
+    from ..train.optim import split_parameters
+
+    steps, batch = checks.integer(steps, "steps", minimum=1), checks.integer(batch, "batch", minimum=1)
+    lr = checks.number(lr, "lr", low=0, low_open=True)
+    train, test = task.split(steps * batch, n_test, seed)
+    device = model_device(model)
+    decay = set(split_parameters(model)[0])
+    params = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in params.items() if n in decay], "weight_decay": weight_decay},
+              {"params": [p for n, p in params.items() if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    ramp = max(1, round(warmup * steps))
+    losses, start = [], time.perf_counter()
+    model.train()
+    for step in range(steps):
+        cos = 0.5 * (1 + math.cos(math.pi * max(0, step - ramp) / max(1, steps - ramp)))
+        for group in opt.param_groups:
+            group["lr"] = lr * (step + 1) / ramp if step < ramp else lr * (0.1 + 0.9 * cos)
+        chunk = train[step * batch:(step + 1) * batch].to(device)
+        loss = model(chunk.input_ids, labels=chunk.labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - start
+    tail = losses[-max(1, steps // 10):]
+    accuracy = answer_accuracy(model, test)
+    model.eval()
+    return {"loss": sum(tail) / len(tail), "accuracy": accuracy, "seconds": seconds, "steps": steps}
+
+
+# --- the ratio sweep ------------------------------------------------------------------------------
+
+def _train_lm(cfg, data, val_data, name: str) -> dict:
+    """Train ``cfg.model_config()`` with the Trainer on the prepared shards; its last validation loss."""
+    from ..data import TokenLoader
+    from ..eval import summarize_run
+    from ..train import Trainer
+
+    model = build_lm(cfg, TokenLoader(data, cfg.seq_len, 1).index["vocab_size"])
+    start = time.perf_counter()
+    run = summarize_run(Trainer(model, cfg, data=data, val_data=val_data, name=name).fit())
+    return {"val_loss": run["val_loss"], "lm_seconds": round(time.perf_counter() - start, 1)}
+
+
+def ratio_sweep(cfg, task=None, *, width: int | None = None, depth: int | None = None,
+                attn_every=SWEEP, mixer: str | None = None, steps: int = 100, batch: int = 16,
+                lr: float | None = None, lm_tokens: int = 0, data=None, val_data=None, out_dir=None,
+                **model_overrides) -> list[dict]:
+    """One row per ``attn_every`` (default :data:`SWEEP`: pure SSM, 8, 4, 2, pure attention), every model of
+    the same width and depth (``width`` / ``depth``: d_model / n_layer; default the preset's), attention at
+    offset ``attn_every // 2`` (:func:`hybrid_config`; ``mixer`` and ``model_overrides`` go there too).
+
+    With ``task``: each model (with the task's vocabulary, seeded by ``cfg.seed``) trains on it,
+    :func:`train_on_task` (``steps``, ``batch``, ``lr``: default ``cfg.lr``), giving ``task_loss``,
+    ``task_acc``. With ``lm_tokens`` > 0 and ``data`` / ``val_data`` (prepared shards): each model (with the
+    data's vocabulary) also trains as a language model with the Trainer and ``cfg``'s recipe for
+    ``lm_tokens`` tokens, one micro-batch per step (warmup: at most a tenth of the steps), evaluated once
+    at the end, in ``out_dir/<label>``, giving ``val_loss``. Every row: ``label``, ``mixer`` (the SSM's),
+    ``attn_every``, ``layers`` (:func:`layer_pattern`), ``attn_share``, ``params`` (task vocabulary)."""
+    shape = {k: v for k, v in (("d_model", width), ("n_layer", depth)) if v is not None}
+    lr = cfg.lr if lr is None else lr
+    rows = []
+    for every in attn_every:
+        label = f"attn_every_{every}" + (f"_{mixer}" if mixer else "")
+        run = hybrid_config(cfg, every, mixer=mixer, **shape, **model_overrides)
+        ssm = [m for m in _mixers(run) if m in ("mamba1", "mamba2")]
+        row = {"label": label, "mixer": ssm[0] if ssm else "none", "attn_every": every,
+               "layers": layer_pattern(run), "attn_share": attention_share(run)}
+        if task is not None:
+            model = build_lm(run, task.vocab_size).to(pick_device(cfg.device))
+            row["params"] = model.num_parameters()
+            fit = train_on_task(model, task, steps, batch, lr, cfg.seed)
+            row.update(task_loss=round(fit["loss"], 4), task_acc=round(fit["accuracy"], 4),
+                       task_seconds=round(fit["seconds"], 1))
+        if lm_tokens:
+            if data is None or val_data is None or out_dir is None:
+                raise ValueError("ratio_sweep: lm_tokens needs data, val_data and out_dir")
+            per_step = cfg.micro_batch * cfg.seq_len
+            total = max(1, lm_tokens // per_step)
+            lm = dataclasses.replace(run, max_tokens=total * per_step, max_steps=None, batch_tokens=per_step,
+                                     eval_every=0, warmup_steps=min(cfg.warmup_steps, total // 10),
+                                     out_dir=str(Path(out_dir) / label), overwrite=True)
+            row.update(_train_lm(lm, data, val_data, label))
+        rows.append(row)
+    return rows
+
+
+def mixer_comparison(cfg, task=None, *, attn_every: int, rows: list[dict] = (), **sweep) -> list[dict]:
+    """The same hybrid (``attn_every``) with Mamba-1 and with Mamba-2 layers around the attention, one
+    :func:`ratio_sweep` row each; a row of ``rows`` with that mixer and ``attn_every`` (a sweep run with the
+    same arguments) is reused instead of trained again. Each mixer keeps its own default state size
+    (Mamba-1 16, Mamba-2 128); Mamba-2's SSD chunk is 64 unless ``chunk_size`` is given (the result is the
+    same for any chunk; a 256 chunk pads short sequences)."""
+    out = []
+    for mixer in ("mamba1", "mamba2"):
+        done = [r for r in rows if r["attn_every"] == attn_every and r.get("mixer") == mixer]
+        extra = {"chunk_size": 64} if mixer == "mamba2" and "chunk_size" not in sweep else {}
+        out.append(dict(done[0]) if done else
+                   ratio_sweep(cfg, task, attn_every=(attn_every,), mixer=mixer, **extra, **sweep)[0])
+    return out
+
+
+# --- long context ---------------------------------------------------------------------------------
+
+def context_models(cfg, attn_every: int, attn_offset: int | None = None, vocab_size: int = 256,
+                   max_len: int = 4096, **hybrid_overrides) -> dict:
+    """Fresh (untrained) models of ``cfg``'s width and depth for timing: "Mamba" (no attention), "Hybrid"
+    (:func:`hybrid_config`, with ``hybrid_overrides``, e.g. ``attn_cfg={"window_size": 128}``) and
+    "Transformer++" (:func:`~ssmkit.models.matched_transformer` of the Mamba model), with a
+    ``vocab_size``-row vocabulary, so that the LM head (the same O(L·V) for all three) does not hide what
+    the mixers cost; on ``cfg.device``, seeded by ``cfg.seed``."""
+    from ..models import matched_transformer
+
+    device = pick_device(cfg.device)
+    mamba = build_lm(hybrid_config(cfg, 0), vocab_size)
+    mixed = build_lm(hybrid_config(cfg, attn_every, attn_offset, **hybrid_overrides), vocab_size)
+    llama = matched_transformer(mamba, max_len=max_len)
+    return {name: m.to(device) for name, m in (("Mamba", mamba), ("Hybrid", mixed), ("Transformer++", llama))}
+
+
+def _checkpointing(model, on: bool) -> None:
+    """Activation checkpointing on or off: ssmkit's ``backbone.gradient_checkpointing``; transformers'
+    ``activation_checkpointing_enable()`` / ``_disable()`` (``gradient_checkpointing_*`` before 5.x)."""
+    backbone = getattr(model, "backbone", None)
+    if hasattr(backbone, "gradient_checkpointing"):
+        backbone.gradient_checkpointing = on
+        return
+    verb = "enable" if on else "disable"
+    switch = (getattr(model, f"activation_checkpointing_{verb}", None)
+              or getattr(model, f"gradient_checkpointing_{verb}"))
+    switch()
+
+
+def context_costs(models: dict, lengths, new_tokens: int = 16, steps: int = 1, warmup: int = 0,
+                  checkpoint_from: int = 32768) -> list[dict]:
+    """Per model and length L (ascending), batch 1: a training step (forward + backward, no optimizer:
+    :func:`ssmkit.eval.long_context.train_step_cost`) and greedy generation of ``new_tokens`` after an
+    L-token prompt (:func:`~ssmkit.eval.long_context.generation_cost`). Lengths outer, models inner, so a
+    machine's drift hits all models alike; each model first runs one untimed 64-token step. From
+    ``checkpoint_from`` tokens on, every model trains with activation checkpointing (each block recomputed
+    in the backward pass), as long windows need (row key ``checkpointed``).
+
+    Rows: ``model``, ``seq_len``, ``train_tok_s`` (tokens/s), ``train_peak_mb`` (extra peak MiB of the
+    step), ``prefill_s``, ``decode_tok_s`` (tokens/s after the prompt), ``cache_mb`` (the generation
+    cache at the end: SSM states, attention keys and values), ``gen_peak_mb``; None where unmeasurable."""
+    from ..eval.long_context import generation_cost, train_step_cost
+
+    lengths = [checks.integer(n, "length", minimum=2) for n in lengths]
+    if lengths != sorted(lengths):
+        raise ValueError(f"context lengths must be ascending; got {lengths}")
+    for model in models.values():
+        train_step_cost(model, 64, steps=1, warmup=0)
+        model.zero_grad(set_to_none=True)
+    rows = []
+    for length in lengths:
+        for name, model in models.items():
+            _checkpointing(model, length >= checkpoint_from)
+            try:
+                train = train_step_cost(model, length, steps=steps, warmup=warmup)
+            finally:
+                model.zero_grad(set_to_none=True)             # the gradients go before the next model runs
+                _checkpointing(model, False)
+            gen = generation_cost(model, length, new_tokens=new_tokens)
+            rows.append({"model": name, "seq_len": length, "train_tok_s": round(train["tokens_per_s"], 1),
+                         "train_peak_mb": _round(train["peak_mb"]), "prefill_s": round(gen["prefill_s"], 3),
+                         "decode_tok_s": round(gen["decode_tokens_per_s"], 1),
+                         "cache_mb": round(gen["cache_mb"], 3), "gen_peak_mb": _round(gen["peak_mb"]),
+                         "checkpointed": length >= checkpoint_from})
+    return rows
+
+
+def _round(value, digits: int = 1):
+    return None if value is None else round(value, digits)
+
+
+def crossovers(rows: list[dict], ssm: str = "Mamba", attn: str = "Transformer++") -> dict:
+    """For each measure of :func:`context_costs`: the length from which ``ssm`` beats ``attn`` at every
+    longer length measured (:func:`ssmkit.eval.long_context.crossover`), or None (still behind at the
+    longest). Higher is better for the rates, lower for memory and prefill time."""
+    from ..eval.long_context import crossover
+
+    by = {(r["model"], r["seq_len"]): r for r in rows}
+    lengths = sorted({r["seq_len"] for r in rows})
+    return {key: crossover(lengths, [by.get((ssm, n)) for n in lengths], [by.get((attn, n)) for n in lengths],
+                           key=key, higher_is_better=key.endswith("tok_s"))
+            for key in ("train_tok_s", "train_peak_mb", "prefill_s", "decode_tok_s", "cache_mb")}
+
+
+def extrapolation(models: dict, val_dir, lengths, max_windows: int = 4) -> list[dict]:
+    """Validation loss of each (trained) model on windows of each length
+    (:func:`ssmkit.eval.long_context.length_extrapolation`); rows ``model``, ``seq_len``, ``loss``, ``ppl``,
+    ``windows``, ``note`` (a length longer than the split is skipped with a note)."""
+    from ..eval.long_context import length_extrapolation
+
+    rows = []
+    for name, model in models.items():
+        for row in length_extrapolation(model, val_dir, lengths, max_windows=max_windows):
+            rows.append({"model": name, **row, "loss": _round(row["loss"], 4), "ppl": _round(row["ppl"], 2)})
+    return rows
+
+
+# --- figures --------------------------------------------------------------------------------------
+
+def plot_panels(rows: list[dict], path, x: str, panels: dict, group: str | None = "model", *,
+                logx: bool = False, logy=(), title: str | None = None, show: bool | None = None):
+    """One panel per entry of ``panels`` ({row key: panel title}), side by side: y = that key against
+    ``x``, one line per value of ``group`` (None: one line). ``logy``: the keys drawn on a log
+    scale. Saved to ``path`` (written whole) and, in a Jupyter kernel, shown. Returns the figure."""
+    from io import BytesIO
+
+    from matplotlib.figure import Figure
+
+    from ..plots import _in_kernel
+
+    fig = Figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
+    for ax, (key, name) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels.items()):
+        lines: dict = {}
+        for r in rows:
+            if r.get(key) is not None and r.get(x) is not None:
+                lines.setdefault(r.get(group, "") if group else "", []).append((r[x], r[key]))
+        for label, points in lines.items():
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, "o-", ms=4, lw=1.2, label=str(label) if label != "" else None)
+        ax.set_xlabel(x)
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if key in logy:
+            ax.set_yscale("log")
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    buf = BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, buf.getvalue())
+    if _in_kernel() if show is None else show:
+        from IPython.display import Image, display
+
+        display(Image(data=buf.getvalue(), format="png"))
+    return fig
