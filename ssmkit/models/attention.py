@@ -26,9 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from .. import ops
 from .cache import KVState
-from .mamba1 import zero_padding
+from .mamba1 import conv_with_state, zero_padding
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float,
@@ -100,17 +99,6 @@ class Attention(nn.Module):
         return KVState(batch_size, self.num_heads_kv, self.head_dim, dtype, device, window=self.window,
                        conv=conv)
 
-    def _conv(self, qkv: torch.Tensor, state: KVState | None) -> torch.Tensor:
-        """The short causal conv over qkv: (batch, seqlen, qkv_dim), continuing from ``state.conv``."""
-        weight = rearrange(self.conv1d.weight, "d 1 w -> d w")
-        x = qkv.transpose(1, 2)
-        if state is None:
-            return ops.causal_conv1d(x, weight, self.conv1d.bias).transpose(1, 2)
-        n = x.shape[2]
-        x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)        # previous W-1 inputs first
-        state.conv.copy_(x_ext[:, :, -self.d_conv:])
-        return ops.causal_conv1d(x_ext, weight, self.conv1d.bias)[:, :, -n:].transpose(1, 2)
-
     def forward(self, hidden: torch.Tensor, state: KVState | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model); state: this layer's KV cache (continued and updated);
@@ -128,7 +116,8 @@ class Attention(nn.Module):
             up, gate = up_gate.chunk(2, dim=-1)
             mlp_out = up * F.silu(gate)                                      # the parallel MLP
         if self.d_conv > 0:
-            qkv = self._conv(zero_padding(qkv, mask), state)
+            qkv = zero_padding(qkv, mask).transpose(1, 2)                   # (batch, qkv_dim, seqlen)
+            qkv = conv_with_state(qkv, self.conv1d, state, activation=None).transpose(1, 2)   # MHA: no SiLU
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_heads_kv * self.head_dim,
                              self.num_heads_kv * self.head_dim], dim=-1)
         q, k, v = (rearrange(t, "b l (h d) -> b h l d", d=self.head_dim) for t in (q, k, v))

@@ -52,16 +52,16 @@ def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask[:, :, None].to(x.dtype)
 
 
-def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state: LayerState | None) -> torch.Tensor:
-    """SiLU(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if given,
-    which is then replaced by the last d_conv inputs."""
+def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state, activation: str | None = "silu") -> torch.Tensor:
+    """activation(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if a state is
+    given, which is then replaced by the last d_conv inputs."""
     weight = rearrange(conv.weight, "d 1 w -> d w")
     if state is None:
-        return ops.causal_conv1d(x, weight, conv.bias, activation="silu")
+        return ops.causal_conv1d(x, weight, conv.bias, activation=activation)
     width, seqlen = weight.shape[1], x.shape[2]
     x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)     # previous W-1 inputs first
     state.conv.copy_(x_ext[:, :, -width:])
-    return ops.causal_conv1d(x_ext, weight, conv.bias, activation="silu")[:, :, -seqlen:]
+    return ops.causal_conv1d(x_ext, weight, conv.bias, activation=activation)[:, :, -seqlen:]
 
 
 class Mamba1(nn.Module):
