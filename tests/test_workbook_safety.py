@@ -254,10 +254,13 @@ def test_signal_interrupts_the_kernel_and_writes_the_summary(tmp_path, signum, s
     later = make_notebook(tmp_path / "02_later.ipynb", "x = 1", REPORT)
     out = tmp_path / "run"
     # under SIGTERM, also check that an ignored SIGINT (a background job of a script: `cmd &`) stays ignored
-    ignore_int = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if signum == signal.SIGTERM else None
+    ignore_int = signum == signal.SIGTERM
+    # the child starts as a foreground command would: SIGINT at its default (a child inherits an ignored
+    # SIGINT, and a long test session's process may have one), or ignored on purpose under SIGTERM
+    disposition = signal.SIG_IGN if ignore_int else signal.SIG_DFL
     proc = subprocess.Popen([sys.executable, "-m", "ssmkit.cli", "workbook", "run", nb, later, "--out", out],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            preexec_fn=ignore_int)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     try:
         kernel = int(wait_for(pid_file))                           # the cell is running
         if ignore_int:
