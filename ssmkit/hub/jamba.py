@@ -32,9 +32,8 @@ import torch
 
 from .. import checks
 from ..models import ModelConfig
-from ..models.config import ConfigError
 from ..models.mlp import mlp_width
-from .layouts import CheckpointError
+from .layouts import CheckpointError, _build_config
 
 # JambaConfig's defaults (configuration_jamba.py), used where config.json leaves a field out
 DEFAULTS = dict(intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
@@ -86,13 +85,7 @@ def config_from_jamba(hf: dict) -> ModelConfig:
                   residual_in_fp32=False, mixer_rms_eps=c["rms_norm_eps"], mixer_rms_weights=True,
                   attn_cfg=dict(num_heads=heads, num_heads_kv=kv, head_dim=head_dim, qkv_proj_bias=False,
                                 out_proj_bias=False))
-    names = {**{ours: theirs for theirs, ours in _FIELDS.items()}, **_ATTN_NAMES}
-    try:
-        return ModelConfig(**kwargs)
-    except ConfigError as exc:
-        raise CheckpointError(f"field {names.get(exc.field, exc.field)!r}: {exc}") from None
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
+    return _build_config(kwargs, {**{ours: theirs for theirs, ours in _FIELDS.items()}, **_ATTN_NAMES})
 
 
 def _check_dense(c: dict):
