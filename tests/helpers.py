@@ -5,7 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ssmkit.train import TrainConfig
+
+# mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
+MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
+                           "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm",
+                           "pad_vocab_size_multiple", "tie_embeddings"}
+
+
+def perturb_(model, seed):
+    """Move every parameter by 0.1 x N(0, 1) (seeded), so a test does not compare only the init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def small(tmp_path, shards, **kw) -> TrainConfig:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import MAMBA_SSM_CONFIG_FIELDS, perturb_
 from transformers import (
     AutoModelForCausalLM,
     FalconMambaConfig,
@@ -23,18 +24,6 @@ from ssmkit import CheckpointError
 from ssmkit.models import ModelConfig
 
 ATOL = 1e-4
-# mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
-MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
-                           "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm",
-                           "pad_vocab_size_multiple", "tie_embeddings"}
-
-
-def perturb_(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 HF_CASES = {
