@@ -250,6 +250,20 @@ def test_ssd_three_views_agree(case, chunk_size):
     assert_same_forward_backward(ops.ssd_quadratic, reference, inputs, REL_TOL)
 
 
+def test_ssd_torch_on_cpu_uses_its_own_chunk(monkeypatch):
+    """On a CPU the torch backend runs the model's chunk_size=256 as chunks of CPU_CHUNK_SIZE (64): the same
+    outputs, final states and gradients as the model's chunk and as the recurrence, over a length that is a
+    multiple of neither."""
+    inputs = ssd_inputs(seqlen=300, chunk_size=256, headdim=4, dstate=8)
+    seen = []
+    real = SSD.ssd_chunked
+    monkeypatch.setitem(SSD._IMPLS, "torch", lambda *a, **k: seen.append(a[5]) or real(*a, **k))
+    torch_backend = with_backend(ops.ssd_scan, "torch")
+    assert_same_forward_backward(torch_backend, with_backend(ops.ssd_scan, "reference"), inputs, REL_TOL)
+    assert seen and set(seen) == {SSD.CPU_CHUNK_SIZE}
+    assert_same_forward_backward(torch_backend, ops.ssd_chunked, inputs, 1e-5)
+
+
 CONV_CASES = {
     "width4-silu": dict(),
     "width2-no-activation": dict(width=2, activation=None),
