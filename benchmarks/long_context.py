@@ -4,7 +4,10 @@ Mamba-1, Mamba-2 and a Jamba-style hybrid against a transformers Llama of matche
 For each length L (default 1024 ... 16384):
 
 * training step: batch 1 x L random tokens, forward with labels + backward, no optimizer (fp32).
-  tokens/s = L / median(step seconds); peak MB = the step's extra peak RSS (activations + gradients).
+  tokens/s = L / median(step seconds), timed under the Trainer's allocator setting (freed memory reused,
+  ssmkit.env.reuse_freed_memory); peak MB = the extra peak RSS (activations + gradients) of one more step
+  run under the memory-measuring setting, whose page faults would otherwise tax the models that allocate
+  more (at 16K: Mamba-2 3.7x slower, Llama 1.4x).
 * generation: a random prompt of L tokens prefilled through the cache in chunks of --prefill-chunk
   positions (an SSM's prefill memory is then O(chunk), not O(L)), then --new-tokens greedy one-token
   steps. decode tokens/s = new_tokens / decode seconds; peak MB = extra peak RSS over the whole call;
@@ -14,7 +17,8 @@ Models, all d_model 128, vocab 1000, tied embeddings (seed 0):
 
 * mamba1:  4 Mamba-1 layers, d_state 16, expand 2.
 * mamba2:  4 Mamba-2 layers, d_state 64, headdim 32 (8 heads; the CPU benchmark's choice, see
-           train_step_cpu.py), chunk_size 256 (mamba_ssm's default).
+           train_step_cpu.py), chunk_size 256 (mamba_ssm's default; ssmkit's torch backend runs it on a
+           CPU as chunks of 64, ssmkit.ops.ssd.CPU_CHUNK_SIZE: the same sums, less work).
 * hybrid:  the tiny-hybrid preset's shape at d_model 128: 4 layers, Mamba-1 with full causal attention
            at layer 2 (attn_every 4, attn_offset 2, 4 heads of 32, no rotary: Jamba).
 * llama:   transformers LlamaForCausalLM, SDPA attention, DynamicCache, sized by
@@ -22,8 +26,8 @@ Models, all d_model 128, vocab 1000, tied embeddings (seed 0):
 
 Why round-robin: shared machines drift by tens of percent, so at each length every model runs one step
 per round, in one process; drift hits all alike and the ratios vs. Llama hold when absolute numbers don't.
-Memory is measured in-process (ssmkit.eval.long_context.peak_rss_mb: glibc's mmap threshold is fixed at
-start so freed tensors leave the resident set; every model pays the same page faults in the timings).
+Memory is measured in-process (ssmkit.eval.long_context.peak_rss_mb: glibc's mmap threshold is fixed
+so freed tensors leave the resident set; generation is timed in that setting, training steps are not).
 Its resolution is a few MB (glibc reuses free heap pages unseen), which matters for the small peaks of
 generation (~20-50 MB): the flatness target below is judged within that noise.
 
@@ -55,6 +59,8 @@ from ssmkit.eval.long_context import (
     generation_cost,
     make_train_step,
     measure_call,
+    timed_call,
+    timing_allocator,
 )
 from ssmkit.models import ModelConfig, build_model, matched_transformer, parameter_report
 
@@ -86,20 +92,19 @@ def bench_train(models: dict, length: int, steps: int, log) -> dict:
     """Round-robin training steps at one length: {name: {"seq_len", "step_s", "tokens_per_s", "peak_mb"}},
     medians over the rounds."""
     fns = {n: make_train_step(m, length) for n, m in models.items()}
-    seconds, peaks = {n: [] for n in models}, {n: [] for n in models}
+    seconds, peaks = {n: [] for n in models}, {}
+    timing_allocator()                                      # the Trainer's allocator: no page-fault tax
     for r in range(steps):
         for n, fn in fns.items():
-            models[n].zero_grad(set_to_none=True)            # the step's gradients count in its peak
-            _, s, mb = measure_call(fn)
-            seconds[n].append(s)
-            peaks[n].append(mb)
+            seconds[n].append(timed_call(fn)[1])
         log(f"  train L={length} round {r + 1}/{steps}: "
             + ", ".join(f"{n} {seconds[n][-1]:.2f}s" for n in models))
-    for m in models.values():
-        m.zero_grad(set_to_none=True)
+    for n, fn in fns.items():                               # then one step each for its peak memory
+        models[n].zero_grad(set_to_none=True)               # the step's gradients count in its peak
+        peaks[n] = measure_call(fn)[2]
+        models[n].zero_grad(set_to_none=True)
     return {n: {"seq_len": length, "step_s": statistics.median(seconds[n]),
-                "tokens_per_s": length / statistics.median(seconds[n]),
-                "peak_mb": None if None in peaks[n] else statistics.median(peaks[n])} for n in models}
+                "tokens_per_s": length / statistics.median(seconds[n]), "peak_mb": peaks[n]} for n in models}
 
 
 def bench_generation(models: dict, length: int, new_tokens: int, chunk: int | None, rounds: int, log) -> dict:

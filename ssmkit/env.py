@@ -43,7 +43,28 @@ def env_report() -> str:
     return "\n".join(lines)
 
 
-_MALLOC_TUNED = False
+_LIBC = None
+_MALLOC_MODE: str | None = None        # glibc's own (None), "reuse" or "measure": the last one set
+
+
+def _mallopt(*settings: tuple[int, tuple[int, ...]]) -> bool:
+    """glibc's ``mallopt(param, value)`` for each ``(param, candidate values)``, taking the first value
+    glibc accepts; False without glibc (musl, macOS) or when a parameter takes none."""
+    global _LIBC
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return all(any(_LIBC.mallopt(param, v) == 1 for v in values) for param, values in settings)
+    except (OSError, AttributeError, TypeError):   # not glibc: nothing to do
+        return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters (malloc.h)
 
 
 def reuse_freed_memory() -> bool:
@@ -54,29 +75,38 @@ def reuse_freed_memory() -> bool:
     logits of a 50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in: measured here,
     40% of a CPU step's time in the kernel and 1.7x fewer tokens/s. Raising the mmap and trim
     thresholds lets freed blocks be reused. The price is memory the process keeps: configs/cpu-tiny
-    peaks at 3.8 GB RSS instead of 2.1 GB. Process-wide and idempotent; ``SSMKIT_REUSE_MEMORY=0``
-    turns it off (less memory, slower steps). Returns whether it is in effect.
+    peaks at 3.8 GB RSS instead of 2.1 GB. Process-wide; applied again at every call, so it also ends
+    :func:`measure_freed_memory`. ``SSMKIT_REUSE_MEMORY=0`` turns it off (less memory, slower steps).
+    Returns whether it is in effect.
     """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return True
     import os
 
-    if os.environ.get("SSMKIT_REUSE_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    global _MALLOC_MODE
+    if os.environ.get("SSMKIT_REUSE_MEMORY", "1") == "0":
         return False
-    import ctypes
-    import ctypes.util
+    # glibc versions that cap the mmap threshold (at 32 MiB) still reuse blocks up to the cap
+    if _mallopt((M_MMAP_THRESHOLD, (1 << 30, 1 << 25)), (M_TRIM_THRESHOLD, (1 << 31,))):
+        _MALLOC_MODE = "reuse"
+        return True
+    return False
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        # glibc versions that cap the mmap threshold (at 32 MiB) still reuse blocks up to the cap
-        mmap_ok = any(libc.mallopt(M_MMAP_THRESHOLD, size) == 1 for size in (1 << 30, 1 << 25))
-        ok = mmap_ok and libc.mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
-    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to do
-        return False
-    _MALLOC_TUNED = ok
-    return ok
+
+def measure_freed_memory(mmap_threshold: int = 128 * 1024) -> bool:
+    """The memory-measuring setting: every block above ``mmap_threshold`` bytes gets its own ``mmap``, so a
+    freed tensor leaves the resident set at once and RSS follows the live tensors (glibc otherwise raises
+    its threshold as large blocks are freed, after which they stay in the heap). The price is a page fault
+    for every page a large tensor touches: calls run slower than under :func:`reuse_freed_memory`.
+    Process-wide until that is called. Returns False without glibc."""
+    global _MALLOC_MODE
+    if _mallopt((M_MMAP_THRESHOLD, (int(mmap_threshold),))):
+        _MALLOC_MODE = "measure"
+        return True
+    return False
+
+
+def malloc_mode() -> str | None:
+    """The allocator setting last applied by this module: "reuse", "measure", or None (glibc's own)."""
+    return _MALLOC_MODE
 
 
 def pick_device(device: str = "auto") -> str:

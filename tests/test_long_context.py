@@ -146,3 +146,20 @@ def test_crossover():
         crossover(lengths, [1, 2], [1, 2, 3, 4])
     with pytest.raises(ValueError, match="ascending"):
         crossover([2, 1], [1, 2], [2, 1])
+
+
+def test_training_steps_are_timed_in_the_trainers_allocator_setting(monkeypatch):
+    """train_step_cost times its steps under the Trainer's allocator setting (freed memory reused) and
+    measures the peak in one more step under the memory-measuring one; afterwards the Trainer's setting is
+    back. Timing under the measuring setting taxed models by their allocations (page faults)."""
+    from ssmkit import env
+
+    if not env.reuse_freed_memory():
+        pytest.skip("allocator settings need glibc")
+    model = tiny()
+    modes, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: modes.append(env.malloc_mode()) or forward(*a, **k))
+    row = train_step_cost(model, seq_len=32, steps=2, warmup=1)
+    assert modes == ["reuse", "reuse", "reuse", "measure"]
+    assert env.malloc_mode() == "reuse"
+    assert row["step_s"] > 0 and (row["peak_mb"] is None or row["peak_mb"] >= 0)

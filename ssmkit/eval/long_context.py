@@ -33,30 +33,34 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .. import checks
+from .. import checks, env
 from ..data import TokenLoader
 from .loss import model_device, perplexity
 
-M_MMAP_THRESHOLD = -3          # glibc mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 128 * 1024    # bytes: larger blocks get their own mmap, returned to the OS when freed
 _libc = None
 _mmap_fixed: bool | None = None
 
 
 def fix_mmap_threshold() -> bool:
-    """Make glibc serve every block above 128 KiB by its own ``mmap`` (done once per process).
-
-    glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which freed tensors
-    stay in the heap and the resident set no longer follows the live tensors. A fixed threshold keeps
-    RSS an honest measure of what is allocated. Returns False where there is no glibc (macOS, musl)."""
+    """The memory-measuring allocator setting (:func:`ssmkit.env.measure_freed_memory`: every block above
+    128 KiB gets its own ``mmap``, so RSS follows the live tensors); :func:`measure_call` applies it for
+    the call it measures and restores the Trainer's setting afterwards if that was in effect. Returns False
+    where there is no glibc (macOS, musl)."""
     global _libc, _mmap_fixed
-    if _mmap_fixed is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _mmap_fixed = bool(_libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-        except (OSError, AttributeError, TypeError):
-            _mmap_fixed = False
+    _mmap_fixed = env.measure_freed_memory(MMAP_THRESHOLD)
+    if _mmap_fixed and _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return _mmap_fixed
+
+
+def timing_allocator() -> bool:
+    """The allocator setting calls are timed under: the Trainer's (:func:`ssmkit.env.reuse_freed_memory`,
+    freed blocks reused without page faults), not the memory-measuring one, under which a model that
+    allocates more also pays more page faults (timing there ranks models by their allocations as much as by
+    their arithmetic: at 16K positions it made Mamba-2's training step 3.7x slower, Llama's 1.4x). Returns
+    whether the setting is in effect."""
+    return env.reuse_freed_memory()
 
 
 def _trim_heap():
@@ -148,15 +152,37 @@ def peak_rss_mb(fn: Callable[[], object],
 def measure_call(fn: Callable[[], object], device: torch.device | str | None = None
                  ) -> tuple[object, float, float | None]:
     """``(fn(), seconds, extra peak MiB)``: :func:`peak_rss_mb` plus the wall time of ``fn`` alone (the
-    garbage collection and resets before it are not timed; a CUDA device is synchronized after it)."""
+    garbage collection and resets before it are not timed; a CUDA device is synchronized after it).
+
+    On a CPU the time includes the page faults of the memory-measuring allocator setting
+    (:func:`fix_mmap_threshold`): for a throughput, time calls with :func:`timed_call` under
+    :func:`timing_allocator` instead. The Trainer's setting, if it was in effect, is restored afterwards."""
+    restore = env.malloc_mode() == "reuse"
     peak = _Peak(device)
-    peak.start()
+    try:
+        peak.start()
+        t0 = time.perf_counter()
+        result = fn()
+        if peak.cuda:
+            torch.cuda.synchronize(peak.device)
+        seconds = time.perf_counter() - t0
+        return result, seconds, peak.stop()
+    finally:
+        if restore:
+            env.reuse_freed_memory()
+
+
+def timed_call(fn: Callable[[], object], device: torch.device | str | None = None) -> tuple[object, float]:
+    """``(fn(), seconds)``: the wall time of ``fn`` (a CUDA device synchronized before and after), under
+    whatever allocator setting is in effect (:func:`timing_allocator` for the Trainer's)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     result = fn()
-    if peak.cuda:
-        torch.cuda.synchronize(peak.device)
-    seconds = time.perf_counter() - t0
-    return result, seconds, peak.stop()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
 
 
 def _is_ssmkit(model: nn.Module) -> bool:
@@ -193,25 +219,26 @@ def make_train_step(model: nn.Module, seq_len: int, batch: int = 1,
 def train_step_cost(model: nn.Module, seq_len: int, batch: int = 1, steps: int = 2, warmup: int = 1,
                     loss_chunk_size: int | None = None, device: torch.device | str | None = None) -> dict:
     """Speed and peak memory of a training step (forward with labels + backward, no optimizer) at
-    ``seq_len``: ``warmup`` untimed steps, then ``steps`` timed ones (see :func:`make_train_step`).
+    ``seq_len``: ``warmup`` untimed steps, ``steps`` timed ones under the Trainer's allocator setting
+    (:func:`timing_allocator`), then one more step whose peak memory is measured (:func:`measure_call`; its
+    time, slowed by the measuring setting's page faults, is not used). See :func:`make_train_step`.
 
     Returns ``{"seq_len", "batch", "step_s": median seconds per step, "tokens_per_s": batch * seq_len /
-    step_s, "peak_mb": the largest extra peak MiB of a timed step (activations and gradients; None where
-    unmeasurable, see :func:`peak_rss_mb`)}``. The model is left in train mode with gradients set."""
+    step_s, "peak_mb": the extra peak MiB of a step (activations and gradients; None where unmeasurable,
+    see :func:`peak_rss_mb`)}``. The model is left in train mode with gradients set."""
     seq_len, batch = checks.integer(seq_len, "seq_len", minimum=2), checks.integer(batch, "batch", minimum=1)
     steps, warmup = checks.integer(steps, "steps", minimum=1), checks.integer(warmup, "warmup", minimum=0)
+    device = device if device is not None else model_device(model)
     step = make_train_step(model, seq_len, batch, loss_chunk_size)
+    timing_allocator()
     for _ in range(warmup):
         step()
-    seconds, peaks = [], []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)             # the step's gradients count in its peak
-        _, s, mb = measure_call(step, device if device is not None else model_device(model))
-        seconds.append(s)
-        peaks.append(mb)
+    seconds = [timed_call(step, device)[1] for _ in range(steps)]
+    model.zero_grad(set_to_none=True)                 # the step's gradients count in its peak
+    _, _, peak = measure_call(step, device)
     step_s = statistics.median(seconds)
     return {"seq_len": seq_len, "batch": batch, "step_s": step_s, "tokens_per_s": batch * seq_len / step_s,
-            "peak_mb": None if None in peaks else max(peaks)}
+            "peak_mb": peak}
 
 
 def cache_nbytes(cache) -> int:
