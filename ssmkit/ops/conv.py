@@ -51,21 +51,25 @@ def causal_conv1d_reference(x, weight, bias=None, activation=None):
 def causal_conv1d_torch(x, weight, bias=None, activation=None):
     """``F.conv1d`` with groups = dim and left padding W-1; for a (batch, dim, seqlen) view of
     channels-last memory (what the mixers pass), the W taps as shifted multiply-adds over
-    (batch, seqlen, dim) rows instead, which keeps that layout and needs no transposing copy."""
+    (batch, seqlen, dim) rows instead, which keeps that layout and needs no transposing copy.
+
+    Precision as the ``causal_conv1d`` kernel: weight, bias, the sum over taps and the activation in
+    fp32 whatever x's dtype, one rounding to x's dtype at the end; the weight and bias gradients are
+    accumulated in fp32 too (casting the weight to bf16 first made its gradient ~1e4 times less exact)."""
     _check(x, weight, bias)
     width, seqlen = weight.shape[1], x.shape[2]
-    w = weight.to(x.dtype)
-    if x.stride(1) != 1 or x.shape[1] == 1:
-        y = F.conv1d(F.pad(x, (width - 1, 0)), w.unsqueeze(1), None if bias is None else bias.to(x.dtype),
-                     groups=x.shape[1])
-        return _activate(y, activation)
-    rows = F.pad(x.transpose(1, 2), (0, 0, width - 1, 0))             # (batch, W-1 + seqlen, dim)
+    channels_last = x.stride(1) == 1 and x.shape[1] != 1
+    w, b, xf = weight.float(), None if bias is None else bias.float(), x.float()   # no copies in fp32
+    if not channels_last:
+        y = F.conv1d(F.pad(xf, (width - 1, 0)), w.unsqueeze(1), b, groups=x.shape[1])
+        return _activate(y, activation).to(x.dtype)
+    rows = F.pad(xf.transpose(1, 2), (0, 0, width - 1, 0))            # (batch, W-1 + seqlen, dim)
     y = rows[:, :seqlen] * w[:, 0]
     for k in range(1, width):                                         # tap k reads x_{t-(W-1)+k}
         y = torch.addcmul(y, rows[:, k : k + seqlen], w[:, k])
-    if bias is not None:
-        y = y + bias.to(x.dtype)
-    return _activate(y, activation).transpose(1, 2)
+    if b is not None:
+        y = y + b
+    return _activate(y, activation).to(x.dtype).transpose(1, 2)
 
 
 def causal_conv1d_cuda(x, weight, bias=None, activation=None):

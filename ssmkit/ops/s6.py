@@ -308,7 +308,11 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
           else initial_state.float())
     y, h = SelectiveScanFn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(),
                                  _grouped(C).float(), f(D), f(z), f(delta_bias), h0, delta_softplus)
-    y = y.to(u.dtype)
+    # the scan works time-major; y comes back in u's layout (contiguous, or a channels-last view as the
+    # mixers pass), like the reference and the kernel: one copy, which the next matmul would make anyway
+    channels_last = u.stride(1) == 1 and u.shape[1] > 1
+    y = (y.transpose(1, 2) if channels_last else y).to(u.dtype).contiguous()
+    y = y.transpose(1, 2) if channels_last else y
     return (y, h) if return_final_state else y
 
 
