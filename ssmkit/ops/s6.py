@@ -380,6 +380,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         return fn(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     heads = state.dim() == 4
     _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+    if name == "torch" and _in_place_ok(state, x, dt, A, B, C, D, z, dt_bias):
+        return _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     if not heads:  # Mamba-1 as a single "head" whose headdim is dim: (batch, 1, dim, dstate)
         state4, x, dt, A = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0)
         z = z.unsqueeze(1) if z is not None else None
@@ -408,6 +410,62 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     y = (h * Ch).sum(-1)                                                           # eq. 2b
     if D is not None:
         y = y + xf * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(x.dtype)
+    return y if heads else y.squeeze(1)
+
+
+def _in_place_ok(state, *tensors) -> bool:
+    """The torch backend's decode step may update an fp32, contiguous state in place when no gradient can
+    flow through it (generation: inference mode / no_grad); otherwise the functional step above runs."""
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, *tensors))
+    return not grads and state.dtype == torch.float32 and state.is_contiguous()
+
+
+def _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    """The step of :func:`selective_state_update` for generation: the same equations (2a, 2b), with the
+    state read and written in place and no (batch, ..., dstate) temporaries beyond the decay.
+
+    Mamba-2 (A, Δ and dt_bias one scalar per head, broadcast over headdim and dstate as the mixer passes
+    them, like the kernel's ``tie_hdim``): the decay exp(Δ a) is computed once per (batch, head), not per
+    state element, and h += (Δ x) Bᵀ is one batched outer product (``baddbmm_``); y = h C a ``vecdot``."""
+    heads = state.dim() == 4
+    if not heads:      # Mamba-1: (batch, dim, dstate), a single "head" of headdim = dim
+        state, x, dt, A = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0)
+        z = None if z is None else z.unsqueeze(1)
+        D = None if D is None else D.unsqueeze(0)
+        dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
+    batch, nheads, hdim, dstate = state.shape
+    Bg = (B if B.dim() == 3 else B.unsqueeze(1)).float()             # (batch, ngroups, dstate)
+    Cg = (C if C.dim() == 3 else C.unsqueeze(1)).float()
+    xf = x.float()
+    tied = heads and A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and (
+        dt_bias is None or dt_bias.stride(-1) == 0)
+    if tied:           # one Δ and one a per (batch, head)
+        dt_h = dt[..., 0].float() + (0.0 if dt_bias is None else dt_bias[:, 0].float())
+        dt_h = F.softplus(dt_h) if dt_softplus else dt_h                                  # (batch, nheads)
+        state.mul_(torch.exp(dt_h * A[:, 0, 0].float())[..., None, None])                # a_t h_{t-1}
+        rows = (xf * dt_h[..., None]).reshape(batch * nheads, hdim, 1)                    # Δ x
+        Bh = Bg.repeat_interleave(nheads // Bg.shape[1], dim=1).reshape(batch * nheads, 1, dstate)
+        Ch = Cg.repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]           # (b, h, 1, n)
+        state.view(batch * nheads, hdim, dstate).baddbmm_(rows, Bh)                       # + Δ x Bᵀ
+        y = torch.linalg.vecdot(state, Ch)                                                # h C: (b, h, p)
+        if D is not None:
+            y = y + xf * D.float()
+    else:
+        dtf = dt.float() + (0.0 if dt_bias is None else dt_bias.float())
+        dtf = F.softplus(dtf) if dt_softplus else dtf                                     # (b, h, p)
+        if heads:
+            Bh = Bg.repeat_interleave(nheads // Bg.shape[1], dim=1)[:, :, None, :]
+            Ch = Cg.repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]
+        else:
+            Bh = Bg.repeat_interleave(hdim // Bg.shape[1], dim=1)[:, None, :, :]
+            Ch = Cg.repeat_interleave(hdim // Cg.shape[1], dim=1)[:, None, :, :]
+        state.mul_(torch.exp(dtf[..., None] * A.float())).addcmul_((dtf * xf)[..., None], Bh)
+        y = torch.linalg.vecdot(state, Ch)                                                # (b, h, p)
+        if D is not None:
+            y = y + xf * D.float()
     if z is not None:
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
