@@ -3,14 +3,19 @@
     cfg = ssmkit.train.TrainConfig.from_yaml("configs/cpu-tiny.yaml", overrides=["max_steps=100"])
     history = ssmkit.train.Trainer(config=cfg).fit()     # model and data built from the config
     # or: Trainer(model, cfg, data="shards/dir", callbacks=[...]).fit(); Trainer(..., resume=True)
+    plan = ssmkit.train.plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, n_gpus=8)   # bytes per GPU
+    print(plan.table()); print(ssmkit.train.memory_table(ssmkit.train.scale_up_plans()))
 
-Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``.
+Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``; the memory
+planner: ``ssmkit plan --model PRESET_OR_YAML [--seq-len N] [--micro-batch N] [--gpus N] ...``.
 """
 
 from ..eval import flops_per_token, lm_loss  # still here for old imports; their home is ssmkit.eval
 from .config import TrainConfig
 from .optim import build_optimizer, lr_at, split_parameters
+from .planner import MemoryPlan, memory_table, plan_memory, scale_up_plans
 from .trainer import Trainer, TrainingError, prepare_data
 
-__all__ = ["TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token", "lm_loss",
-           "lr_at", "prepare_data", "split_parameters"]
+__all__ = ["MemoryPlan", "TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token",
+           "lm_loss", "lr_at", "memory_table", "plan_memory", "prepare_data", "scale_up_plans",
+           "split_parameters"]
