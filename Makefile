@@ -14,7 +14,7 @@ PARAMS ?= params/cpu.yaml
 # `make run RUN=name OVERWRITE=1` replaces an earlier run of that name (only the files a run writes)
 OVERWRITE ?=
 
-.PHONY: run test lint lab strip demo bench env clean
+.PHONY: run test lint lab strip demo bench gpu-check env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,workbook]"
+	$(PY) -m pip install --quiet -e ".[dev,workbook,eval]"
 	touch $@
 
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
@@ -45,6 +45,9 @@ demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps
 
 bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps, as ratios
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py
+
+gpu-check: $(STAMP)      ## on a GPU node: per-op parity, kernels, 130M train steps, generation, notebook 01 (< 8 min, JSON last)
+	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py
 
 env: $(STAMP)            ## which torch, device, kernels and backends this machine has
 	$(PY) -c "import ssmkit; print(ssmkit.env_report())"

@@ -1,9 +1,11 @@
 """The ``ssmkit`` command line. Subcommands: ``env`` (the environment report), ``demo`` (the CPU
-training demo), ``generate`` (text from a checkpoint), ``convert`` (checkpoint layouts), ``data
-prepare`` (token shards), ``train`` (ssmkit.train.cli) and ``workbook`` (ssmkit.workbook); demo, train
-and workbook parse their own options.
+training demo), ``generate`` (text from a checkpoint), ``eval`` (lm-evaluation-harness tasks), ``convert``
+(checkpoint layouts), ``data prepare`` (token shards), ``train`` (ssmkit.train.cli), ``plan`` (the memory
+planner, ssmkit.train.planner) and ``workbook`` (ssmkit.workbook); demo, train, plan and workbook parse
+their own options.
 
     ssmkit generate runs/cpu-tiny/checkpoints/latest --prompt "The for statement" --max-new-tokens 64
+    ssmkit eval --model runs/cpu-tiny --tasks ssmkit_docstring_cloze,ssmkit_lastword --out runs/cpu-tiny/eval
 """
 
 from __future__ import annotations
@@ -109,6 +111,63 @@ def generate_text(args) -> str:
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
+def _eval_parser(sub) -> argparse.ArgumentParser:
+    ev = sub.add_parser("eval", help="score a model on lm-evaluation-harness tasks (offline ones included)",
+                        description="Run lm-eval tasks on a model through the `ssmkit` lm-eval model; print "
+                                    "the results as a markdown table. Offline tasks: ssmkit_docstring_cloze, "
+                                    "ssmkit_lastword; lm-eval's own (hellaswag, piqa, arc_easy, "
+                                    "arc_challenge, winogrande, lambada_openai, ...) need the hub or its "
+                                    "datasets cache.")
+    ev.add_argument("--model", required=True, metavar="PATH",
+                    help="a model directory (config.json), a Trainer checkpoint step_N/, a checkpoints/ "
+                         "directory or its latest file, a run's out_dir, or a hub id")
+    ev.add_argument("--tasks", required=True, metavar="T1,T2",
+                    help="comma-separated lm-eval task names")
+    ev.add_argument("--batch-size", type=_count, default=8, metavar="N",
+                    help="requests per forward pass (default 8)")
+    ev.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N items per task")
+    ev.add_argument("--out", default=None, metavar="DIR", help="also write results.json and results.md there")
+    ev.add_argument("--tokenizer", default=None, metavar="NAME",
+                    help="gpt2, byte, bpe-<N>, a hub id or a directory (default: the checkpoint's files)")
+    ev.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    return ev
+
+
+def eval_table(args) -> str:
+    """``ssmkit eval``: the checkpoint behind ``--model`` scored on ``--tasks``; lm-eval's results written to
+    ``--out``; the markdown table returned. A user's mistake (no such checkpoint, no tokenizer, an unknown
+    task, a dataset out of reach) raises ValueError."""
+    import contextlib
+
+    from .data.tokenizers import TOKENIZER_FILES
+    from .eval.harness_run import lm_eval_table, run_lm_eval, task_names
+    from .io import read_json
+
+    names = task_names(args.tasks)
+    source, step = str(args.model), None
+    looks_like_hub_id = not Path(source).exists() and source.count("/") == 1 and not source.startswith(".")
+    if not looks_like_hub_id:
+        from .train.checkpoint import find_model, verify
+
+        model_dir, step = find_model(source)
+        if step is not None:
+            verify(step, prefix="model/")                 # the weights and tokenizer, as the manifest says
+        source = str(model_dir)
+        if args.tokenizer is None and not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+            trained = None
+            if step is not None:
+                state = read_json(step / "trainer.json", "checkpoint state")
+                trained = state.get("tokenizer") or (state.get("config") or {}).get("tokenizer")
+            hint = f" (trainer.json says it was trained with {trained!r}: --tokenizer {trained})" if trained \
+                else ""
+            raise ValueError(f"{source} holds no tokenizer files; pass --tokenizer NAME, the tokenizer the "
+                             f"model was trained with{hint}")
+    with contextlib.redirect_stdout(sys.stderr):          # lm-eval prints progress: keep stdout for the table
+        results = run_lm_eval(source, names, tokenizer=args.tokenizer, batch_size=args.batch_size,
+                              limit=args.limit, out_dir=args.out, device=args.device)
+    return lm_eval_table(results)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ssmkit", description="train state-space language models")
@@ -117,8 +176,11 @@ def main(argv=None):
     sub.add_parser("demo", help="train the tiny preset on CPU for a few hundred steps, then sample; "
                                 "--help for options", add_help=False)
     _generate_parser(sub)
+    _eval_parser(sub)
     sub.add_parser("train", help="train a model from a YAML config (see configs/); --help for options",
                    add_help=False)
+    sub.add_parser("plan", help="per-GPU memory of a training step and the largest micro-batch that fits; "
+                                "--help for options", add_help=False)
     sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options",
                    add_help=False)
     conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (Mamba / Mamba2, Jamba, "
@@ -205,6 +267,20 @@ def main(argv=None):
         except OSError as exc:
             parser.exit(1, f"ssmkit generate: {describe_os_error(exc)}\n")
         print(text)
+    elif args.command == "eval":
+        if rest:
+            parser.error(f"unrecognized arguments for eval: {' '.join(rest)}")
+        from .io import describe_os_error
+
+        try:
+            table = eval_table(args)
+        except (ValueError, RuntimeError) as exc:   # no checkpoint/tokenizer, unknown task, dataset offline
+            parser.exit(1, f"ssmkit eval: {' '.join(str(exc).split())}\n")
+        except OSError as exc:
+            parser.exit(1, f"ssmkit eval: {describe_os_error(exc)}\n")
+        print(table, end="")
+        if args.out:
+            print(f"wrote {Path(args.out) / 'results.json'} and results.md")
     elif args.command == "demo":
         from .demo import main as demo_main
 
@@ -213,6 +289,10 @@ def main(argv=None):
         from .train.cli import main as train_main
 
         train_main(rest)
+    elif args.command == "plan":
+        from .train.planner import main as plan_main
+
+        sys.exit(plan_main(rest))
     elif args.command == "workbook":
         from .workbook import main as workbook_main
 

@@ -243,6 +243,19 @@ def test_cli(capsys):
     assert planner.main(["--model", "mamba-130m", "--seq-len", "512", "--micro-batch", "2",
                          "--precision", "fp8"]) == 2
     assert "precision='fp8' is not valid; valid: fp32, bf16, fp16" in capsys.readouterr().err
+    assert planner.main(["--model", "mamba-130m", "--micro-batch", "2"]) == 2
+    assert "a preset needs --seq-len (a run config has its own)" in capsys.readouterr().err
+    assert cli_main_exit(["plan", "--model", "mamba-130m", "--seq-len", "64", "--micro-batch", "1"]) == 0
+    assert "mamba-130m" in capsys.readouterr().out
+
+
+def cli_main_exit(argv) -> int:
+    """``ssmkit ARGV`` in-process: its exit status."""
+    from ssmkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    return exit_.value.code
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -426,6 +426,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """``ssmkit plan``: print the plan's table (or JSON); a bad value is one line on stderr, status 2."""
+    missing = [f"--{f}" for f in ("seq-len", "micro-batch") if getattr(args, f.replace("-", "_")) is None]
+    if missing and not str(args.model).endswith((".yaml", ".yml")):
+        print(f"ssmkit plan: a preset needs {missing[0]} (a run config has its own)", file=sys.stderr)
+        return 2
     try:
         plan = plan_memory(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                            precision=args.precision, strategy=args.strategy,
