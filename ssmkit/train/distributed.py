@@ -107,3 +107,22 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
         fully_shard(model, mp_policy=mp)
         return model
     return model
+
+
+def held_mb(model: nn.Module, optimizer) -> float:
+    """MiB of parameters and optimizer state this process holds (FSDP: its shards; between steps, when
+    the gradients are freed): the counted part of a rank's memory, beside its measured peak."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t        # an FSDP2 DTensor: this rank's shard
+
+    tensors = [local(p) for p in model.parameters()]
+    tensors += [local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def gather_floats(value: float, device) -> list[float]:
+    """``value`` of every rank, in rank order (a collective: every rank must call it)."""
+    mine = torch.tensor([float(value)], device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [round(t.item(), 3) for t in out]

@@ -7,10 +7,12 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
         loss.backward()                                  # DDP/FSDP reduce on the last micro-batch only
     if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
+    fp16: the grad scaler skips a step whose gradients overflow and halves its scale (counted)
 
 Every ``log_every`` steps a line goes to ``out_dir/metrics.jsonl`` (and the progress bar, callbacks,
-wandb); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a checkpoint. Losses,
-perplexity, FLOPs/MFU and peak memory come from :mod:`ssmkit.eval`.
+wandb; with fp16 ``grad_scale`` and ``scaler_skipped``, under torchrun every rank's ``rank_peak_mem_mb``
+and ``rank_state_mb``); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a
+checkpoint. Losses, perplexity, FLOPs/MFU and peak memory come from :mod:`ssmkit.eval`.
 Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
 ``on_end(trainer)``.
 """
@@ -37,7 +39,7 @@ from ..io import cache_dir, read_json, tqdm_bar, write_atomically
 from ..models import build_model
 from . import checkpoint
 from .config import TrainConfig
-from .distributed import DTYPES, Dist, setup, wrap
+from .distributed import DTYPES, Dist, gather_floats, held_mb, setup, wrap
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
 
@@ -179,6 +181,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.step = self.tokens = self.skipped = self.bad_in_row = 0
+        self.scaler_skipped = 0                                      # fp16: steps the grad scaler skipped
         self.history: list[dict] = []
         self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
         self.peak_flops = peak_flops(d.device, cfg.precision)
@@ -287,8 +290,11 @@ class Trainer:
             self.bad_in_row = 0
             self.scaler.unscale_(self.optimizer)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+            scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if scale is not None and self.scaler.get_scale() < scale:
+                self.scaler_skipped += 1              # inf/NaN gradients: no optimizer step, the scale halved
             self.optimizer.zero_grad(set_to_none=True)
             window.append((loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
             if self.step % cfg.log_every == 0 or self.step == stop:
@@ -329,6 +335,11 @@ class Trainer:
                   "grad_norm": sum(w[1] for w in window) / len(window), "tokens_per_s": tokens_per_s,
                   "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
                   "peak_mem_mb": peak_memory_mb(self.dist.device), "skipped": self.skipped}
+        if self.scaler.is_enabled():                                 # fp16: the loss scale and its skips
+            record.update(grad_scale=self.scaler.get_scale(), scaler_skipped=self.scaler_skipped)
+        if self.dist.world_size > 1:                                 # every rank's, rank order (a collective)
+            record.update(rank_peak_mem_mb=gather_floats(record["peak_mem_mb"], self.dist.device),
+                          rank_state_mb=gather_floats(held_mb(self.model, self.optimizer), self.dist.device))
         self._emit(record)
         for cb in self.callbacks:
             getattr(cb, "on_log", lambda t, r: None)(self, record)
@@ -373,6 +384,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped,
+                 "scaler_skipped": self.scaler_skipped,
                  "bad_in_row": self.bad_in_row, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict(),
                  "world_size": self.dist.world_size, "config": self.config.to_dict(),
@@ -400,6 +412,7 @@ class Trainer:
         self.step, self.tokens, self.skipped = state["step"], state["tokens"], state["skipped"]
         self.bad_in_row = state["bad_in_row"]
         self.scaler.load_state_dict(state["scaler"])
+        self.scaler_skipped = state.get("scaler_skipped", 0)       # absent from older checkpoints
         saved = state["loader"]
         mine = self.loader.state_dict()
         for key in ("seed", "seq_len", "total_tokens"):

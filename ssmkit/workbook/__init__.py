@@ -19,6 +19,13 @@ Modules, in the order a reader meets them:
 * :mod:`~ssmkit.workbook.hybrid`: what notebook 03 (hybrid SSM + attention) calls: :func:`hybrid_config`
   (Jamba's rule), :func:`layer_pattern`, :func:`parameter_split`, :func:`train_on_task`, :func:`ratio_sweep`,
   :func:`context_costs`, :func:`extrapolation`, ...;
+* :mod:`~ssmkit.workbook.scale_up`: what notebook 02 (scale-up) calls: :func:`compare_strategies` (one
+  process, DDP, FSDP), :func:`memory_rows`, :func:`scale_up_plans`, :func:`slurm_command`,
+  :func:`prepare_at_scale`, :func:`stream_remote`, :func:`precision_runs`, ...; its parameters' checks join
+  :data:`~ssmkit.workbook.params.CHECKS`; :mod:`~ssmkit.workbook.scaling` its measuring half:
+  :func:`mixer_throughput`, :func:`evaluate_models`, :func:`scaling_sweep`, :func:`fit_power_law`, ...;
+* :mod:`~ssmkit.workbook.launch`: :func:`launch_train`, ``ssmkit train --nproc N`` started from a cell, its
+  output streamed live, its metrics returned; interrupting the cell stops every rank;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
   :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`, :func:`parse_value`);
 * :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
@@ -31,6 +38,7 @@ Modules, in the order a reader meets them:
 papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run.
 """
 
+from . import params
 from .cells import (
     format_duration,
     markdown_table,
@@ -59,6 +67,7 @@ from .hybrid import (
     ratio_sweep,
     train_on_task,
 )
+from .launch import LaunchError, launch_train
 from .notebooks import (
     PROJECT_ROOT,
     WorkbookError,
@@ -71,7 +80,35 @@ from .notebooks import (
 from .params import check_params, notebooks_dir, resolve_out_dir
 from .rundir import RECORD, write_summary
 from .runner import DEFAULT_CELL_TIMEOUT, default_cell_timeout, run_workbook
+from .scale_up import (
+    PARAMETER_CHECKS,
+    autocast_support,
+    compare_strategies,
+    loss_table,
+    max_loss_difference,
+    memory_rows,
+    precision_metrics,
+    precision_rows,
+    precision_runs,
+    prepare_at_scale,
+    scale_up_plans,
+    slurm_command,
+    strategy_metrics,
+    stream_remote,
+)
+from .scaling import (
+    evaluate_models,
+    fit_power_law,
+    mixer_throughput,
+    model_compute,
+    plot_scaling,
+    predict_loss,
+    scaling_sweep,
+    score_table,
+)
 from .signals import Interrupted
+
+params.CHECKS.update(PARAMETER_CHECKS)          # notebook 02's parameters (see scale_up.PARAMETER_CHECKS)
 
 __all__ = [
     # cells
@@ -81,6 +118,13 @@ __all__ = [
     "attention_share", "build_lm", "context_costs", "context_models", "crossovers", "extrapolation",
     "hybrid_config", "layer_pattern", "mixer_comparison", "parameter_split", "plot_panels", "ratio_sweep",
     "train_on_task",
+    # launching ``ssmkit train --nproc N`` from a cell
+    "LaunchError", "launch_train",
+    # notebook 02: scale-up
+    "autocast_support", "compare_strategies", "evaluate_models", "fit_power_law", "loss_table",
+    "max_loss_difference", "memory_rows", "mixer_throughput", "model_compute", "plot_scaling",
+    "precision_metrics", "precision_rows", "precision_runs", "predict_loss", "prepare_at_scale",
+    "scale_up_plans", "scaling_sweep", "score_table", "slurm_command", "strategy_metrics", "stream_remote",
     # notebooks and params files
     "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file",
     "parse_value", "strip_notebook",
