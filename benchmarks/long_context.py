@@ -7,7 +7,7 @@ For each length L (default 1024 ... 16384):
   tokens/s = L / median(step seconds), timed under the Trainer's allocator setting (freed memory reused,
   ssmkit.env.reuse_freed_memory); peak MB = the extra peak RSS (activations + gradients) of one more step
   run under the memory-measuring setting, whose page faults would otherwise tax the models that allocate
-  more (at 16K: Mamba-2 3.7x slower, Llama 1.4x).
+  more (at 16K Mamba-2's step took 2-3.5x as long there, Llama's the same).
 * generation: a random prompt of L tokens prefilled through the cache in chunks of --prefill-chunk
   positions (an SSM's prefill memory is then O(chunk), not O(L)), then --new-tokens greedy one-token
   steps. decode tokens/s = new_tokens / decode seconds; peak MB = extra peak RSS over the whole call;
