@@ -12,12 +12,8 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
 from .backend import BACKENDS, BackendError
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
 from .norm import rms_norm, rms_norm_gated
-from .s6 import (
-    selective_scan,
-    selective_scan_reference,
-    selective_scan_torch,
-    selective_state_update,
-)
+from .s6 import selective_scan, selective_scan_reference, selective_scan_torch
+from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
 
 __all__ = [
