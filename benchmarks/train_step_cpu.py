@@ -9,10 +9,10 @@ What it measures, per config (fp32, CPU, vocab 1000, AdamW lr 1e-3, torch.manual
 * peak MB: extra peak RSS of a fresh child process that builds only that model and runs
   two train steps (see `child_peak_mb`).
 
-Models: ssmkit Mamba-1 and Mamba-2, transformers MambaForCausalLM (default CPU path and,
-if the `mambapy` package imports, use_mambapy=True), Mamba2ForCausalLM (torch chunked
-path, same sizes as ssmkit Mamba-2) and a LlamaForCausalLM sized to about the parameter
-count of ssmkit Mamba-1.
+Models: ssmkit Mamba-1, Mamba-2 and Mamba-3 (SISO, and MIMO of rank 4; Mamba-2's sizes: d_state
+64, headdim 32, chunk 64), transformers MambaForCausalLM (default CPU path and, if the `mambapy`
+package imports, use_mambapy=True), Mamba2ForCausalLM (torch chunked path, same sizes as ssmkit
+Mamba-2) and a LlamaForCausalLM sized to about the parameter count of ssmkit Mamba-1.
 
 Why ratios: this runs on shared machines whose speed drifts by tens of percent. All
 models are timed in the same process, round-robin (one step of each model per round),
@@ -49,14 +49,19 @@ CONFIGS = {
 }
 MAMBA1 = dict(d_state=16, expand=2, d_conv=4)
 MAMBA2 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2, d_conv=4)
+MAMBA3 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2)     # Mamba-2's sizes, no conv
 FWD_SEQLEN = 2048
 SLOW = "hf_mamba_default"  # ~70 tokens/s: timed with 1 warmup + 1 timed step only
-MODELS = ["ssmkit_mamba1", "ssmkit_mamba2", SLOW, "hf_mambapy", "hf_mamba2", "llama"]
-RATIOS = {  # name: (numerator, denominator, target)
+MODELS = ["ssmkit_mamba1", "ssmkit_mamba2", "ssmkit_mamba3", "ssmkit_mamba3_mimo", SLOW, "hf_mambapy",
+          "hf_mamba2", "llama"]
+RATIOS = {  # name: (numerator, denominator, target); a target of None: reported, not judged
     "ssmkit_mamba1_vs_hf_mamba_default": ("ssmkit_mamba1", SLOW, 50.0),
     "ssmkit_mamba1_vs_hf_mambapy": ("ssmkit_mamba1", "hf_mambapy", 2.0),
     "ssmkit_mamba1_vs_llama": ("ssmkit_mamba1", "llama", 0.5),
     "ssmkit_mamba2_vs_hf_mamba2": ("ssmkit_mamba2", "hf_mamba2", 1.0),
+    "ssmkit_mamba3_vs_ssmkit_mamba2": ("ssmkit_mamba3", "ssmkit_mamba2", 0.5),
+    "ssmkit_mamba3_vs_ssmkit_mamba1": ("ssmkit_mamba3", "ssmkit_mamba1", None),
+    "ssmkit_mamba3_mimo_vs_ssmkit_mamba3": ("ssmkit_mamba3_mimo", "ssmkit_mamba3", None),
 }
 
 
@@ -85,6 +90,10 @@ def build(name, c, llama_ffn=None):
     if name == "ssmkit_mamba2":
         return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
                                                      mixer="mamba2", **MAMBA2))
+    if name in ("ssmkit_mamba3", "ssmkit_mamba3_mimo"):
+        mimo = dict(is_mimo=True, mimo_rank=4) if name.endswith("mimo") else {}
+        return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
+                                                     mixer="mamba3", **MAMBA3, **mimo))
     common = dict(vocab_size=V, hidden_size=d, num_hidden_layers=L, use_cache=False,
                   tie_word_embeddings=True)
     if name in (SLOW, "hf_mambapy"):
@@ -194,7 +203,7 @@ def bench_config(cfg_name, args, log):
     result.update(tokens_per_s=train_tps, fwd2048_tokens_per_s=fwd_tps, peak_mb=peak_mb,
                   params=params, final_loss=losses,
                   targets={k: t for k, (_, _, t) in RATIOS.items()},
-                  targets_met={k: None if result[k] is None else result[k] >= t
+                  targets_met={k: None if result[k] is None or t is None else result[k] >= t
                                for k, (_, _, t) in RATIOS.items()})
     return result
 
@@ -202,19 +211,22 @@ def bench_config(cfg_name, args, log):
 def print_table(res):
     print(f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
           f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads; {res['timing']} ==")
-    print(f"{'model':<18}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
+    print(f"{'model':<20}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
           f"{'fwd@2048 tok/s':>16}{'peak MB':>9}")
     base = res["tokens_per_s"][SLOW]
     for n in MODELS:
         if n not in res["tokens_per_s"]:
-            print(f"{n:<18}{'skipped (mambapy not installed)':>60}")
+            print(f"{n:<20}{'skipped (mambapy not installed)':>60}")
             continue
         tps, fwd = res["tokens_per_s"][n], res["fwd2048_tokens_per_s"].get(n)
         fwd_s = f"{fwd:,.0f}" if fwd is not None else "-"
-        print(f"{n:<18}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
+        print(f"{n:<20}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
               f"{tps / base:>12.1f}x{fwd_s:>16}{res['peak_mb'][n]:>9.0f}")
     for key, (_, _, target) in RATIOS.items():
         val = res[key]
+        if target is None:
+            print(f"  {key}: {'n/a' if val is None else f'{val:.2f}x'}")
+            continue
         shown = "n/a" if val is None else f"{val:.2f}x ({'met' if val >= target else 'NOT met'})"
         print(f"  {key}: {shown}, target >= {target}x")
 

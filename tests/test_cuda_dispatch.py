@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ssmkit import ops
 from ssmkit.ops import backend
@@ -23,6 +24,7 @@ S6 = sys.modules["ssmkit.ops.s6"]
 SSD = sys.modules["ssmkit.ops.ssd"]
 CONV = sys.modules["ssmkit.ops.conv"]
 NORM = sys.modules["ssmkit.ops.norm"]
+MAMBA3 = sys.modules["ssmkit.ops.mamba3"]
 
 
 # The kernels' signatures as the packages define them (mamba_ssm 2.2.x, causal_conv1d 1.4.x).
@@ -68,6 +70,52 @@ def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_g
                               backend="reference")
 
 
+# Mamba-3's kernels (mamba_ssm's source tree after 2.3.2.post1): the signatures of ops/triton/mamba3/
+# mamba3_siso_combined.py, ops/tilelang/mamba3/mamba3_mimo.py and ops/cute/mamba3/mamba3_step_fn.py. Their
+# conventions differ from ssmkit's: time after heads in ADT = A·Δ, DT, Trap (batch, nheads, seqlen); SISO's K
+# state without the rank axis; the step takes B and C already biased and rotated, and λ after its sigmoid.
+def _time_last(ADT, DT, Trap):
+    """The kernels' (batch, nheads, seqlen) ADT, DT, Trap as ssmkit's dt, A, trap (batch, seqlen, nheads)."""
+    return DT.transpose(1, 2), (ADT / DT).transpose(1, 2), Trap.transpose(1, 2)
+
+
+def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
+                         chunk_size=64, return_final_states=False, cu_seqlens=None):
+    start = None if Input_States is None else (*Input_States[:2], Input_States[2][:, None], Input_States[3])
+    out = ops.mamba3_reference(V, *_time_last(ADT, DT, Trap), K[:, :, None], Q[:, :, None], Angles,
+                               K_bias[:, None], Q_bias[:, None], D=D, z=Z, initial_states=start,
+                               return_final_states=return_final_states)
+    if not return_final_states:
+        return out
+    y, (angle, ssm, k, v) = out
+    return y, angle, ssm, k[:, 0], v
+
+
+def mamba3_mimo(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z, chunk_size,
+                rotary_dim_divisor, dtype, return_state=False, cu_seqlens=None,
+                fuse_pregate_headwise_rms_norm=False, outproj_norm_weight=None, outproj_norm_eps=1e-5):
+    assert Angles.shape[-1] * rotary_dim_divisor == Q.shape[-1] and dtype == V.dtype
+    out = ops.mamba3_reference(V, *_time_last(ADT, DT, Trap), K, Q, Angles, K_bias, Q_bias, D=D, z=Z,
+                               mimo_x=MIMO_V, mimo_z=MIMO_Z, mimo_o=MIMO_Out,
+                               return_final_states=return_state)
+    return (out[0], *out[1]) if return_state else out
+
+
+def mamba3_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None,
+                   out=None, z=None, zproj=None, tile_D=64, num_warps=2):
+    """The kernel's documented update (its selective_state_update_fused_ref_v2), in place."""
+    alpha = torch.exp(A * dt)
+    beta, gamma = (1 - trap) * dt * alpha, trap * dt
+    xr, xr_prev = x[:, None] * xproj, Xstate[:, None] * xproj                      # (b, r, h, p)
+    new = (alpha[..., None, None] * state + torch.einsum("brhp,brhn->bhpn", xr * gamma[:, None, :, None], B)
+           + torch.einsum("brhp,brhn->bhpn", xr_prev * beta[:, None, :, None], Bstate))
+    y = torch.einsum("bhpn,brhn->brhp", new, C) + xr * D[:, None]
+    if z is not None:
+        y = y * F.silu(z[:, None] * zproj)
+    (state if state_out is None else state_out).copy_(new)
+    out.copy_(y if outproj is None else (y * outproj).sum(1))
+
+
 FAKES = {
     "mamba_ssm.ops.selective_scan_interface": {"selective_scan_fn": selective_scan_fn},
     "mamba_ssm.ops.triton.selective_state_update": {"selective_state_update": selective_state_update},
@@ -75,6 +123,9 @@ FAKES = {
     "causal_conv1d": {"causal_conv1d_fn": causal_conv1d_fn, "causal_conv1d_update": causal_conv1d_update},
     "mamba_ssm.ops.triton.layer_norm": {"rms_norm_fn": rms_norm_fn},
     "mamba_ssm.ops.triton.layernorm_gated": {"rmsnorm_fn": rmsnorm_fn},
+    "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined": {"mamba3_siso_combined": mamba3_siso_combined},
+    "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo": {"mamba3_mimo": mamba3_mimo},
+    "mamba_ssm.ops.cute.mamba3.mamba3_step_fn": {"mamba3_step_fn": mamba3_step_fn},
 }
 
 
@@ -167,3 +218,74 @@ def test_conv_norm_and_step_cuda_wiring(fake_kernels):
     names = [name for name, _ in fake_kernels]
     assert names == ["causal_conv1d_fn", "causal_conv1d_update", "rms_norm_fn", "rmsnorm_fn",
                      "selective_state_update"]
+
+
+def mamba3_inputs(rank, seqlen=7, mimo=None, init=False, b=2, h=4, p=3, gr=2, n=8, S=2):
+    """ops.mamba3_scan's arguments: 2 groups of an 8-dimensional state, 2 angles (MIMO's divisor 4)."""
+    mimo = rank > 1 if mimo is None else mimo
+    rnd = lambda seed, *shape: torch.randn(*shape, generator=g(seed))            # noqa: E731
+    kw = dict(x=rnd(0, b, seqlen, h, p), dt=rnd(1, b, seqlen, h).abs() + 0.1,
+              A=-rnd(2, b, seqlen, h).abs() - 0.1, trap=rnd(3, b, seqlen, h), angles=rnd(6, b, seqlen, h, S),
+              B=rnd(4, b, seqlen, rank, gr, n), C=rnd(5, b, seqlen, rank, gr, n),
+              B_bias=rnd(7, h, rank, n), C_bias=rnd(8, h, rank, n), D=rnd(9, h), z=rnd(10, b, seqlen, h, p))
+    if mimo:
+        kw.update(mimo_x=rnd(11, h, rank, p), mimo_z=rnd(12, h, rank, p), mimo_o=rnd(13, h, rank, p))
+    if init:
+        kw["initial_states"] = (rnd(20, b, h, S).abs(), rnd(21, b, h, p, n), rnd(22, b, rank, h, n),
+                                rnd(23, b, h, p))
+    return kw
+
+
+@pytest.mark.parametrize("init", [False, True])
+def test_mamba3_siso_cuda_wiring(fake_kernels, init):
+    kw = mamba3_inputs(1, init=init)
+    y, states = MAMBA3.mamba3_cuda(**kw, chunk_size=4, return_final_states=True)
+    y_ref, states_ref = ops.mamba3_reference(**kw, return_final_states=True)
+    torch.testing.assert_close(y, y_ref)
+    for mine, ref in zip(states, states_ref):
+        torch.testing.assert_close(mine, ref)
+    name, args = fake_kernels[-1]
+    assert name == "mamba3_siso_combined" and args["chunk_size"] == 4 and args["return_final_states"] is True
+    assert tuple(args["ADT"].shape) == (2, 4, 7) and tuple(args["K"].shape) == (2, 7, 2, 8)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_mamba3_mimo_cuda_wiring(fake_kernels, rank):
+    kw = mamba3_inputs(rank, mimo=True)
+    y, states = MAMBA3.mamba3_cuda(**kw, chunk_size=8, return_final_states=True)
+    y_ref, states_ref = ops.mamba3_reference(**kw, return_final_states=True)
+    torch.testing.assert_close(y, y_ref)
+    for mine, ref in zip(states, states_ref):
+        torch.testing.assert_close(mine, ref)
+    name, args = fake_kernels[-1]
+    assert name == "mamba3_mimo" and args["rotary_dim_divisor"] == 4 and args["return_state"] is True
+    # the MIMO kernel cannot continue a sequence: an error when forced, the torch path when chosen on its own
+    start = mamba3_inputs(rank, mimo=True, init=True)
+    with pytest.raises(ops.BackendError, match="no initial states"):
+        MAMBA3.mamba3_cuda(**start)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "select", lambda op, *t, backend=None: backend or "cuda")
+        calls = len(fake_kernels)
+        torch.testing.assert_close(ops.mamba3_scan(**start), ops.mamba3_reference(**start))
+        assert len(fake_kernels) == calls
+
+
+@pytest.mark.parametrize("rank, mimo, gate, outproj", [(1, False, True, True), (1, False, False, True),
+                                                        (2, True, True, True), (3, True, False, False)])
+def test_mamba3_step_cuda_wiring(fake_kernels, rank, mimo, gate, outproj):
+    kw = mamba3_inputs(rank, seqlen=1, mimo=mimo, init=True)
+    states = [s.clone() for s in kw.pop("initial_states")]
+    one = {k: v[:, 0] if k in ("x", "dt", "A", "trap", "B", "C", "angles", "z") else v for k, v in kw.items()}
+    if not gate:
+        one["z"] = None
+    if not outproj:
+        one["mimo_o"] = None
+    ref_states = [s.clone() for s in states]
+    want = ops.mamba3_step(ref_states, **one, backend="torch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "select", lambda op, *t, backend=None: backend or "cuda")
+        got = ops.mamba3_step(states, **one)
+    torch.testing.assert_close(got, want)
+    for mine, ref in zip(states, ref_states):
+        torch.testing.assert_close(mine, ref)
+    assert fake_kernels[-1][0] == "mamba3_step_fn"

@@ -622,7 +622,23 @@ def op_calls():
             x=randn(g, 2, 3), conv_state=randn(g, 2, 3, 4), weight=randn(g, 3, 4))),
         "rms_norm": (ops.rms_norm, norm_inputs(z=False)),
         "rms_norm_gated": (ops.rms_norm_gated, norm_inputs()),
+        **mamba3_op_calls(g),
     }
+
+
+def mamba3_op_calls(g):
+    """Mamba-3's ops (tests/test_mamba3.py tests them): a 2-step SISO scan, a rank-2 MIMO scan, one step."""
+    b, L, h, p, n, S = 1, 2, 2, 3, 4, 1
+    scan = dict(x=randn(g, b, L, h, p), dt=rand(g, b, L, h), A=-rand(g, b, L, h), trap=randn(g, b, L, h),
+                angles=randn(g, b, L, h, S))
+    siso = dict(scan, B=randn(g, b, L, 1, 1, n), C=randn(g, b, L, 1, 1, n), B_bias=randn(g, h, 1, n),
+                C_bias=randn(g, h, 1, n))
+    mimo = dict(scan, B=randn(g, b, L, 2, 1, n), C=randn(g, b, L, 2, 1, n), B_bias=randn(g, h, 2, n),
+                C_bias=randn(g, h, 2, n), mimo_x=randn(g, h, 2, p))
+    states = [randn(g, b, h, S), randn(g, b, h, p, n), randn(g, b, 1, h, n), randn(g, b, h, p)]
+    step = {k: v[:, 0] if k in ("x", "dt", "A", "trap", "angles", "B", "C") else v for k, v in siso.items()}
+    return {"mamba3_siso": (ops.mamba3_scan, siso), "mamba3_mimo": (ops.mamba3_scan, mimo),
+            "mamba3_step": (ops.mamba3_step, dict(step, states=states))}
 
 
 def test_every_op_is_covered():

@@ -21,6 +21,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts).
     Mamba-1 scan: 9 · d_inner · d_state per token forward (Gu & Dao 2023, section 3.3.2).
     Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P (states).
+    Mamba-3 with chunk Q and MIMO rank R (1 for SISO), per token and head: 2Q·R²·N (q·kᵀ: per head, since
+    biases and rotations differ between heads) + 2Q·R²·P + 4R·N·P; its elementwise rotations are not counted.
     Attention: 12 · (heads · head_dim) · keys per layer, keys = seq_len (a sliding window: at most its size);
     other models with num_attention_heads: 12 · n_layer · d_model · seq_len (PaLM, appendix B).
 
@@ -42,6 +44,10 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
                 flops += 12 * a["num_heads"] * a["head_dim"] * keys
             elif mixer == "mamba1":
                 flops += 3 * 9 * cfg.d_inner * cfg.d_state
+            elif mixer == "mamba3":            # per head: (q kᵀ and its product with x, per head) + states
+                q, r = min(cfg.chunk_size, seq_len), cfg.mimo_rank if cfg.is_mimo else 1
+                flops += 3 * cfg.nheads * (2 * q * r * r * (cfg.d_state + cfg.headdim)
+                                           + 4 * r * cfg.d_state * cfg.headdim)
             else:
                 q = min(cfg.chunk_size, seq_len)
                 flops += 3 * (cfg.ngroups * 2 * q * cfg.d_state

@@ -122,8 +122,10 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
     if cfg.zamba2 is not None:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
     kinds = set(cfg.mixers)
-    if "mamba2" in kinds:
-        raise CheckpointError("mixer 'mamba2': Jamba's Mamba layers are Mamba-1; save format='mamba_ssm'")
+    newer = sorted(kinds & {"mamba2", "mamba3"})
+    if newer:
+        raise CheckpointError(f"mixer {newer[0]!r}: Jamba's Mamba layers are Mamba-1; "
+                              "save format='mamba_ssm'")
     if "swa" in kinds:
         raise CheckpointError("attn_cfg.window_size: Jamba's attention is full causal attention, not a "
                               "sliding window")

@@ -2,8 +2,9 @@
 
 * transformers (``"hf"``): ``model_type`` "mamba", "falcon_mamba" or "mamba2", fields as in
   ``MambaConfig`` / ``FalconMambaConfig`` / ``Mamba2Config`` (:func:`config_from_hf`, :func:`config_to_hf`);
-* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``,
-  and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and ``d_intermediate`` (a GatedMLP in
+* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``
+  (``layer`` "Mamba1", "Mamba2" or "Mamba3", the last only in mamba_ssm's source tree since June 2026), and
+  for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and ``d_intermediate`` (a GatedMLP in
   every block) (:func:`config_from_mamba_ssm`, :func:`config_to_mamba_ssm`);
 * transformers' Jamba (``"jamba"``, :mod:`ssmkit.hub.jamba`) and Zamba2 (``"zamba2"``,
   :mod:`ssmkit.hub.zamba2`), each a module of its own with the config and the tensor names both ways.
@@ -128,6 +129,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
         raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; "
                               "save format='mamba_ssm'")
+    if "mamba3" in cfg.mixers:
+        raise CheckpointError("transformers has no Mamba-3 model; save format='mamba_ssm'")
     mamba1 = cfg.mixers[0] == "mamba1"
     fields = {**_HF_FIELDS, **(_HF_MAMBA1 if mamba1 else _HF_MAMBA2)}
     hf = {theirs: getattr(cfg, ours) for theirs, ours in fields.items()}
@@ -152,6 +155,18 @@ _SSM_FIELDS = ("d_state", "d_conv", "expand", "dt_min", "dt_max", "dt_init_floor
 _SSM_MAMBA1 = ("dt_rank", "dt_init", "dt_scale")
 _SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "D_has_hdim",
                "norm_before_gate")
+# mamba_ssm's Mamba3 arguments (it has no conv and no biases) and ssmkit's a_activation: mamba_ssm's Mamba3
+# always applies the heavy-tail activation (since c69aaab, before it could build LMs) and absorbs unknown keys
+_SSM_MAMBA3 = ("d_state", "expand", "dt_min", "dt_max", "dt_init_floor", "headdim", "ngroups", "chunk_size",
+               "rope_fraction", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "a_activation")
+_LAYERS = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+
+
+def _ssm_fields(mixer: str) -> tuple[str, ...]:
+    """The ssm_cfg keys of a mixer, as ModelConfig fields."""
+    if mixer == "mamba3":
+        return _SSM_MAMBA3
+    return _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)
 
 
 def _formats_for(cfg: ModelConfig) -> str:
@@ -200,11 +215,13 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
         raise CheckpointError(f"field 'ssm_cfg' must be an object of mixer fields; got {c['ssm_cfg']!r}")
     ssm = dict(c.get("ssm_cfg") or {})
     layer = ssm.pop("layer", "Mamba1")
-    if layer not in ("Mamba1", "Mamba2"):
-        raise CheckpointError(f"ssm_cfg.layer {layer!r} is not supported; valid: Mamba1, Mamba2")
-    mixer = "mamba1" if layer == "Mamba1" else "mamba2"
-    known = set(_SSM_FIELDS) | set(_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)
+    if layer not in _LAYERS:
+        raise CheckpointError(f"ssm_cfg.layer {layer!r} is not supported; valid: {', '.join(_LAYERS)}")
+    mixer = _LAYERS[layer]
+    known = set(_ssm_fields(mixer))
     ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
+    if mixer == "mamba3":   # a kernel fusion switch (the same sums) and an argument Mamba3 only absorbs
+        ignored |= {"fuse_pregate_headwise_norm", "dropout"}
     unknown = sorted(set(ssm) - known - ignored)
     if unknown:
         raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; "
@@ -242,8 +259,8 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
         raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; "
                               "save format='hf'")
     mixer = ssm_kinds[0] if ssm_kinds else cfg.mixer if cfg.mixer in SSM_MIXERS else "mamba1"
-    ssm = {k: getattr(cfg, k) for k in _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)}
-    ssm["layer"] = "Mamba1" if mixer == "mamba1" else "Mamba2"
+    ssm = {k: getattr(cfg, k) for k in _ssm_fields(mixer)}
+    ssm["layer"] = {v: k for k, v in _LAYERS.items()}[mixer]
     if "dt_limit" in ssm:   # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
         if ssm["dt_limit"] == (0.0, math.inf):
             del ssm["dt_limit"]

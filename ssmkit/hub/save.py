@@ -122,13 +122,14 @@ def _replace_in_place(tmp: Path, directory: Path, weights: str):
 
 def natural_format(cfg: ModelConfig) -> str:
     """The format a model is saved in when none is asked for: "zamba2" for a Zamba2 model, "jamba" for
-    Mamba-1 layers with Jamba's weighted Δ/B/C norms, "mamba_ssm" for attention layers or MLPs (transformers'
-    Mamba configs hold neither), else "hf" (transformers' Mamba / FalconMamba / Mamba2)."""
+    Mamba-1 layers with Jamba's weighted Δ/B/C norms, "mamba_ssm" for Mamba-3 layers, attention layers or
+    MLPs (transformers' Mamba configs hold none of them), else "hf" (transformers' Mamba / FalconMamba /
+    Mamba2)."""
     if cfg.zamba2 is not None:
         return "zamba2"
-    if cfg.mixer_rms_weights:
+    if cfg.mixer_rms_weights and "mamba3" not in cfg.mixers:
         return "jamba"
-    if cfg.attn_layer_idx or cfg.d_intermediate:
+    if cfg.attn_layer_idx or cfg.d_intermediate or "mamba3" in cfg.mixers:
         return "mamba_ssm"
     return "hf"
 

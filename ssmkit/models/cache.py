@@ -6,6 +6,9 @@ A Mamba layer keeps two tensors, independent of how many tokens were seen (:clas
 * ``ssm``:  the SSM state h_t, (batch, d_inner, d_state) for Mamba-1 and
   (batch, nheads, headdim, d_state) for Mamba-2, kept in fp32.
 
+A Mamba-3 layer keeps four (:class:`Mamba3State`): the rotation angle, the state h, and the previous token's
+rotated key and input, which its trapezoid rule mixes into the next step.
+
 An attention layer keeps its keys and values (:class:`KVState`): all of them for full attention
 (memory grows with the sequence), or the last ``window`` of them in a ring buffer for sliding-window
 attention (constant memory, like an SSM).
@@ -25,6 +28,21 @@ class LayerState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+
+
+@dataclass
+class Mamba3State:
+    angle: torch.Tensor     # θ, (batch, nheads, nangles), fp32
+    ssm: torch.Tensor       # h, (batch, nheads, headdim, d_state), fp32
+    k: torch.Tensor         # the last rotated key B, (batch, rank, nheads, d_state)
+    v: torch.Tensor         # the last input x, (batch, nheads, headdim)
+    seen: int = 0           # tokens folded in (0: a fresh state, which the kernels take as "none")
+
+    def tensors(self) -> tuple:
+        return self.angle, self.ssm, self.k, self.v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class KVState:
@@ -89,7 +107,7 @@ class KVState:
 
 @dataclass
 class InferenceCache:
-    layers: list = field(default_factory=list)   # one LayerState / KVState (or a backbone's own) per layer
+    layers: list = field(default_factory=list)   # a LayerState / Mamba3State / KVState (or a backbone's own)
     seqlen_offset: int = 0          # tokens already folded into the states
 
     @classmethod

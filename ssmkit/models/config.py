@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from .. import checks
 from .zamba2_config import TINY_ZAMBA2, Zamba2ConfigError, check_zamba2
 
-MIXERS = ("mamba1", "mamba2", "attn", "swa")      # "swa": attention over the last attn_cfg.window_size
-SSM_MIXERS = ("mamba1", "mamba2")
-DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128, "attn": 16, "swa": 16}   # mamba_ssm's Mamba / Mamba2 defaults
+MIXERS = ("mamba1", "mamba2", "mamba3", "attn", "swa")   # "swa": attention over the last attn_cfg.window_size
+SSM_MIXERS = ("mamba1", "mamba2", "mamba3")
+# mamba_ssm's Mamba / Mamba2 / Mamba3 defaults (d_state; Mamba3's chunk 64, the others' 256)
+DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128, "mamba3": 128, "attn": 16, "swa": 16}
+ROPE_FRACTIONS = (0.5, 1.0)           # mamba_ssm's Mamba3 asserts one of these
+A_ACTIVATIONS = ("heavy_tail", "softplus")
 # mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's default False
 # trains a model that sees the future) and ssmkit's window_size (Samba's sliding window; None = full).
 ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
@@ -26,7 +29,7 @@ ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0
 INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand",
               "headdim", "ngroups", "chunk_size")
 BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias",
-               "bias", "D_has_hdim", "norm_before_gate", "mixer_rms_weights")
+               "bias", "D_has_hdim", "norm_before_gate", "mixer_rms_weights", "is_outproj_norm", "is_mimo")
 
 
 def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = False) -> dict:
@@ -115,8 +118,8 @@ class ModelConfig:
     n_layer: int = 24                     # number of blocks
     vocab_size: int = 50277               # tokenizer size (GPT-NeoX for the official models)
     pad_vocab_size_multiple: int = 8      # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
-    mixer: str = "mamba1"                 # "mamba1" | "mamba2" | "attn": the mixer of every layer ...
-    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba1", "attn", "swa"]
+    mixer: str = "mamba1"                 # "mamba1" | "mamba2" | "mamba3" | "attn": every layer's mixer ...
+    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba3", "attn", "swa"]
     d_intermediate: int = 0               # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
     attn_layer_idx: list[int] | None = None   # mamba_ssm: the layers that are attention (MHA) ...
     attn_every: int = 0                   # ... or every N-th (Jamba: i % N == attn_offset); 0 = none
@@ -131,7 +134,7 @@ class ModelConfig:
     rescale_prenorm_residual: bool = True  # out_proj init scaled by 1/sqrt(n_layer) (GPT-2 style)
 
     # --- the SSM mixers (mamba_ssm's ssm_cfg) ---
-    d_state: int | None = None            # N; None -> 16 for mamba1, 128 for mamba2
+    d_state: int | None = None            # N; None -> 16 for mamba1, 128 for mamba2 and mamba3
     d_conv: int = 4                       # width of the causal depthwise conv
     expand: int = 2                       # d_inner = expand * d_model
     dt_rank: int | str = "auto"           # mamba1: rank of the Δ projection; "auto" = ceil(d_model / 16)
@@ -144,19 +147,29 @@ class ModelConfig:
     bias: bool = False                    # bias of in_proj / out_proj
     mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off)
     mixer_rms_weights: bool = False       # ... with learnable weights (Jamba's dt/b/c_layernorm)
-    headdim: int = 64                     # mamba2: P, channels per head
-    ngroups: int = 1                      # mamba2: B/C groups (like GQA's key/value groups)
-    chunk_size: int = 256                 # mamba2: Q, SSD chunk length
+    headdim: int = 64                     # mamba2/3: P, channels per head
+    ngroups: int = 1                      # mamba2/3: B/C groups (like GQA's key/value groups)
+    chunk_size: int | None = None         # mamba2/3: Q, the scan's chunk; None: 64 for mamba3 alone, else 256
     A_init_range: tuple[float, float] = (1.0, 16.0)   # mamba2: A = -U(A_init_range)
     dt_limit: tuple[float, float] = (0.0, math.inf)   # mamba2: Δ clamped to this range
     D_has_hdim: bool = False              # mamba2: D per channel (nheads, headdim) instead of per head
     norm_before_gate: bool = False        # mamba2: gated RMSNorm order (False in the official models)
+    rope_fraction: float = 0.5            # mamba3: share of the state's dimensions rotated (0.5 or 1.0)
+    A_floor: float = 1e-4                 # mamba3: the data-dependent A_t is at most -A_floor
+    a_activation: str = "heavy_tail"      # mamba3: A_t = -f(a_t); "heavy_tail" (mamba_ssm since June 2026,
+                                          # commit c69aaab) or "softplus" (before): different models
+    is_outproj_norm: bool = False         # mamba3: gated RMSNorm per head before out_proj
+    is_mimo: bool = False                 # mamba3: multi-input multi-output state update ...
+    mimo_rank: int = 4                    # ... of this rank (mamba_ssm's default; 1 without is_mimo)
 
     def __post_init__(self):
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}")
         if self.d_state is None:
             self.d_state = DEFAULT_D_STATE[self.mixer]
+        if self.chunk_size is None:
+            kinds = set(self.layout) if isinstance(self.layout, (list, tuple)) else {self.mixer}
+            self.chunk_size = 64 if "mamba3" in kinds and "mamba2" not in kinds else 256
         for name in INT_FIELDS:
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
         for name in ("d_intermediate", "attn_every"):
@@ -187,13 +200,36 @@ class ModelConfig:
             raise ConfigError("mixer_rms_weights", "needs mixer_rms_eps (the epsilon of the weighted norms)")
         self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
         self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
-        if "mamba2" in self.mixers or self.zamba2 is not None:
-            if self.d_inner % self.headdim:
-                raise ValueError(f"mamba2 needs headdim to divide d_inner = expand * d_model = "
-                                 f"{self.d_inner}; got headdim={self.headdim}")
-            if self.nheads % self.ngroups:
-                raise ValueError(f"mamba2 needs ngroups to divide nheads = {self.nheads}; "
-                                 f"got ngroups={self.ngroups}")
+        for kind in ("mamba2", "mamba3"):
+            if kind in self.mixers or (kind == "mamba2" and self.zamba2 is not None):
+                if self.d_inner % self.headdim:
+                    raise ValueError(f"{kind} needs headdim to divide d_inner = expand * d_model = "
+                                     f"{self.d_inner}; got headdim={self.headdim}")
+                if self.nheads % self.ngroups:
+                    raise ValueError(f"{kind} needs ngroups to divide nheads = {self.nheads}; "
+                                     f"got ngroups={self.ngroups}")
+        self._check_mamba3()
+
+    def _check_mamba3(self):
+        """Mamba-3's fields, checked always (a wrong value is wrong in any layout); its shape rules only when
+        a layer is Mamba-3."""
+        if isinstance(self.rope_fraction, bool) or self.rope_fraction not in ROPE_FRACTIONS:
+            raise ConfigError("rope_fraction", f"must be one of {', '.join(map(str, ROPE_FRACTIONS))} "
+                                               "(mamba_ssm's Mamba3 rotates half or all of the state); "
+                                               f"got {self.rope_fraction!r}")
+        self.rope_fraction = float(self.rope_fraction)
+        self.a_activation = _field("a_activation", checks.choice, self.a_activation, valid=A_ACTIVATIONS)
+        self.A_floor = _field("A_floor", checks.number, self.A_floor, low=0, low_open=True)
+        self.mimo_rank = _field("mimo_rank", checks.integer, self.mimo_rank, minimum=1)
+        if "mamba3" not in self.mixers:
+            return
+        if self.d_state % 2 or int(self.d_state * self.rope_fraction) < 2:
+            raise ConfigError("d_state", f"must be even and at least {int(2 / self.rope_fraction)} for "
+                                         "mamba3 (its rotations turn pairs of state dimensions); "
+                                         f"got {self.d_state}")
+        if self.bias:
+            raise ConfigError("bias", "must be false for mamba3: mamba_ssm's Mamba3 has no in_proj / "
+                                      "out_proj bias; got True")
 
     def _resolve_attention_layers(self):
         """One answer to "which layers are attention": ``layout`` names them; else ``attn_every`` (Jamba:
@@ -236,8 +272,8 @@ class ModelConfig:
     # --- derived sizes ---
     @property
     def mixers(self) -> list[str]:
-        """The mixer of each layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (attention
-        over the last attn_cfg.window_size positions)."""
+        """The mixer of each layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa"
+        (attention over the last attn_cfg.window_size positions)."""
         if self.layout is not None:
             return list(self.layout)
         attn = "swa" if (self.attn_cfg or {}).get("window_size") else "attn"
@@ -295,12 +331,20 @@ def _mamba2(d_model, n_layer):
                 mixer="mamba2", d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256)
 
 
+def _mamba3(d_model, n_layer):
+    # No Mamba-3 checkpoint is published: mamba2-* sizes (GPT-3's widths and depths, GPT-NeoX vocabulary
+    # padded to 16) with mamba_ssm's Mamba3 defaults (d_state 128, headdim 64, rope_fraction 0.5, chunk 64)
+    return dict(_mamba2(d_model, n_layer), mixer="mamba3", chunk_size=64, rope_fraction=0.5)
+
+
 PRESETS: dict[str, dict] = {
     # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
     "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16),
     # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with adapters
     "tiny-zamba2": TINY_ZAMBA2,
     "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
+                        chunk_size=64),
+    "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3", d_state=32, headdim=16,
                         chunk_size=64),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
     # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 +
@@ -320,6 +364,8 @@ PRESETS: dict[str, dict] = {
     "mamba2-780m": _mamba2(1536, 48),
     "mamba2-1.3b": _mamba2(2048, 48),
     "mamba2-2.7b": _mamba2(2560, 64),
+    # Mamba-3 (Lahoti et al. 2026) at mamba2-130m's size: ~130M parameters; see _mamba3 for the sizes' source
+    "mamba3-130m": _mamba3(768, 24),
     # the plan's stage-3 default: mamba-130m's 24 layers with attention every 8 (Jamba's period and
     # offset 4: layers 4, 12, 20), 12 heads of 64; Jamba's MLPs left out to stay at the 130M class
     "hybrid-130m": dict(_mamba1(768, 24), attn_every=8, attn_offset=4,

@@ -9,7 +9,7 @@ attention and MLPs included) load by name. Each block computes
     residual = residual + hidden;  hidden = mlp(norm2(residual))        (only with d_intermediate > 0)
 
 with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
-Mamba-1, Mamba-2 or causal attention (full or sliding-window): a Jamba-style hybrid is this same
+Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this same
 stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. With
 ``cfg.zamba2`` the backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
 
@@ -34,17 +34,20 @@ from .cache import InferenceCache
 from .config import ModelConfig
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
+from .mamba3 import Mamba3
 from .mlp import GatedMLP
 from .norms import RMSNorm
 
 
 def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """The mixer of one layer: "mamba1", "mamba2", "attn" (full causal attention) or "swa" (a sliding
-    window)."""
+    """The mixer of one layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa" (a
+    sliding window)."""
     if kind == "mamba1":
         return Mamba1(cfg)
     if kind == "mamba2":
         return Mamba2(cfg)
+    if kind == "mamba3":
+        return Mamba3(cfg)
     return Attention(cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None)
 
 
@@ -100,7 +103,8 @@ class Backbone(nn.Module):
         self.gradient_checkpointing = False
 
     def allocate_states(self, batch_size: int, dtype, device) -> list:
-        """Zero states for generation, one per layer: a LayerState (SSM) or a KVState (attention)."""
+        """Zero states for generation, one per layer: a LayerState (Mamba-1/2), a Mamba3State or a KVState
+        (attention)."""
         return [layer.mixer.allocate_state(batch_size, dtype, device) for layer in self.layers]
 
     def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
@@ -197,7 +201,7 @@ class MambaLM(nn.Module):
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=cfg.initializer_range)
-        last = {Mamba1: "out_proj", Mamba2: "out_proj", Attention: "out_proj",
+        last = {Mamba1: "out_proj", Mamba2: "out_proj", Mamba3: "out_proj", Attention: "out_proj",
                 GatedMLP: "fc2"}.get(type(module))
         if cfg.rescale_prenorm_residual and last is not None:
             weight = getattr(module, last).weight

@@ -7,10 +7,15 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
   :func:`ssd_chunked` are its three equivalent views
 * :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution
 * :func:`rms_norm`, :func:`rms_norm_gated` -- RMSNorm and Mamba-2's gated, grouped RMSNorm
+* :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO and
+  MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`, :func:`mamba3_chunked`
+  are its three equivalent views
 """
 
 from .backend import BACKENDS, BackendError
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
+from .mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_scan, mamba3_step
+from .mamba3_ref import Mamba3States, a_activation, heavy_tail, mamba3_reference, rope_angles
 from .norm import rms_norm, rms_norm_gated
 from .s6 import selective_scan, selective_scan_reference, selective_scan_torch
 from .s6_step import selective_state_update
@@ -22,4 +27,6 @@ __all__ = [
     "rms_norm", "rms_norm_gated",
     "selective_scan", "selective_scan_reference", "selective_scan_torch", "selective_state_update",
     "discretize_dt", "segsum", "ssd_chunked", "ssd_quadratic", "ssd_reference", "ssd_scan",
+    "Mamba3States", "a_activation", "heavy_tail", "mamba3_chunked", "mamba3_quadratic", "mamba3_reference",
+    "mamba3_scan", "mamba3_step", "rope_angles",
 ]

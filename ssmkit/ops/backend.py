@@ -31,6 +31,10 @@ KERNEL_MODULES = {
     "causal_conv1d_update": "causal_conv1d",
     "rms_norm": "mamba_ssm.ops.triton.layer_norm",
     "rms_norm_gated": "mamba_ssm.ops.triton.layernorm_gated",
+    # Mamba-3: only in mamba_ssm's source tree (after 2.3.2.post1), with Triton, TileLang and CuTe DSL
+    "mamba3_siso": "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined",
+    "mamba3_mimo": "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo",
+    "mamba3_step": "mamba_ssm.ops.cute.mamba3.mamba3_step_fn",
 }
 
 
