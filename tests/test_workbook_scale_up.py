@@ -248,3 +248,14 @@ def test_the_notebook_parameters_are_checked():
                        (dict(scaling_tokens=0), "scaling_tokens")):
         with pytest.raises(WorkbookError, match=match):
             check_params(**bad)
+
+
+def test_prepare_at_scale_replaces_only_what_it_wrote(tmp_path):
+    """A directory with files prepare_at_scale did not write is refused and left as it was."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("keep me")
+    with pytest.raises(WorkbookError, match="did not write"):
+        workbook.prepare_at_scale("stdlib-docs", "byte", mine, max_tokens=2000, seq_len=64)
+    assert (mine / "thesis.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+

@@ -202,6 +202,9 @@ def slurm_command(preset: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=(
 
 # --- 2.2 data at scale ----------------------------------------------------------------------------
 
+PREPARED_MARK = ".ssmkit-prepare-at-scale"       # a directory prepare_at_scale wrote (and may replace)
+
+
 def prepare_at_scale(source: str, tokenizer: str, out_dir, *, max_tokens: int | None, seq_len: int,
                      workers: int = 1) -> dict:
     """Tokenize ``source`` into ``out_dir`` (token shards, then their MosaicML-streaming copy of
@@ -215,8 +218,13 @@ def prepare_at_scale(source: str, tokenizer: str, out_dir, *, max_tokens: int | 
     from ..io import read_json
 
     out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)                                      # timed from scratch, every time
+    if out.exists() and any(out.iterdir()):                     # timed from scratch: replace only our own
+        if not (out / PREPARED_MARK).is_file():
+            raise WorkbookError(f"{out} holds files prepare_at_scale did not write; "
+                                "give an empty or new directory")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PREPARED_MARK).write_text("written by ssmkit.workbook.prepare_at_scale\n")
     start = time.perf_counter()
     index = prepare(source, tokenizer, out, max_tokens=max_tokens, workers=workers, progress=False,
                     mds_seq_len=seq_len)
