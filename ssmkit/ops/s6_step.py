@@ -43,14 +43,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     else:
         state4 = state
     nheads, hdim = state4.shape[1], state4.shape[2]
-    Bg = B if B.dim() == 3 else B.unsqueeze(1)
-    Cg = C if C.dim() == 3 else C.unsqueeze(1)
-    if heads:   # heads share their group's B, C
-        Bh = Bg.float().repeat_interleave(nheads // Bg.shape[1], dim=1)[:, :, None, :]
-        Ch = Cg.float().repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]
-    else:       # channels share their group's B, C
-        Bh = Bg.float().repeat_interleave(hdim // Bg.shape[1], dim=1)[:, None, :, :]
-        Ch = Cg.float().repeat_interleave(hdim // Cg.shape[1], dim=1)[:, None, :, :]
+    Bh, Ch = _shared(B, heads, nheads, hdim), _shared(C, heads, nheads, hdim)
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -67,6 +60,16 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y if heads else y.squeeze(1)
+
+
+def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:
+    """B or C, (batch, dstate) or (batch, ngroups, dstate), in fp32 and broadcastable against the state:
+    Mamba-2 heads share their group's (-> (batch, nheads, 1, dstate)); Mamba-1 channels share their group's
+    (-> (batch, 1, dim, dstate))."""
+    Mg = (M if M.dim() == 3 else M.unsqueeze(1)).float()
+    if heads:
+        return Mg.repeat_interleave(nheads // Mg.shape[1], dim=1)[:, :, None, :]
+    return Mg.repeat_interleave(hdim // Mg.shape[1], dim=1)[:, None, :, :]
 
 
 def _in_place_ok(state, *tensors) -> bool:
@@ -109,12 +112,7 @@ def _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     else:
         dtf = dt.float() + (0.0 if dt_bias is None else dt_bias.float())
         dtf = F.softplus(dtf) if dt_softplus else dtf                                     # (b, h, p)
-        if heads:
-            Bh = Bg.repeat_interleave(nheads // Bg.shape[1], dim=1)[:, :, None, :]
-            Ch = Cg.repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]
-        else:
-            Bh = Bg.repeat_interleave(hdim // Bg.shape[1], dim=1)[:, None, :, :]
-            Ch = Cg.repeat_interleave(hdim // Cg.shape[1], dim=1)[:, None, :, :]
+        Bh, Ch = _shared(B, heads, nheads, hdim), _shared(C, heads, nheads, hdim)
         state.mul_(torch.exp(dtf[..., None] * A.float())).addcmul_((dtf * xf)[..., None], Bh)
         y = torch.linalg.vecdot(state, Ch)                                                # (b, h, p)
         if D is not None:
