@@ -38,6 +38,7 @@ import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no hub downloads; must precede the transformers import
 import torch
+from long_context import fmt, ratio  # the sibling benchmark's table helpers (benchmarks/ is on sys.path)
 
 from ssmkit.eval.long_context import fix_mmap_threshold, generation_cost
 from ssmkit.models import ModelConfig, build_model, matched_transformer, parameter_report
@@ -86,14 +87,6 @@ def bench(models: dict, prompt: int, batch: int, new_tokens: int, chunk: int | N
             row[key] = None if any(x[key] is None for x in rs) else statistics.median(x[key] for x in rs)
         out[n] = row
     return out
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def fmt(value, spec=",.0f", width=10):
-    return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
 def print_table(title, cells, rows, key, spec=",.0f", ratios=True):
