@@ -54,6 +54,13 @@ def test_fsdp_ranks_hold_half_the_state(shards, tmp_path):
     assert ddp[0] == ddp[1] and sum(fsdp) == pytest.approx(ddp[0], rel=0.02)   # sharded: 1/2 each
 
 
+def children() -> set[int]:
+    """This test process's live descendants. A test compares them with those alive before it launched: an
+    earlier test in the same session may have left a helper running (multiprocessing's resource tracker
+    lives as long as the interpreter), which is not the run's to stop."""
+    return set(process_tree(os.getpid())[1:])
+
+
 @pytest.fixture
 def sigint_raises():
     """SIGINT raises KeyboardInterrupt in this test, as in a Jupyter kernel: a process started in the
@@ -67,11 +74,12 @@ def sigint_raises():
 def test_interrupting_the_cell_stops_every_rank(shards, tmp_path, sigint_raises):
     cfg = tiny(shards, tmp_path, strategy="ddp", max_steps=2_000, log_every=1)
     seen: list[int] = []
+    before = children()                         # helpers an earlier test left (a multiprocessing tracker)
 
     def interrupt():                            # the cell's stop button: SIGINT to the kernel's main thread
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            tree = process_tree(os.getpid())[1:]
+            tree = [p for p in children() if p not in before]
             if len(tree) >= 3 and (tmp_path / "run" / "metrics.jsonl").exists():    # launcher + 2 ranks
                 seen.extend(tree)
                 break
@@ -86,7 +94,7 @@ def test_interrupting_the_cell_stops_every_rank(shards, tmp_path, sigint_raises)
     thread.join()
     assert len(seen) >= 3, "the ranks never started"
     assert not [p for p in seen if _alive(p)], "a process of the run outlived the interrupt"
-    assert not process_tree(os.getpid())[1:]
+    assert children() <= before
     assert time.monotonic() - start < 100
 
 
@@ -108,12 +116,13 @@ def test_stop_escalates_when_sigint_is_ignored(tmp_path):
 
 def test_a_failing_run_raises_with_the_ranks_message(shards, tmp_path):
     cfg = tiny(shards, tmp_path, strategy="fsdp", data=str(tmp_path / "no-such-corpus"))
+    before = children()
     (tmp_path / "bad.yaml").write_text(cfg.to_yaml())                        # a config file this time
     with pytest.raises(LaunchError, match="unknown source") as info:
         launch_train(tmp_path / "bad.yaml", nproc=2, show=False)
     assert str((tmp_path / "bad.yaml").resolve()) in info.value.command
     assert info.value.returncode == 1 and any("rank 0" in line for line in info.value.lines)
-    assert not process_tree(os.getpid())[1:]
+    assert children() <= before
 
 
 def test_bad_configs_fail_before_anything_starts(shards, tmp_path):
