@@ -16,13 +16,16 @@ notebooks and benchmarks for their tables.
     ev.run_lm_eval(model_or_dir, "ssmkit_lastword,ssmkit_docstring_cloze", tokenizer="gpt2", out_dir=d)
     print(ev.lm_eval_table(results))                      # lm-eval's results as markdown: task, metric, ...
     ev.OFFLINE_TASKS, ev.PLAN_TASKS                       # lm-eval tasks shipped with ssmkit; the plan's
+    ev.completion_loss(model, "data/arith-val")           # SFT: held-out loss on the completion tokens
+    ev.exact_match(model, "data/arith-val", n=100)        # greedy answers == references: {"accuracy", ...}
+    print(ev.generation_table({"before": a, "after": b}, "data/arith-val", n=5))
 
 Modules: ``loss`` (loss, perplexity), ``tasks`` (synthetic-task accuracy), ``flops`` (FLOPs, peak, MFU),
 ``measure`` (timing, memory), ``summary`` (a Trainer history's headline numbers), ``long_context``
 (training and generation cost against length, per-call peak memory, crossover, length extrapolation),
 ``harness`` (lm-evaluation-harness's ``ssmkit`` model; the one module importing lm_eval, on first use),
 ``harness_run`` (run_lm_eval, its table, lm-eval's CLI), ``offline_tasks`` (the lm-eval tasks built from
-the embedded corpus, in ``lm_tasks/``).
+the embedded corpus, in ``lm_tasks/``), ``sft`` (completion loss, exact match and generations on SFT data).
 This layer sits above models, hub and data and below train: it imports none of train, workbook or cli.
 """
 
@@ -32,11 +35,13 @@ from .long_context import crossover, generation_cost, length_extrapolation, peak
 from .loss import lm_loss, perplexity
 from .measure import peak_memory_mb, throughput, time_round_robin
 from .offline_tasks import OFFLINE_TASKS, PLAN_TASKS, TASKS_DIR, build_offline_tasks
+from .sft import completion_loss, exact_match, generation_table
 from .summary import summarize_run
 from .tasks import answer_accuracy, task_accuracy
 
 __all__ = ["OFFLINE_TASKS", "PEAK_BF16_FLOPS", "PLAN_TASKS", "TASKS_DIR", "answer_accuracy",
-           "build_offline_tasks", "crossover", "flops_per_token", "generation_cost", "length_extrapolation",
+           "build_offline_tasks", "completion_loss", "crossover", "exact_match", "flops_per_token",
+           "generation_cost", "generation_table", "length_extrapolation",
            "lm_eval_table", "lm_loss", "mfu", "peak_flops", "peak_memory_mb", "peak_rss_mb",
            "perplexity", "run_lm_eval", "summarize_run", "task_accuracy", "throughput", "time_round_robin",
            "train_step_cost"]
