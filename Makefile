@@ -22,7 +22,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,workbook,eval]"
+	$(PY) -m pip install --quiet -e ".[dev,workbook,eval,finetune]"
 	touch $@
 
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
