@@ -173,8 +173,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="ssmkit", description="train state-space language models")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="torch, device, kernels and the backend of every op")
-    sub.add_parser("demo", help="train the tiny preset on CPU for a few hundred steps, then sample; "
-                                "--help for options", add_help=False)
+    sub.add_parser("demo", help="train a tiny model (--mixer mamba1, mamba2, mamba3 or hybrid) on CPU for a "
+                                "few hundred steps, then sample; --help for options", add_help=False)
     _generate_parser(sub)
     _eval_parser(sub)
     sub.add_parser("train", help="train a model from a YAML config (see configs/); --help for options",

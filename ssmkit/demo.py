@@ -1,6 +1,6 @@
 """A two-minute CPU demo: train the ``tiny`` preset on built-in text, byte by byte, then sample.
 
-    python -m ssmkit.demo [--steps 300] [--mixer mamba1|mamba2] [--seed 0]
+    python -m ssmkit.demo [--steps 300] [--mixer mamba1|mamba2|mamba3|hybrid] [--seed 0]
 
 The text is the Python language reference that ships with every CPython (``pydoc_data.topics``),
 read as raw UTF-8 bytes (vocabulary 256). The loop is deliberately minimal (AdamW, linear warmup,
@@ -50,7 +50,7 @@ def evaluate(model, data, seq_len=128, n=16, seed=1234) -> float:
     return loss
 
 
-DEMO_PRESETS = {"mamba1": "tiny", "mamba2": "tiny-mamba2", "hybrid": "tiny-hybrid"}
+DEMO_PRESETS = {"mamba1": "tiny", "mamba2": "tiny-mamba2", "mamba3": "tiny-mamba3", "hybrid": "tiny-hybrid"}
 
 
 def main(argv=None, prog: str | None = None):
@@ -58,8 +58,9 @@ def main(argv=None, prog: str | None = None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     p.add_argument("--mixer", default="mamba1", choices=list(DEMO_PRESETS),
-                   help="the tiny model: mamba1 (S6), mamba2 (SSD), or hybrid (Mamba-1 with one causal "
-                        "attention layer in four, Jamba's layout) (default mamba1)")
+                   help="the tiny model: mamba1 (S6), mamba2 (SSD), mamba3 (exponential-trapezoidal scan "
+                        "with data-dependent rotations, SISO), or hybrid (Mamba-1 with one causal attention "
+                        "layer in four, Jamba's layout) (default mamba1)")
     p.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per window (default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")

@@ -22,6 +22,8 @@ M1 = dict(d_model=256, n_layer=4, vocab_size=1000, mixer="mamba1")
 M2 = dict(d_model=256, n_layer=4, vocab_size=1000, mixer="mamba2", d_state=64, headdim=32, chunk_size=64)
 HYBRID = dict(d_model=256, n_layer=4, vocab_size=1000, mixer="mamba1", attn_every=2, attn_offset=1,
               attn_cfg=dict(num_heads=4), d_intermediate=512)
+M3 = dict(d_model=256, n_layer=4, vocab_size=1000, mixer="mamba3", d_state=64, headdim=32, chunk_size=64)
+M3_MIMO = dict(M3, is_mimo=True, mimo_rank=2)
 TORCH_FP32 = dict(precision="fp32", strategy="single", backend="torch")
 
 
@@ -32,7 +34,8 @@ def cpu_plan(cfg: dict, batch: int, seq_len: int, **kw) -> MemoryPlan:
 # --- parameters --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", ["tiny", "tiny-mamba2", "tiny-hybrid", "mamba-130m",
+@pytest.mark.parametrize("cfg", ["tiny", "tiny-mamba2", "tiny-hybrid", "mamba-130m", "tiny-mamba3",
+                                 "mamba3-130m", dict(M3_MIMO, mimo_rank=4, is_outproj_norm=True, ngroups=2),
                                  dict(M1, d_intermediate=300, tie_embeddings=False),
                                  dict(HYBRID, attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=16))])
 def test_parameter_count_is_the_real_models(cfg):
@@ -120,11 +123,40 @@ def saved_bytes(cfg: ssmkit.ModelConfig, batch: int, seq_len: int, checkpointing
     (dict(HYBRID, attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=32)), 1, 128, False),
     (dict(M1, n_layer=2, layout=["mamba1", "swa"], attn_cfg=dict(num_heads=4, window_size=64)), 1, 256,
      False),                                                                        # blocks of 64 queries
+    # Mamba-3: SISO; a padded last chunk with ngroups 2; softplus A and every pair rotated; checkpointing;
+    (M3, 1, 256, False), (dict(M3, d_state=40, chunk_size=48, headdim=16, ngroups=2), 3, 100, False),
+    (dict(M3, a_activation="softplus", rope_fraction=1.0), 2, 128, False), (M3, 2, 128, True),
+    # MIMO (the CPU chunk is 64 // rank): unpadded and padded, rank 4, rank 1, the norm before out_proj
+    (M3_MIMO, 1, 256, False), (dict(M3_MIMO, mimo_rank=3, d_state=40, chunk_size=48, headdim=16), 3, 100,
+                                False),
+    (dict(M3_MIMO, mimo_rank=4, d_state=32), 1, 255, False), (dict(M3_MIMO, mimo_rank=1), 1, 128, False),
+    (dict(M3_MIMO, is_outproj_norm=True), 1, 130, False),
+    (dict(M3, is_outproj_norm=True, ngroups=2), 2, 100, False),
+    # a Mamba-3 + attention hybrid with MLPs
+    (dict(M3, n_layer=2, layout=["mamba3", "attn"], attn_cfg=dict(num_heads=4), d_intermediate=512), 1, 256,
+     False),
 ])
 def test_activation_formulas_match_the_saved_tensors(cfg, batch, seq_len, ckpt):
     config = ssmkit.ModelConfig(**cfg)
     planned = cpu_plan(cfg, batch, seq_len, activation_checkpointing=ckpt).activations
     assert planned == pytest.approx(saved_bytes(config, batch, seq_len, ckpt), rel=0.03)
+
+
+def test_mamba3_plans_on_both_backends():
+    """Mamba-3 is planned (it was refused before): the cuda kernels keep O(L) per layer, linear in the
+    micro-batch; the torch path keeps its (Q'r)² blocks, so more; MIMO's kernel recomputes in the backward
+    what the SISO kernel saves, and its rank multiplies the torch path's blocks."""
+    kw = dict(seq_len=2048, micro_batch=4, n_gpus=8)
+    plan = plan_memory("mamba3-130m", **kw)
+    assert plan.fits and plan.max_micro_batch >= 4
+    assert plan_memory("mamba3-130m", **{**kw, "micro_batch": 8}).activations == \
+        pytest.approx(2 * plan.activations, rel=1e-6)
+    assert plan_memory("mamba3-130m", backend="torch", **kw).activations > 1.5 * plan.activations
+    siso, mimo = (ssmkit.ModelConfig.preset("mamba3-130m", is_mimo=m, mimo_rank=4) for m in (False, True))
+    for backend, more in (("cuda", False), ("torch", True)):
+        a, b = (plan_memory(c, backend=backend, **kw).activations for c in (siso, mimo))
+        assert (b > a) == more, (backend, a, b)
+    assert planner.main(["--model", str(ROOT / "configs/cpu-tiny-mamba3.yaml"), "--backend", "torch"]) == 0
 
 
 # --- the whole step: planned against measured --------------------------------------------------------
@@ -177,7 +209,8 @@ for cfg, batch, seq_len, ckpt in json.loads(sys.argv[1]):
 """
 
 MEASURED = [(M1, 4, 256, False), (M1, 8, 128, True), (M2, 4, 256, False), (M2, 8, 128, True),
-            (HYBRID, 4, 256, False), (HYBRID, 8, 128, True)]
+            (HYBRID, 4, 256, False), (HYBRID, 8, 128, True), (M3, 4, 256, False), (M3, 8, 128, True),
+            (M3_MIMO, 2, 256, False)]
 
 
 @pytest.mark.slow
@@ -206,7 +239,8 @@ def test_planner_matches_measured_peak_memory_on_cpu():
     for (cfg, batch, seq_len, ckpt), m in zip(MEASURED, measured):
         p = cpu_plan(cfg, batch, seq_len, activation_checkpointing=ckpt)
         step = (p.activations + p.workspace) / MB
-        name = f"{'hybrid' if cfg is HYBRID else cfg['mixer']} {batch}x{seq_len}{' ckpt' if ckpt else ''}"
+        kind = "hybrid" if cfg is HYBRID else f"{cfg['mixer']}{' MIMO' if cfg.get('is_mimo') else ''}"
+        name = f"{kind} {batch}x{seq_len}{' ckpt' if ckpt else ''}"
         ratios = step / m["step_mb"], p.total / MB / (m["state_mb"] + m["step_mb"])
         rows.append(f"| {name} | {step:.0f} | {m['step_mb']:.0f} | {ratios[0]:.2f} | {p.total / MB:.0f} | "
                     f"{m['state_mb'] + m['step_mb']:.0f} | {ratios[1]:.2f} |")

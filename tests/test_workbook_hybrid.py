@@ -50,6 +50,31 @@ def test_hybrid_config_follows_jambas_rule(cfg):
         workbook.hybrid_config(cfg, 4, 4)
 
 
+def test_mamba3_is_a_state_space_layer_everywhere(cfg):
+    """Mamba-3 has its letter, counts as an SSM (not as attention) in the share, the sweep's rows and the
+    parameter split, and is a mixer hybrid_config can swap in, with its own state size and heads."""
+    mixed = ModelConfig(d_model=32, n_layer=4, vocab_size=64, layout=["mamba3", "mamba2", "attn", "mamba3"],
+                        headdim=16, d_state=16)
+    assert workbook.layer_pattern(mixed) == "M3 M2 A M3" and workbook.attention_share(mixed) == 0.25
+    m3 = workbook.hybrid_config(cfg, 4, mixer="mamba3", d_model=16, n_layer=4).model_config(257)
+    assert workbook.layer_pattern(m3) == "M3 M3 A M3"
+    assert m3.d_state == 128 and m3.d_inner % m3.headdim == 0        # Mamba-3's state; heads fit d_inner 32
+    model = build_model(m3)
+    split = workbook.parameter_split(model)
+    mixers = [layer.mixer for layer in model.backbone.layers]
+    assert split["ssm"] == sum(p.numel() for m in mixers if isinstance(m, ssmkit.models.Mamba3)
+                               for p in m.parameters())                # B_norm, C_norm included
+    assert split["other"] == 0 and split["total"] == model.num_parameters()
+    preset = workbook.train_config("tiny-mamba3", max_steps=1, device="cpu", tokenizer="byte")
+    rows = workbook.ratio_sweep(preset, width=16, depth=8, attn_every=(0, 4, 1))
+    assert [(r["layers"], r["attn_share"], r["mixer"]) for r in rows] == [
+        (" ".join(["M3"] * 8), 0, "mamba3"), ("M3 M3 A M3 M3 M3 A M3", 0.25, "mamba3"),
+        (" ".join("A" * 8), 1, "none")]
+    with pytest.raises(ValueError, match=r"mixers=\['mamba4'\] is not valid; valid: a non-empty list of "
+                                         "mamba1, mamba2, mamba3"):
+        workbook.mixer_comparison(cfg, attn_every=4, mixers=["mamba4"])
+
+
 def test_hybrid_config_swaps_the_ssm_with_its_own_defaults(cfg):
     m2 = workbook.hybrid_config(cfg, 4, mixer="mamba2", d_model=16, n_layer=4).model_config(257)
     assert workbook.layer_pattern(m2) == "M2 M2 A M2"
@@ -101,6 +126,11 @@ def test_ratio_sweep_builds_the_sweep_and_reuses_rows(cfg):
                                      batch=4)
     assert pair[0] == trained[0]                                             # the Mamba-1 row reused
     assert pair[1]["mixer"] == "mamba2" and pair[1]["layers"] == "M2 M2 A M2 M2 M2 A M2"
+    three = workbook.mixer_comparison(cfg, task, attn_every=4, rows=trained + pair, width=16, depth=8,
+                                      steps=2, batch=4, mixers=("mamba1", "mamba2", "mamba3"))
+    assert three[:2] == pair                                                 # both rows reused
+    assert three[2]["mixer"] == "mamba3" and three[2]["layers"] == "M3 M3 A M3 M3 M3 A M3"
+    assert 0 <= three[2]["task_acc"] <= 1 and three[2]["params"] > 0
     with pytest.raises(ValueError, match="lm_tokens needs"):
         workbook.ratio_sweep(cfg, width=16, depth=8, lm_tokens=1024)
 

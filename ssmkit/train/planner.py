@@ -14,7 +14,8 @@ Per GPU, in bytes, for P parameters (counted on the real model, built on the met
     optimizer    8 P           AdamW's two fp32 moments (m, v); FSDP keeps 1/N
     activations  what the forward saves for the backward (formulas below), per micro-batch
     workspace    what lives only around the peak, on top of the activations: the loss's two B·L·V gradients,
-                 a part's backward temporaries (BACKWARD_TEMPS: a fraction of what it saved, measured on CPU),
+                 a part's backward temporaries (planner_mixers.BACKWARD_TEMPS: a fraction of what it saved,
+                 measured on CPU),
                  the tied lm_head's gradient (held until the embedding's arrives), a recomputed block
                  (checkpointing), autocast's bf16/fp16 copies of the matrices, FSDP's gathered blocks; or,
                  once the activations are gone, the embedding's backward or (CPU) AdamW's temporaries
@@ -23,30 +24,10 @@ Per GPU, in bytes, for P parameters (counted on the real model, built on the met
 The gradients are counted at full size during the forward, as they are from the second micro-batch of a
 step with gradient accumulation on (a step of one micro-batch starts without them, so peaks lower).
 
-Activations, per token (B·L of them) of one layer, from the tensors ssmkit's code saves for the backward
-pass. ``[a]``: the compute dtype (4 bytes fp32, 2 bf16/fp16), ``[f]``: fp32 always. d = d_model,
-E = d_inner, N = d_state, R = dt_rank, W = d_conv, H = SSM heads, G = ngroups, Q = chunk_size,
-C = E + 2GN (Mamba-2's conv channels), h = the MLP width, V = the padded vocabulary:
+Activations: what each block's parts save for the backward pass, per token of one layer, are in
+:mod:`ssmkit.train.planner_mixers` (norms; Mamba-1, -2 and -3 on their torch and cuda paths; attention; MLP);
+and:
 
-    norm (each)   torch: residual d [f] + rstd 1 [f] + normed d [f], the next matmul's input d [a]
-                  cuda (Triton rms_norm): residual d [f] + rstd 1 [f], the next matmul's input d [a]
-    Mamba-1       torch: in_proj out 2E + conv (taps over the padded input E(L+W-1)/L, pre-SiLU E,
-                  output E) + x_proj out R+2N + out_proj in E  [a];  the S6 Function's time-major u, Δ+bias,
-                  Δ, y+Dx (4E) and B, C (2N) [f];  per sequence the chunk states B·E·N·(2T+1+⌈L/T⌉) [f],
-                  T = min(L, 64, 2^20 // (B·E·N)): one state per chunk of T steps and two T-step buffers
-                  cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj out R+2N,
-                  the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate E, the gated y E
-                  [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
-    Mamba-2       torch (chunked SSD in autograd): in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C, out_proj
-                  in E [a]; the gated norm 4E + G and softplus H [f]; per padded token (L rounded up to Q)
-                  4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ of the
-                  diagonal blocks, the copies torch.einsum makes for its matmuls, the states entering chunks)
-                  cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out C, scan out E,
-                  gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
-    attention     in_proj out (heads + 2 kv heads)·head_dim (+ mlp_dim), SDPA's output heads·head_dim [a],
-                  its log-sum-exp H_attn [f]; rotary: rotated q, k and their cos, sin; GQA: a copy of the
-                  output; d_conv: the conv's taps and output; a window shorter than L/2: the blocks' output
-    MLP           fc1 out 2h + SiLU(gate) h + product h [a] (after norm2)
     the LM head   norm_f, embedding ids (8 bytes), and log_softmax's fp32 output B·L·V (4 bytes each);
                   its backward adds two more fp32 B·L·V (the gradients of log_softmax's output and input),
                   counted in the workspace. With loss_chunk_size c: no B·L·V term, and 12·c·V bytes of
@@ -66,7 +47,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,18 +57,15 @@ from torch import nn
 from .. import checks
 from ..models import ModelConfig, build_model
 from ..models.config import PRESETS
-from ..models.mlp import mlp_width
 from .config import CHOICES, TrainConfig
+from .planner_mixers import MODELLED, backward_peak, block_parts, norm_bytes
 
 PRECISIONS, STRATEGIES = CHOICES["precision"], CHOICES["strategy"]     # TrainConfig's: fp32 ..., single ...
 BACKENDS = ("cuda", "torch")
 OPTIMIZERS = ("adamw",)
-MODELLED = ("mamba1", "mamba2", "attn", "swa")     # the mixers the formulas cover
 GiB = 2**30
 SAFETY_MARGIN = 0.10         # of the GPU's memory kept free: the caching allocator's fragmentation
 RESERVED_GIB = 1.0           # the CUDA context, cuBLAS and NCCL workspaces (outside torch's allocator)
-SCAN_CHUNK_ELEMENTS = 1 << 20   # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
-CUDA_SCAN_CHUNK = 2048       # mamba_ssm's selective scan keeps a state every 2048 steps
 ROWS = ("weights", "grads", "optimizer", "activations", "workspace", "total")
 LABELS = {"weights": "weights (fp32)", "grads": "gradients (fp32)", "optimizer": "optimizer (AdamW m, v)",
           "activations": "activations", "workspace": "workspace", "total": "**total**"}
@@ -197,86 +174,6 @@ def _resolve(model):
                      "config (configs/*.yaml), a ModelConfig or a TrainConfig")
 
 
-# --- the formulas --------------------------------------------------------------------------------------
-
-
-def _norm(cfg, backend: str, a: int) -> float:
-    """Bytes per token a pre-norm saves, with the input it hands the next matmul (module docstring)."""
-    d = cfg.d_model
-    return d * (4 if cfg.residual_in_fp32 else a) + 4 + (d * 4 if backend == "torch" else 0) + d * a
-
-
-def _mixer(cfg, kind: str, backend: str, B: int, L: int, a: int) -> float:
-    """Bytes one layer's mixer saves for the backward, for B sequences of L tokens."""
-    E, N, W = cfg.d_inner, cfg.d_state, cfg.d_conv
-    tok = B * L
-    if kind == "mamba1":
-        R = cfg.dt_rank_value
-        extra = (2 * (R + 2 * N) + 3) * 4 * tok if cfg.mixer_rms_eps is not None else 0   # norms on Δ, B, C
-        A = E * N * 4                                                  # A = -exp(A_log), fp32
-        if backend == "torch":
-            T = max(1, min(L, 64, SCAN_CHUNK_ELEMENTS // max(1, B * E * N)))
-            states = B * E * N * (2 * T + 1 + math.ceil(L / T)) * 4
-            u_copy = 0 if B == 1 and a == 4 else E         # one fp32 row: time-major u is the conv output
-            per_tok = (6 * E + E * (W - 1) / L + R + 2 * N) * a + (3 * E + u_copy + 2 * N) * 4
-            return tok * per_tok + states + 2 * A + extra
-        return tok * (8 * E + R + 4 * N) * a + B * E * 2 * N * math.ceil(L / CUDA_SCAN_CHUNK) * 4 + A + extra
-    if kind == "mamba2":
-        H, G, Q = cfg.nheads, cfg.ngroups, cfg.chunk_size
-        C = E + 2 * G * N
-        padded = B * math.ceil(L / Q) * Q
-        if backend == "torch":
-            per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (4 * E + G + H) * 4
-            per_padded = 4 * E + 3 * H + 2 * H * Q + G * Q + 4 * G * N + H * N + 2 * E * N / Q + H / Q
-            return tok * per_tok + padded * per_padded * 4
-        return tok * ((2 * E + 2 * G * N + H + C + 2 * E) * a + G * 4) + padded * H * 4
-    # attention ("attn", "swa"): mamba_ssm's MHA
-    c = cfg.attn_cfg
-    heads, kv, hd = c["num_heads"], c["num_heads_kv"], c["head_dim"]
-    mlp = math.ceil(c["mlp_dim"] / 256) * 256
-    qkv = hd * (heads + 2 * kv)
-    per_tok = (qkv + mlp + heads * hd) * a + heads * 4
-    if c["rotary_emb_dim"]:                                  # rotated q, k; cos and sin for each
-        per_tok += (heads + kv) * hd * a + 2 * c["rotary_emb_dim"] * 4
-    if kv != heads:                                          # GQA: SDPA's output is copied for out_proj
-        per_tok += heads * hd * a
-    if c["d_conv"]:
-        per_tok += qkv * (1 + (c["d_conv"] - 1) / L + 1) * a
-    if mlp:
-        per_tok += (mlp // 2 + heads * hd + mlp // 2) * a
-    if kind == "swa" and L > 2 * c["window_size"]:
-        per_tok += heads * hd * a
-    return tok * per_tok
-
-
-# Temporaries of a part's backward, as a fraction of what the part saved (measured on CPU, torch backend,
-# tests/test_planner.py): the S6 Function's backward allocates all its gradients and two T-step buffers
-# before its saved tensors go; Mamba-2's chunked SSD is many small autograd ops, each freeing as it goes.
-BACKWARD_TEMPS = {"mamba1": 0.7, "mamba2": 0.1, "attn": 0.3, "swa": 0.3, "mlp": 0.3}
-
-
-def _parts(cfg, kind: str, backend: str, B: int, L: int, a: int) -> list[tuple[str, float]]:
-    """(kind, bytes saved for the backward) of one block's parts in forward order: norm + mixer, then
-    norm2 + MLP when the block has one."""
-    tokens = B * L
-    parts = [(kind, tokens * _norm(cfg, backend, a) + _mixer(cfg, kind, backend, B, L, a))]
-    if cfg.d_intermediate:
-        mlp = tokens * (_norm(cfg, backend, a) + 4 * mlp_width(cfg.d_intermediate) * a)
-        parts.append(("mlp", mlp))
-    return parts
-
-
-def _backward_peak(parts: list[tuple[str, float]]) -> float:
-    """The most a backward pass over ``parts`` (forward order) holds above what precedes them: the parts run
-    backward last first, each freeing its saved tensors when done, and a part's temporaries exist while it
-    and every part before it are still saved."""
-    held, peak = sum(b for _, b in parts), 0.0
-    for kind, saved in reversed(parts):
-        peak = max(peak, held + BACKWARD_TEMPS[kind] * saved)
-        held -= saved
-    return peak
-
-
 def _step_bytes(shape: _Shape, B: int, L: int, precision: str, strategy: str, n: int, ckpt: bool,
                 chunk: int, backend: str) -> dict:
     """weights, grads, optimizer, activations, workspace and total for micro-batch B."""
@@ -286,8 +183,8 @@ def _step_bytes(shape: _Shape, B: int, L: int, precision: str, strategy: str, n:
     shard = n if strategy == "fsdp" else 1
     weights, optimizer = 4 * P / shard, 8 * P / shard
     grads = 4 * P / shard + (4 * P if strategy == "ddp" and n > 1 else 0)     # DDP's gradient buckets
-    layers = [_parts(cfg, kind, backend, B, L, a) for kind in cfg.mixers]
-    head = tokens * (_norm(cfg, backend, a) + 8)                                 # norm_f and the token ids
+    layers = [block_parts(cfg, kind, backend, B, L, a) for kind in cfg.mixers]
+    head = tokens * (norm_bytes(cfg, backend, a) + 8)                            # norm_f and the token ids
     if chunk:                       # one chunk's logits recomputed: log_softmax's output and two gradients
         loss_saved, loss_temps = 0, 12 * min(chunk, tokens) * V
     else:                           # log_softmax's output is saved; its backward adds two gradients
@@ -296,10 +193,10 @@ def _step_bytes(shape: _Shape, B: int, L: int, precision: str, strategy: str, n:
         n_layer = len(layers)
         inputs = tokens * d * (4 + (n_layer - 1) * a + max(0, n_layer - 2) * 4)
         activations = inputs + head + loss_saved
-        blocks = max(_backward_peak(parts) for parts in layers)               # one block recomputed
+        blocks = max(backward_peak(parts) for parts in layers)               # one block recomputed
     else:
         activations = sum(b for parts in layers for _, b in parts) + head + loss_saved
-        blocks = _backward_peak([p for parts in layers for p in parts]) - (activations - head - loss_saved)
+        blocks = backward_peak([p for parts in layers for p in parts]) - (activations - head - loss_saved)
     fsdp_cast = strategy == "fsdp" and n > 1
     tied = cfg.tie_embeddings
     # the lm_head's weight gradient: with tied embeddings autograd holds it until the embedding's own

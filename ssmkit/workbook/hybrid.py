@@ -10,8 +10,8 @@
 
 Jamba's rule (Lieber et al. 2024): layer i of n is attention when ``i % attn_every == attn_offset``, so
 ``attn_every=8, attn_offset=4`` puts 3 attention layers among 24 (Jamba's 1:7), ``attn_every=1`` makes every
-layer attention and ``attn_every=0`` none. Layer letters: M Mamba-1, M2 Mamba-2, A attention, W sliding-window
-attention, T a Transformer block (attention + MLP, transformers' Llama).
+layer attention and ``attn_every=0`` none. Layer letters: M Mamba-1, M2 Mamba-2, M3 Mamba-3, A attention, W
+sliding-window attention, T a Transformer block (attention + MLP, transformers' Llama).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ __all__ = ["SWEEP", "attention_share", "build_lm", "context_costs", "context_mod
            "plot_panels", "ratio_sweep", "train_on_task"]
 
 SWEEP = (0, 8, 4, 2, 1)        # attn_every of the ratio sweep: pure SSM, 1/8, 1/4, 1/2, pure attention
-LETTERS = {"mamba1": "M", "mamba2": "M2", "attn": "A", "swa": "W"}
+SSM_MIXERS = ("mamba1", "mamba2", "mamba3")        # the state-space mixers; every other layer attends
+LETTERS = {"mamba1": "M", "mamba2": "M2", "mamba3": "M3", "attn": "A", "swa": "W"}
 _CLEARED = {"layout": None, "attn_layer_idx": None}     # one rule names the attention layers: attn_every
 
 
@@ -53,23 +54,23 @@ def _mixers(thing) -> list[str]:
 
 
 def layer_pattern(thing) -> str:
-    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, A attention, W sliding-
-    window attention, T a Transformer block). ``thing``: a ModelConfig, TrainConfig or model."""
+    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, M3 Mamba-3, A attention,
+    W sliding-window attention, T a Transformer block). ``thing``: a ModelConfig, TrainConfig or model."""
     return " ".join(LETTERS.get(m, "T") for m in _mixers(thing))
 
 
 def attention_share(thing) -> float:
     """The fraction of layers that attend (attention, sliding window or Transformer blocks)."""
     mixers = _mixers(thing)
-    return sum(m not in ("mamba1", "mamba2") for m in mixers) / len(mixers)
+    return sum(m not in SSM_MIXERS for m in mixers) / len(mixers)
 
 
 def hybrid_config(cfg, attn_every: int, attn_offset: int | None = None, *, mixer: str | None = None,
                   out_dir=None, **model_overrides):
     """``cfg`` (a :class:`~ssmkit.train.TrainConfig`) with its model made a Jamba-style hybrid: layer i is
     attention when ``i % attn_every == attn_offset`` (default offset ``attn_every // 2``, Jamba's 4 of 8),
-    the others the SSM ``mixer`` (default: the preset's; "mamba2" gets Mamba-2's default state size, and
-    heads of 64 channels, fewer when ``d_inner`` is narrower).
+    the others the SSM ``mixer`` (default: the preset's; another one gets its own default state size, and
+    "mamba2" / "mamba3" heads of 64 channels, fewer when ``d_inner`` is narrower).
 
     ``attn_every=0``: no attention (the pure SSM); ``1``: every layer (a pure attention stack, which then
     gets rotary positions on every head dimension, since no SSM layer gives it order; Jamba's attention
@@ -83,7 +84,7 @@ def hybrid_config(cfg, attn_every: int, attn_offset: int | None = None, *, mixer
             over["mixer"] = mixer
             if "d_state" not in model_overrides:
                 over["d_state"] = None
-            if mixer == "mamba2" and "headdim" not in model_overrides:
+            if mixer in ("mamba2", "mamba3") and "headdim" not in model_overrides:
                 over["headdim"] = math.gcd(base.d_inner, 64)            # 64, or what divides a narrow d_inner
     if attn_every == 0:
         over.update(attn_every=0, attn_offset=0, attn_cfg=None)
@@ -119,10 +120,10 @@ def _kind(module) -> str | None:
     """The part of the model a module's parameters count toward, by its class (None: look inside)."""
     from torch import nn
 
-    from ..models import Mamba1, Mamba2
+    from ..models import Mamba1, Mamba2, Mamba3
 
     name = type(module).__name__
-    if isinstance(module, (Mamba1, Mamba2)):
+    if isinstance(module, (Mamba1, Mamba2, Mamba3)):
         return "ssm"
     if "Attention" in name:                                   # ssmkit's Attention, LlamaAttention
         return "attention"
@@ -236,7 +237,7 @@ def ratio_sweep(cfg, task=None, *, width: int | None = None, depth: int | None =
     for every in attn_every:
         label = f"attn_every_{every}" + (f"_{mixer}" if mixer else "")
         run = hybrid_config(cfg, every, mixer=mixer, **shape, **model_overrides)
-        ssm = [m for m in _mixers(run) if m in ("mamba1", "mamba2")]
+        ssm = [m for m in _mixers(run) if m in SSM_MIXERS]
         row = {"label": label, "mixer": ssm[0] if ssm else "none", "attn_every": every,
                "layers": layer_pattern(run), "attn_share": attention_share(run)}
         if task is not None:
@@ -258,16 +259,22 @@ def ratio_sweep(cfg, task=None, *, width: int | None = None, depth: int | None =
     return rows
 
 
-def mixer_comparison(cfg, task=None, *, attn_every: int, rows: list[dict] = (), **sweep) -> list[dict]:
-    """The same hybrid (``attn_every``) with Mamba-1 and with Mamba-2 layers around the attention, one
-    :func:`ratio_sweep` row each; a row of ``rows`` with that mixer and ``attn_every`` (a sweep run with the
-    same arguments) is reused instead of trained again. Each mixer keeps its own default state size
-    (Mamba-1 16, Mamba-2 128); Mamba-2's SSD chunk is 64 unless ``chunk_size`` is given (the result is the
-    same for any chunk; a 256 chunk pads short sequences)."""
+def mixer_comparison(cfg, task=None, *, attn_every: int, rows: list[dict] = (), mixers=("mamba1", "mamba2"),
+                     **sweep) -> list[dict]:
+    """The same hybrid (``attn_every``) with each of ``mixers`` around the attention (default Mamba-1 and
+    Mamba-2; add "mamba3" for Mamba-3), one :func:`ratio_sweep` row each, in that order; a row of ``rows``
+    with that mixer and ``attn_every`` (a sweep run with the same arguments) is reused instead of trained
+    again. Each mixer keeps its own default state size (Mamba-1 16, Mamba-2 and Mamba-3 128); their chunk
+    is 64 unless ``chunk_size`` is given (the result is the same for any chunk; a 256 chunk pads short
+    sequences)."""
+    unknown = [m for m in mixers if m not in SSM_MIXERS]
+    if unknown or not mixers:
+        raise ValueError(f"mixers={list(mixers)!r} is not valid; valid: a non-empty list of "
+                         f"{', '.join(SSM_MIXERS)}")
     out = []
-    for mixer in ("mamba1", "mamba2"):
+    for mixer in mixers:
         done = [r for r in rows if r["attn_every"] == attn_every and r.get("mixer") == mixer]
-        extra = {"chunk_size": 64} if mixer == "mamba2" and "chunk_size" not in sweep else {}
+        extra = {"chunk_size": 64} if mixer != "mamba1" and "chunk_size" not in sweep else {}
         out.append(dict(done[0]) if done else
                    ratio_sweep(cfg, task, attn_every=(attn_every,), mixer=mixer, **extra, **sweep)[0])
     return out

@@ -110,15 +110,11 @@ def memory_rows(runs: dict[str, dict], cfg=None, backend: str | None = None) -> 
     resident memory, which includes Python, torch and the data loader, a few hundred MiB) and ``state_mb``
     (counted: the parameters and AdamW moments the rank holds between steps). With ``cfg`` (the runs'
     TrainConfig) also the memory planner's figures for that rank (:func:`ssmkit.train.plan_memory` with
-    the run's strategy and process count, the ``backend``'s formulas; default "cuda" where the runs ran on
-    GPUs with mamba_ssm importable, else "torch"): ``planned_state_mb`` (its weights + optimizer rows) and
-    ``planned_step_mb`` (its total for a step: + gradients, activations, workspace)."""
+    the run's strategy and process count, the ``backend``'s formulas; default :func:`_kernel_backend`):
+    ``planned_state_mb`` (its weights + optimizer rows) and ``planned_step_mb`` (its total for a step:
+    + gradients, activations, workspace)."""
     if cfg is not None and backend is None:
-        from ..env import pick_device
-        from ..ops.backend import kernel_import_error
-
-        gpu = pick_device(cfg.device) == "cuda" and kernel_import_error("mamba_ssm") is None
-        backend = "cuda" if gpu else "torch"
+        backend = _kernel_backend(cfg)
     rows = []
     for name, run in runs.items():
         peaks = run.get("rank_peak_mem_mb") or [run.get("peak_mem_mb")]
@@ -136,6 +132,25 @@ def memory_rows(runs: dict[str, dict], cfg=None, backend: str | None = None) -> 
                            planned_step_mb=round(plan.total / 2**20, 1))
             rows.append(row)
     return rows
+
+
+_SCAN_OPS = {"mamba1": "selective_scan", "mamba2": "ssd_scan", "mamba3": "mamba3_siso"}   # ops.backend's
+
+
+def _kernel_backend(cfg) -> str:
+    """The planner's backend for a run of ``cfg`` (a TrainConfig): "cuda" where it runs on GPUs and the
+    kernels of every SSM mixer of its model import (mamba_ssm; Mamba-3's only exist in mamba_ssm's source
+    tree, the MIMO one in TileLang), else "torch" (ssmkit's PyTorch path, which those layers then take)."""
+    from ..env import pick_device
+    from ..ops.backend import KERNEL_MODULES, kernel_import_error
+
+    if pick_device(cfg.device) != "cuda":
+        return "torch"
+    model = cfg.model_config()
+    ops = {"mamba3_mimo" if m == "mamba3" and model.is_mimo else _SCAN_OPS[m]
+           for m in model.mixers if m in _SCAN_OPS}
+    modules = {KERNEL_MODULES[op] for op in ops} or {"mamba_ssm"}
+    return "cuda" if all(kernel_import_error(m) is None for m in modules) else "torch"
 
 
 def strategy_metrics(runs: dict[str, dict], mem: list[dict], reference: str = ONE) -> dict:

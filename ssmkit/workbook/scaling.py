@@ -3,6 +3,7 @@ throughput (2.4), lm-eval scores of the notebook's models (2.5) and a small scal
 law (beyond the plan). The distributed, data and precision sections are in :mod:`.scale_up`.
 
     rows = mixer_throughput([256, 1024], [16, 64])              # Mamba-2 / Mamba-1 training tokens/s
+    rows = mixer_throughput([256], [64], mixers=("mamba1", "mamba2", "mamba3"))    # ... and Mamba-3's
     evaluate_models({"fp32": model}, "offline", tokenizer="byte")   # lm-eval tasks (ssmkit.eval)
     rows = scaling_sweep(cfg, [32, 64, 128], tokens, train_dir, val_dir, out_dir=d)
     fit = fit_power_law([r["compute"] for r in rows], [r["val_loss"] for r in rows])   # L = a * C^-b
@@ -32,27 +33,36 @@ __all__ = ["evaluate_models", "fit_power_law", "mixer_throughput", "model_comput
 
 # --- 2.4 Mamba-2 against Mamba-1 ------------------------------------------------------------------
 
+MIXERS = ("mamba1", "mamba2", "mamba3")      # the SSM mixers mixer_throughput can time
+
+
 def mixer_throughput(seq_lens, d_states, *, d_model: int = 128, n_layer: int = 2, vocab_size: int = 257,
                      batch: int = 1, headdim: int = 32, chunk_size: int = 64, steps: int = 3, warmup: int = 1,
-                     device: str = "cpu", seed: int = 0) -> list[dict]:
+                     device: str = "cpu", seed: int = 0, mixers=("mamba1", "mamba2")) -> list[dict]:
     """Training tokens/s (forward + backward, no optimizer: :func:`ssmkit.eval.long_context.make_train_step`)
-    of a Mamba-1 and a Mamba-2 LM of the same width and depth, for each sequence length and state size N.
-    The two are timed round-robin (:func:`ssmkit.eval.time_round_robin`), so a busy machine slows both
-    alike; ``warmup`` untimed rounds, then the median of ``steps``. Mamba-2: ``headdim`` P, SSD chunk
-    ``chunk_size`` Q. Rows: ``seq_len``, ``d_state``, ``mamba1_tok_s``, ``mamba2_tok_s``, ``ratio``
-    (Mamba-2 / Mamba-1), ``mamba1_params``, ``mamba2_params``."""
+    of LMs of the same width and depth, one per mixer of ``mixers`` (default Mamba-1 and Mamba-2; any of
+    :data:`MIXERS`, e.g. with "mamba3": Mamba-3 SISO), for each sequence length and state size N. The
+    models are timed round-robin (:func:`ssmkit.eval.time_round_robin`), so a busy machine slows all
+    alike; ``warmup`` untimed rounds, then the median of ``steps``. Mamba-2 and Mamba-3: ``headdim`` P,
+    chunk ``chunk_size`` Q. Rows: ``seq_len``, ``d_state``, ``<mixer>_tok_s`` and ``<mixer>_params`` for
+    each mixer, ``ratio`` (Mamba-2 / Mamba-1, when both run) and ``mamba3_ratio`` (Mamba-3 / Mamba-2, when
+    both run)."""
     import torch
 
     from ..eval import time_round_robin
     from ..eval.long_context import make_train_step
     from ..models import ModelConfig, build_model
 
+    mixers = tuple(mixers)
+    if not mixers or len(set(mixers)) != len(mixers) or any(m not in MIXERS for m in mixers):
+        raise ValueError(f"mixers={list(mixers)!r} is not valid; valid: distinct names of "
+                         f"{', '.join(MIXERS)}")
     rows = []
     for seq_len in seq_lens:
         for d_state in d_states:
             steps_of, params = {}, {}
-            for mixer in ("mamba1", "mamba2"):
-                extra = {"headdim": headdim, "chunk_size": chunk_size} if mixer == "mamba2" else {}
+            for mixer in mixers:
+                extra = {"headdim": headdim, "chunk_size": chunk_size} if mixer != "mamba1" else {}
                 torch.manual_seed(seed)
                 model = build_model(ModelConfig(d_model=d_model, n_layer=n_layer, vocab_size=vocab_size,
                                                 mixer=mixer, d_state=d_state, **extra)).to(device)
@@ -60,10 +70,13 @@ def mixer_throughput(seq_lens, d_states, *, d_model: int = 128, n_layer: int = 2
                 params[mixer] = model.num_parameters()
             seconds = time_round_robin(steps_of, steps=steps, warmup=warmup, device=device)
             rate = {m: batch * seq_len / statistics.median(s) for m, s in seconds.items()}
-            rows.append({"seq_len": seq_len, "d_state": d_state, "mamba1_tok_s": round(rate["mamba1"]),
-                         "mamba2_tok_s": round(rate["mamba2"]),
-                         "ratio": round(rate["mamba2"] / rate["mamba1"], 2),
-                         "mamba1_params": params["mamba1"], "mamba2_params": params["mamba2"]})
+            row = {"seq_len": seq_len, "d_state": d_state}
+            row.update({f"{m}_tok_s": round(rate[m]) for m in mixers})
+            for key, top, bottom in (("ratio", "mamba2", "mamba1"), ("mamba3_ratio", "mamba3", "mamba2")):
+                if top in rate and bottom in rate:
+                    row[key] = round(rate[top] / rate[bottom], 2)
+            row.update({f"{m}_params": params[m] for m in mixers})
+            rows.append(row)
     return rows
 
 
