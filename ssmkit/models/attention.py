@@ -15,6 +15,10 @@ Per head, with rotary position embedding R_t on the first ``rotary_emb_dim`` dim
 
 with scale = softmax_scale or head_dim^-1/2 and w = ``window_size`` (sliding-window attention, Samba).
 Keys and values are shared by groups of H / H_kv query heads (GQA; H_kv = 1 is MQA).
+
+Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): S(t) also requires seq_idx_s =
+seq_idx_t (a block-diagonal causal mask, the window still applied), the conv restarts at each sample and the
+rotary position t counts from each sample's first token, so every sample attends as if it ran alone.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..ops.packing import positions_in_sample
 from .cache import KVState
-from .mamba1 import conv_with_state, zero_padding
+from .mamba1 import check_packed, conv_with_state, zero_padding
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float,
@@ -70,6 +75,12 @@ def attention_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | Non
     return ok
 
 
+def same_sample(q_idx: torch.Tensor, key_idx: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, n_q, n_k) bool: query and key belong to one packed sample. q_idx: (batch, n_q), key_idx:
+    (batch, n_k), their seq_idx."""
+    return (q_idx[:, :, None] == key_idx[:, None, :])[:, None]
+
+
 class Attention(nn.Module):
     """mamba_ssm's MHA, always causal. (batch, seqlen, d_model) -> (batch, seqlen, d_model).
 
@@ -100,9 +111,11 @@ class Attention(nn.Module):
                        conv=conv)
 
     def forward(self, hidden: torch.Tensor, state: KVState | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model); state: this layer's KV cache (continued and updated);
-        mask: (batch, seqlen), 0 at LEFT padding, only on a fresh cache or without one."""
+        mask: (batch, seqlen), 0 at LEFT padding, only on a fresh cache or without one; seq_idx: (batch,
+        seqlen) sample index of packed rows (no cache, no mask): attention within each sample only."""
+        check_packed(state, mask, seq_idx)
         b, n, _ = hidden.shape
         offset = 0 if state is None else state.length
         if state is not None and mask is not None:
@@ -117,16 +130,19 @@ class Attention(nn.Module):
             mlp_out = up * F.silu(gate)                                      # the parallel MLP
         if self.d_conv > 0:
             qkv = zero_padding(qkv, mask).transpose(1, 2)                   # (batch, qkv_dim, seqlen)
-            qkv = conv_with_state(qkv, self.conv1d, state, activation=None).transpose(1, 2)   # MHA: no SiLU
+            qkv = conv_with_state(qkv, self.conv1d, state, activation=None,              # MHA: no SiLU
+                                  seq_idx=seq_idx).transpose(1, 2)
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_heads_kv * self.head_dim,
                              self.num_heads_kv * self.head_dim], dim=-1)
         q, k, v = (rearrange(t, "b l (h d) -> b h l d", d=self.head_dim) for t in (q, k, v))
         pos = torch.arange(offset, offset + n, device=hidden.device)
         rope_pos = pos[None].expand(b, n) if start is None else pos[None] - start[:, None]
+        if seq_idx is not None:                                              # each sample counts from 0
+            rope_pos = positions_in_sample(seq_idx)
         q = rotary(q, rope_pos, self.rotary_dim, self.rotary_base, self.rotary_interleaved)
         k = rotary(k, rope_pos, self.rotary_dim, self.rotary_base, self.rotary_interleaved)
         if state is None:
-            out = self._attend(q, k, v, pos, pos, start)
+            out = self._attend(q, k, v, pos, pos, start, seq_idx)
         else:
             keys, values, key_pos = state.append(k, v)
             out = self._attend(q, keys, values, pos, key_pos, start)
@@ -135,25 +151,29 @@ class Attention(nn.Module):
             out = torch.cat([out, mlp_out], dim=-1)
         return self.out_proj(out)
 
-    def _attend(self, q, k, v, q_pos, key_pos, start):
-        """q: (b, H, n_q, d); k, v: (b, H_kv, n_k, d) -> (b, H, n_q, d), masked by position.
+    def _attend(self, q, k, v, q_pos, key_pos, start, seq_idx=None):
+        """q: (b, H, n_q, d); k, v: (b, H_kv, n_k, d) -> (b, H, n_q, d), masked by position (and, with
+        seq_idx (b, n) of a cache-free call, to each query's own packed sample).
 
-        Plain causal attention without padding or cache takes SDPA's ``is_causal`` path (flash / memory-
-        efficient kernels); a long sliding window is computed in blocks of ``window`` queries, each against
-        its own ≤ 2·window keys, so memory is O(L·w), not O(L²)."""
+        Plain causal attention without padding, packing or cache takes SDPA's ``is_causal`` path (flash /
+        memory-efficient kernels); a long sliding window is computed in blocks of ``window`` queries, each
+        against its own ≤ 2·window keys, so memory is O(L·w), not O(L²)."""
         gqa = dict(enable_gqa=True) if self.num_heads != self.num_heads_kv else {}
         sdpa = lambda q_, k_, v_, m_: F.scaled_dot_product_attention(   # noqa: E731
             q_, k_, v_, attn_mask=m_, scale=self.softmax_scale, **gqa)
         n_q, n_k, w = q.shape[2], k.shape[2], self.window
         # a plain causal pass: no padding, the queries are exactly the keys (no cache before them)
         plain = start is None and n_q > 1 and n_q == n_k and bool((key_pos == q_pos).all())
-        if plain and w is None:
+        if plain and w is None and seq_idx is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, **gqa)
-        if plain and n_q > 2 * w:
+        if plain and w is not None and n_q > 2 * w:
             outs = []
             for lo in range(0, n_q, w):
                 hi, k_lo = min(lo + w, n_q), max(0, lo - w + 1)
                 m = attention_mask(q_pos[lo:hi], key_pos[k_lo:hi], w, None)
+                if seq_idx is not None:
+                    m = m & same_sample(seq_idx[:, lo:hi], seq_idx[:, k_lo:hi])
                 outs.append(sdpa(q[:, :, lo:hi], k[:, :, k_lo:hi], v[:, :, k_lo:hi], m))
             return torch.cat(outs, dim=2)
-        return sdpa(q, k, v, attention_mask(q_pos, key_pos, w, start))
+        m = attention_mask(q_pos, key_pos, w, start)
+        return sdpa(q, k, v, m if seq_idx is None else m & same_sample(seq_idx, seq_idx))

@@ -17,6 +17,11 @@ For long sequences two switches trade compute for memory: ``model.gradient_check
 recomputes each block in the backward pass (activations of one block live at a time), and
 ``loss_chunk_size`` computes the LM head and the loss over chunks of positions, so the (L x V) logits
 never exist at once (same loss and gradients as the plain loss).
+
+Packed samples (SFT): ``model(input_ids, seq_idx=...)`` with seq_idx (batch, seqlen) the index of the sample
+each position belongs to in its row (:mod:`ssmkit.ops.packing`; from position ids with
+:func:`ssmkit.ops.seq_idx_from_position_ids`) restarts every conv, scan and attention at each sample, so a
+packed row gives each sample's logits and loss as if it ran alone.
 """
 
 from __future__ import annotations
@@ -83,11 +88,13 @@ class Block(nn.Module):
         normed = norm(residual.to(norm.weight.dtype))
         return normed, residual.float() if self.residual_in_fp32 else residual
 
-    def forward(self, hidden, residual, state=None, mask: torch.Tensor | None = None):
+    def forward(self, hidden, residual, state=None, mask: torch.Tensor | None = None,
+                seq_idx: torch.Tensor | None = None):
         """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
-        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`)."""
+        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`); seq_idx: (batch,
+        seqlen) packed samples (see :func:`check_seq_idx`)."""
         hidden, residual = self._add_norm(hidden, residual, self.norm)
-        hidden = self.mixer(hidden, state, mask)
+        hidden = self.mixer(hidden, state, mask, seq_idx=seq_idx)
         if self.mlp is not None:
             hidden, residual = self._add_norm(hidden, residual, self.norm2)
             hidden = self.mlp(hidden)
@@ -107,15 +114,18 @@ class Backbone(nn.Module):
         (attention)."""
         return [layer.mixer.allocate_state(batch_size, dtype, device) for layer in self.layers]
 
-    def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None):
+    def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None,
+                seq_idx: torch.Tensor | None = None):
         hidden, residual = self.embedding(input_ids), None
         recompute = (self.gradient_checkpointing and self.training and cache is None
                      and torch.is_grad_enabled())
         for i, layer in enumerate(self.layers):
             if recompute:   # keep only the block's inputs; its activations are recomputed in the backward
-                hidden, residual = checkpoint(layer, hidden, residual, None, mask, use_reentrant=False)
+                hidden, residual = checkpoint(layer, hidden, residual, None, mask, seq_idx,
+                                              use_reentrant=False)
             else:
-                hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask)
+                hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask,
+                                         seq_idx)
         residual = hidden if residual is None else residual + hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
@@ -173,6 +183,31 @@ def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bo
                          "tokenizer.padding_side = 'left'), since a recurrent state runs left to right")
 
 
+def check_seq_idx(seq_idx: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
+    """seq_idx: an integer tensor of input_ids' shape (batch, seqlen), each row non-negative and
+    non-decreasing (the sample index of every position of a packed row, e.g. [0, 0, 0, 1, 1, 2]); the
+    kernels' convention (mamba_ssm, causal-conv1d). ``values``: also read the values (a sync on a GPU)."""
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != input_ids.shape:
+        got = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+        raise ValueError(f"seq_idx must be a tensor of the shape of input_ids {tuple(input_ids.shape)}; "
+                         f"got {got}")
+    if seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool:
+        raise ValueError(f"seq_idx must hold integer sample indices (int32 or int64); "
+                         f"got dtype {seq_idx.dtype}")
+    if not values or not seq_idx.numel():
+        return
+    if int(seq_idx.min()) < 0:
+        row = int((seq_idx < 0).any(dim=1).nonzero()[0])
+        raise ValueError(f"seq_idx row {row} holds a negative index: sample indices are 0, 1, 2, ... "
+                         "(give padding its own sample, with labels -100)")
+    down = (seq_idx[:, 1:] < seq_idx[:, :-1]).nonzero()
+    if len(down):
+        row, pos = (int(v) for v in down[0])
+        raise ValueError(f"seq_idx row {row} decreases at position {pos + 1} ({int(seq_idx[row, pos])} -> "
+                         f"{int(seq_idx[row, pos + 1])}): each row must be non-decreasing, the samples "
+                         "packed one after another")
+
+
 class MambaLM(nn.Module):
     """A Mamba language model. ``model(input_ids, labels=None)`` -> :class:`LMOutput`."""
 
@@ -215,12 +250,15 @@ class MambaLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, logits_to_keep: int = 0, shift_labels: bool = True,
-                attention_mask: torch.Tensor | None = None, loss_chunk_size: int | None = None) -> LMOutput:
+                attention_mask: torch.Tensor | None = None, loss_chunk_size: int | None = None,
+                seq_idx: torch.Tensor | None = None) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
         labels: (batch, seqlen) aligned with input_ids as in transformers (shifted here, so
         ``labels=input_ids`` trains next-token prediction); with ``shift_labels=False`` they are
-        already the targets of each position. -100 marks positions without a loss.
+        already the targets of each position. -100 marks positions without a loss. With seq_idx and
+        shift_labels the last position of each packed sample gets no target (the next token belongs to
+        another sample), as when the sample runs alone.
         cache: continue from and update these states (prefill or one-token steps).
         logits_to_keep: compute logits for the last k positions only (0 = all).
         attention_mask: (batch, seqlen), 1 for real tokens and 0 for LEFT padding: the logits of the
@@ -230,6 +268,10 @@ class MambaLM(nn.Module):
         loss_chunk_size: with labels, compute logits and loss over chunks of this many positions
         (default ``self.loss_chunk_size``; 0 = at once): the output's logits are then None, since the
         point is never to hold all of them (see :func:`chunked_cross_entropy`).
+        seq_idx: (batch, seqlen) integer, the index of the sample each position belongs to in its packed
+        row, non-decreasing (:func:`check_seq_idx`): every mixer restarts at each sample, so each sample's
+        logits are those of the sample run alone. Not with a cache or an attention_mask. Its values are
+        checked (one sync on a GPU) except under torch.compile.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}")
@@ -243,7 +285,15 @@ class MambaLM(nn.Module):
                 raise ValueError("attention_mask applies to the first call on a cache (the prefill) only; "
                                  "the steps after it continue real tokens: pass attention_mask=None")
             check_attention_mask(attention_mask, input_ids, values=check_values)
-        hidden = self.backbone(input_ids, cache, attention_mask)
+        if seq_idx is not None:
+            if cache is not None:
+                raise ValueError("seq_idx (packed samples) cannot be combined with an inference cache: a "
+                                 "cache continues one sequence per row; pass cache=None for packed rows")
+            if attention_mask is not None:
+                raise ValueError("seq_idx (packed samples) cannot be combined with attention_mask (left "
+                                 "padding): pack without padding, or give padding its own sample in seq_idx")
+            check_seq_idx(seq_idx, input_ids, values=not torch.compiler.is_compiling())
+        hidden = self.backbone(input_ids, cache, attention_mask, seq_idx=seq_idx)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if logits_to_keep:
@@ -258,6 +308,8 @@ class MambaLM(nn.Module):
             raise ValueError("labels need logits for every position; use logits_to_keep=0")
         if shift_labels:   # position t predicts token t+1; the last position has no target
             labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if seq_idx is not None:     # nor the last of each packed sample
+                labels = labels.masked_fill(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1)), -100)
         if chunk:
             return LMOutput(logits=None, loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
                             cache=cache)

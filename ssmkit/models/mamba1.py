@@ -18,10 +18,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 from .. import ops
+from . import lora_aware
 from .cache import LayerState
 from .config import ModelConfig
 from .norms import RMSNorm
@@ -52,16 +52,27 @@ def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask[:, :, None].to(x.dtype)
 
 
-def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state, activation: str | None = "silu") -> torch.Tensor:
+def check_packed(state, mask: torch.Tensor | None, seq_idx: torch.Tensor | None) -> None:
+    """A mixer's ``seq_idx`` (batch, seqlen) marks packed samples (:mod:`ssmkit.ops.packing`) of a forward
+    from scratch: never with a state (which continues one sequence) nor with a left-padding mask."""
+    if seq_idx is not None and (state is not None or mask is not None):
+        conflict = "an inference state (cache)" if state is not None else "a padding mask (attention_mask)"
+        raise ValueError(f"seq_idx (packed samples) cannot be combined with {conflict}: pass one of them")
+
+
+def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state, activation: str | None = "silu",
+                    seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """activation(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if a state is
-    given, which is then replaced by the last d_conv inputs."""
-    weight = rearrange(conv.weight, "d 1 w -> d w")
+    given, which is then replaced by the last d_conv inputs. seq_idx: (batch, seqlen) packed samples (no
+    state then): each sees zeros left of its first token."""
+    weight = rearrange(lora_aware.weight(conv, "conv1d"), "d 1 w -> d w")   # LoRA-aware: see lora_aware
+    conv_bias = lora_aware.bias(conv)
     if state is None:
-        return ops.causal_conv1d(x, weight, conv.bias, activation=activation)
+        return ops.causal_conv1d(x, weight, conv_bias, activation=activation, seq_idx=seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
     x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)     # previous W-1 inputs first
     state.conv.copy_(x_ext[:, :, -width:])
-    return ops.causal_conv1d(x_ext, weight, conv.bias, activation=activation)[:, :, -seqlen:]
+    return ops.causal_conv1d(x_ext, weight, conv_bias, activation=activation)[:, :, -seqlen:]
 
 
 class Mamba1(nn.Module):
@@ -118,10 +129,12 @@ class Mamba1(nn.Module):
                                           device=device))
 
     def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model). With ``state`` the layer
         continues from it and leaves the new conv and SSM state there. mask: (batch, seqlen), 0 at
-        left padding, which then leaves the conv and SSM states as if the row started later."""
+        left padding, which then leaves the conv and SSM states as if the row started later.
+        seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every sample."""
+        check_packed(state, mask, seq_idx)
         if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (d_inner, d_state)
@@ -131,16 +144,17 @@ class Mamba1(nn.Module):
         # the conv sees zeros left of a row
         x = zero_padding(x, mask)
         # (batch, seqlen, d_inner)
-        x = conv_with_state(x.transpose(1, 2), self.conv1d, state).transpose(1, 2)
+        x = conv_with_state(x.transpose(1, 2), self.conv1d, state, seq_idx=seq_idx).transpose(1, 2)
         # Δ B x = 0: h stays at its zero start
         x = zero_padding(x, mask)
         dt, B, C = self._select(x)
         # Δ before its bias: (b, l, d_inner)
-        dt = F.linear(dt, self.dt_proj.weight)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)
         out = ops.selective_scan(
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(),
-            z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            z=z.transpose(1, 2), delta_bias=lora_aware.bias(self.dt_proj).float(), delta_softplus=True,
             initial_state=None if state is None else state.ssm, return_final_state=state is not None,
+            seq_idx=seq_idx,
         )
         if state is not None:
             out, h = out
@@ -150,11 +164,11 @@ class Mamba1(nn.Module):
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
         x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)                   # (batch, d_inner)
-        x = ops.causal_conv1d_update(x, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
-                                     self.conv1d.bias, activation="silu")
+        weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
+        x = ops.causal_conv1d_update(x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu")
         dt, B, C = self._select(x)
-        dt = F.linear(dt, self.dt_proj.weight)                               # (batch, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)                     # (batch, d_inner)
         A = -torch.exp(self.A_log.float())
         y = ops.selective_state_update(state.ssm, x, dt, A, B, C, D=self.D.float(), z=z,
-                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+                                       dt_bias=lora_aware.bias(self.dt_proj).float(), dt_softplus=True)
         return self.out_proj(y)[:, None]

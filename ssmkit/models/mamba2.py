@@ -18,9 +18,10 @@ import torch.nn as nn
 from einops import rearrange
 
 from .. import ops
+from . import lora_aware
 from .cache import LayerState
 from .config import ModelConfig
-from .mamba1 import conv_with_state, init_dt_bias, zero_padding
+from .mamba1 import check_packed, conv_with_state, init_dt_bias, zero_padding
 from .norms import RMSNormGated
 
 
@@ -65,16 +66,19 @@ class Mamba2(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given.
-        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or SSM state."""
+        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or SSM state.
+        seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every sample."""
+        check_packed(state, mask, seq_idx)
         if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())                                   # (nheads,)
         z, xBC, dt = torch.split(self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         # the conv sees zeros left of a row
         xBC = zero_padding(xBC, mask)
-        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state),
+        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state,
+                                        seq_idx=seq_idx),
                         "b d l -> b l d")
         x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
                               dim=-1)
@@ -91,7 +95,7 @@ class Mamba2(nn.Module):
             rearrange(B, "b l (g n) -> b l g n", g=self.ngroups),
             rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
             self.chunk_size, D=self.D, initial_states=None if state is None else state.ssm,
-            return_final_states=state is not None, **dt_args,
+            return_final_states=state is not None, seq_idx=seq_idx, **dt_args,
         )
         if state is not None:
             out, h = out
@@ -103,8 +107,9 @@ class Mamba2(nn.Module):
         """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
         z, xBC, dt = torch.split(self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads],
                                  dim=-1)
-        xBC = ops.causal_conv1d_update(xBC, state.conv, rearrange(self.conv1d.weight, "d 1 w -> d w"),
-                                       self.conv1d.bias, activation="silu")
+        xBC = ops.causal_conv1d_update(xBC, state.conv, rearrange(lora_aware.weight(self.conv1d, "conv1d"),
+                                                                  "d 1 w -> d w"),
+                                       lora_aware.bias(self.conv1d), activation="silu")
         x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
                               dim=-1)
         P, N = self.headdim, self.d_state

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .. import ops
 from .cache import Mamba3State
 from .config import ModelConfig
-from .mamba1 import init_dt_bias
+from .mamba1 import check_packed, init_dt_bias
 from .norms import RMSNorm, RMSNormGated
 
 FP32_PARAMS = ("dt_bias", "B_bias", "C_bias", "mimo_x", "mimo_z", "mimo_o", "D")
@@ -133,9 +133,12 @@ class Mamba3(nn.Module):
         return self.out_proj(y.flatten(-2).to(dtype))
 
     def forward(self, hidden: torch.Tensor, state: Mamba3State | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given.
-        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the state."""
+        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the state.
+        seq_idx: (batch, seqlen) sample index of packed rows: the scan (state, previous input, angle)
+        restarts at every sample."""
+        check_packed(state, mask, seq_idx)
         if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
         inputs, z = self._inputs(self.in_proj(hidden))
@@ -147,7 +150,7 @@ class Mamba3(nn.Module):
         fresh = state is None or state.seen == 0
         out = ops.mamba3_scan(**self._gated(inputs, z), chunk_size=self.chunk_size,
                               initial_states=None if fresh else state.tensors(),
-                              return_final_states=state is not None)
+                              return_final_states=state is not None, seq_idx=seq_idx)
         if state is not None:
             out, final = out
             for old, new in zip(state.tensors(), final):

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.packing import positions_in_sample
 from .cache import InferenceCache, KVState, LayerState
 from .config import ModelConfig
 from .mamba2 import Mamba2
@@ -53,16 +54,17 @@ class Zamba2Layer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, shared: Zamba2SharedBlock | None,
                 state: LayerState | HybridState | None, mask: torch.Tensor | None,
-                attn: dict) -> torch.Tensor:
+                attn: dict, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """hidden, embeddings: (batch, seqlen, d_model); shared: the block of a hybrid layer; attn: the
-        shared attention's positions, first_real and rope (see :meth:`Zamba2Backbone.forward`)."""
+        shared attention's positions, first_real and rope (see :meth:`Zamba2Backbone.forward`); seq_idx:
+        (batch, seqlen) packed samples, for the shared attention and the Mamba-2 mixer alike."""
         x = hidden
         if self.hybrid:
             kv = None if state is None else state.kv
-            t = shared(hidden, embeddings, self.adapters, kv=kv, **attn)
+            t = shared(hidden, embeddings, self.adapters, kv=kv, seq_idx=seq_idx, **attn)
             x = hidden + self.linear(t)
             state = None if state is None else state.mamba
-        return hidden + self.mixer(self.norm(x), state, mask)
+        return hidden + self.mixer(self.norm(x), state, mask, seq_idx=seq_idx)
 
 
 class Zamba2Backbone(nn.Module):
@@ -115,9 +117,11 @@ class Zamba2Backbone(nn.Module):
         return states
 
     def forward(self, input_ids: torch.Tensor, cache: InferenceCache | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: (batch, seqlen); cache: continue from and update these states (its
-        ``seqlen_offset`` gives the positions); mask: (batch, seqlen), 0 at LEFT padding, or None."""
+        ``seqlen_offset`` gives the positions); mask: (batch, seqlen), 0 at LEFT padding, or None;
+        seq_idx: (batch, seqlen) packed samples (no cache, no mask): RoPE positions restart at each
+        sample's first token, attention and scans stay inside each sample."""
         z = self.config.zamba2
         embeddings = self.embedding(input_ids)          # transformers: original_hidden_states
         offset = 0 if cache is None else cache.seqlen_offset
@@ -129,7 +133,8 @@ class Zamba2Backbone(nn.Module):
                 for s in hybrid_states:
                     s.first_real.copy_(torch.zeros_like(s.first_real) if first_real is None else first_real)
             first_real = hybrid_states[0].first_real if hybrid_states else None
-        rope = (rope_cos_sin(positions, self.head_dim, z["rope_theta"], embeddings.dtype)
+        rope_pos = positions if seq_idx is None else positions_in_sample(seq_idx)     # (L,) or (b, L)
+        rope = (rope_cos_sin(rope_pos, self.head_dim, z["rope_theta"], embeddings.dtype)
                 if z["use_mem_rope"] else None)
         attn = dict(positions=positions, first_real=first_real, rope=rope)
         hidden = embeddings
@@ -138,10 +143,11 @@ class Zamba2Backbone(nn.Module):
         for i, layer in enumerate(self.layers):
             shared = self.shared[layer.block] if layer.hybrid else None
             if recompute:
-                hidden = checkpoint(layer, hidden, embeddings, shared, None, mask, attn, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, embeddings, shared, None, mask, attn, seq_idx,
+                                    use_reentrant=False)
             else:
                 hidden = layer(hidden, embeddings, shared, None if cache is None else cache.layers[i], mask,
-                               attn)
+                               attn, seq_idx)
         return self.norm_f(hidden)
 
 

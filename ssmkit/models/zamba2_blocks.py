@@ -79,11 +79,14 @@ def _plus(proj: nn.Linear, adapter: LowRank | None, x: torch.Tensor) -> torch.Te
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, ...]:
     """RoPE tables for positions (seqlen,): cos, sin of shape (seqlen, head_dim), halves repeated
-    (transformers' "default" rope: inv_freq_i = theta^(-2i / head_dim), computed in fp32)."""
+    (transformers' "default" rope: inv_freq_i = theta^(-2i / head_dim), computed in fp32). Per-row
+    positions (batch, seqlen) (packed samples) give (batch, 1, seqlen, head_dim), broadcast over heads."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float)
                                 / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]           # (seqlen, head_dim / 2)
+    freqs = positions.float()[..., None] * inv_freq                  # (..., seqlen, head_dim / 2)
     emb = torch.cat([freqs, freqs], dim=-1)
+    if emb.dim() == 3:
+        emb = emb[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -111,9 +114,11 @@ class Zamba2SharedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, d_model, bias=False)
 
     def forward(self, x: torch.Tensor, adapters: Zamba2Adapters, positions: torch.Tensor,
-                first_real: torch.Tensor | None, rope: tuple | None, kv: KVState | None) -> torch.Tensor:
+                first_real: torch.Tensor | None, rope: tuple | None, kv: KVState | None,
+                seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """x: (batch, seqlen, 2 * d_model) at ``positions`` (seqlen,). first_real: (batch,) the first
-        non-padding position of each row, or None (no padding). kv: the cache to extend, or None."""
+        non-padding position of each row, or None (no padding). kv: the cache to extend, or None.
+        seq_idx: (batch, seqlen) packed samples (no cache): a query sees keys of its own sample only."""
         b, n, _ = x.shape
         q = _plus(self.q_proj, adapters.q, x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = _plus(self.k_proj, adapters.k, x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -126,7 +131,7 @@ class Zamba2SharedAttention(nn.Module):
         if self.kv_heads != self.heads:          # GQA: kv head j serves q heads j*rep .. (j+1)*rep - 1
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if first_real is None and kv is None:
+        if first_real is None and kv is None and seq_idx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             # key j is visible to query i iff 0 <= pos_j <= pos_i and pos_j is not left padding; a padded
@@ -135,6 +140,8 @@ class Zamba2SharedAttention(nn.Module):
             allowed = (kp >= 0) & (kp <= qp)
             if first_real is not None:
                 allowed = (allowed & (kp >= first_real[:, None, None])) | (kp == qp)
+            if seq_idx is not None:                  # block-diagonal: one packed sample
+                allowed = allowed & (seq_idx[:, :, None] == seq_idx[:, None, :])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
@@ -167,9 +174,9 @@ class Zamba2SharedBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, adapters: Zamba2Adapters,
                 positions: torch.Tensor, first_real: torch.Tensor | None, rope: tuple | None,
-                kv: KVState | None) -> torch.Tensor:
+                kv: KVState | None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         x = self.norm(torch.cat([hidden, embeddings], dim=-1))
-        a = self.attn(x, adapters, positions, first_real, rope, kv)
+        a = self.attn(x, adapters, positions, first_real, rope, kv, seq_idx)
         return self.mlp(self.norm2(a), adapters)
 
 

@@ -10,6 +10,9 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
 * :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO and
   MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`, :func:`mamba3_chunked`
   are its three equivalent views
+* :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes ``seq_idx``
+  (batch, seqlen), the sample index of each position, and restarts at every sample;
+  :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
 """
 
 from .backend import BACKENDS, BackendError
@@ -17,6 +20,7 @@ from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, c
 from .mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_scan, mamba3_step
 from .mamba3_ref import Mamba3States, a_activation, heavy_tail, mamba3_reference, rope_angles
 from .norm import rms_norm, rms_norm_gated
+from .packing import cu_seqlens, positions_in_sample, seq_idx_from_position_ids
 from .s6 import selective_scan, selective_scan_reference, selective_scan_torch
 from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
@@ -29,4 +33,5 @@ __all__ = [
     "discretize_dt", "segsum", "ssd_chunked", "ssd_quadratic", "ssd_reference", "ssd_scan",
     "Mamba3States", "a_activation", "heavy_tail", "mamba3_chunked", "mamba3_quadratic", "mamba3_reference",
     "mamba3_scan", "mamba3_step", "rope_angles",
+    "cu_seqlens", "positions_in_sample", "seq_idx_from_position_ids",
 ]

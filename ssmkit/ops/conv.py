@@ -9,6 +9,10 @@ each channel as the conv state and produces one output per new input.
 
 Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weight: (dim, width)``,
 ``bias: (dim,)``, ``conv_state: (batch, dim, width)``.
+
+Packed samples (``seq_idx: (batch, seqlen)``, see :mod:`ssmkit.ops.packing`): tap k of output t counts only
+when ``seq_idx[t-W+1+k] == seq_idx[t]``, as causal-conv1d's kernel: each sample sees zeros left of its
+first token, exactly as if it ran alone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as _backend
+from .packing import check_seq_idx
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -27,7 +32,7 @@ def _activate(y, activation):
     return F.silu(y) if activation in ("silu", "swish") else y
 
 
-def _check(x, weight, bias):
+def _check(x, weight, bias, seq_idx=None):
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(
             f"x must be (batch, dim, seqlen) and weight (dim, width) with the same dim; "
@@ -35,59 +40,92 @@ def _check(x, weight, bias):
         )
     if bias is not None and tuple(bias.shape) != (x.shape[1],):
         raise ValueError(f"bias must be (dim={x.shape[1]},); got {tuple(bias.shape)}")
+    check_seq_idx(seq_idx, x.shape[0], x.shape[2])
 
 
-def causal_conv1d_reference(x, weight, bias=None, activation=None):
-    """The sum over the W taps written out (the formula in the module docstring)."""
-    _check(x, weight, bias)
+def _same_sample(seq_idx, shift):
+    """(batch, seqlen) bool: position t - shift belongs to t's sample (t < shift: False; a zero input)."""
+    seqlen = seq_idx.shape[1]
+    earlier = F.pad(seq_idx, (shift, 0), value=-1)[:, :seqlen] if shift else seq_idx
+    return earlier == seq_idx
+
+
+def causal_conv1d_reference(x, weight, bias=None, activation=None, seq_idx=None):
+    """The sum over the W taps written out (the formula in the module docstring); with ``seq_idx`` a tap
+    counts only inside the output's own sample."""
+    _check(x, weight, bias, seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
     xp = F.pad(x.float(), (width - 1, 0))                       # W-1 zeros before t = 0
-    y = sum(weight[:, k, None].float() * xp[:, :, k : k + seqlen] for k in range(width))
+    y = 0
+    for k in range(width):                                      # tap k reads x_{t-(W-1)+k}
+        tap = weight[:, k, None].float() * xp[:, :, k : k + seqlen]
+        if seq_idx is not None:
+            tap = tap * _same_sample(seq_idx, width - 1 - k)[:, None, :]
+        y = y + tap
     if bias is not None:
         y = y + bias.float()[:, None]
     return _activate(y, activation).to(x.dtype)
 
 
-def causal_conv1d_torch(x, weight, bias=None, activation=None):
+def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
     """``F.conv1d`` with groups = dim and left padding W-1; for a (batch, dim, seqlen) view of
     channels-last memory (what the mixers pass), the W taps as shifted multiply-adds over
     (batch, seqlen, dim) rows instead, which keeps that layout and needs no transposing copy.
+    With ``seq_idx`` always the taps, each masked to the output's own sample (result in x's layout).
 
     Precision as the ``causal_conv1d`` kernel: weight, bias, the sum over taps and the activation in
     fp32 whatever x's dtype, one rounding to x's dtype at the end; the weight and bias gradients are
     accumulated in fp32 too (casting the weight to bf16 first made its gradient ~1e4 times less exact)."""
-    _check(x, weight, bias)
+    _check(x, weight, bias, seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
     channels_last = x.stride(1) == 1 and x.shape[1] != 1
     w, b, xf = weight.float(), None if bias is None else bias.float(), x.float()   # no copies in fp32
-    if not channels_last:
+    if not channels_last and seq_idx is None:
         y = F.conv1d(F.pad(xf, (width - 1, 0)), w.unsqueeze(1), b, groups=x.shape[1])
         return _activate(y, activation).to(x.dtype)
     rows = F.pad(xf.transpose(1, 2), (0, 0, width - 1, 0))            # (batch, W-1 + seqlen, dim)
-    y = rows[:, :seqlen] * w[:, 0]
-    for k in range(1, width):                                         # tap k reads x_{t-(W-1)+k}
-        y = torch.addcmul(y, rows[:, k : k + seqlen], w[:, k])
+
+    def tap(k):                                                       # tap k reads x_{t-(W-1)+k}
+        if seq_idx is None or k == width - 1:                         # (the current input: its own sample)
+            return rows[:, k : k + seqlen]
+        return rows[:, k : k + seqlen] * _same_sample(seq_idx, width - 1 - k)[:, :, None]
+
+    y = tap(0) * w[:, 0]
+    for k in range(1, width):
+        y = torch.addcmul(y, tap(k), w[:, k])
     if b is not None:
         y = y + b
-    return _activate(y, activation).to(x.dtype).transpose(1, 2)
+    y = _activate(y, activation).to(x.dtype).transpose(1, 2)
+    return y if channels_last else y.contiguous()
 
 
-def causal_conv1d_cuda(x, weight, bias=None, activation=None):
-    """The ``causal_conv1d`` package's kernel."""
+def causal_conv1d_cuda(x, weight, bias=None, activation=None, seq_idx=None):
+    """The ``causal_conv1d`` package's kernel. It reads ``seq_idx`` (int32, contiguous) only for channels-last
+    x (``x.stride(1) == 1``, ``x.stride(2) > 1``): other layouts are copied into it first."""
     fn = _backend.kernel_module("causal_conv1d").causal_conv1d_fn
-    return fn(x, weight, bias, activation=activation)
+    if seq_idx is None:
+        return fn(x, weight, bias, activation=activation)
+    if not (x.stride(1) == 1 and x.stride(2) > 1):
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    return fn(x, weight, bias, seq_idx=seq_idx.to(torch.int32).contiguous(), activation=activation)
 
 
 _IMPLS = {"reference": causal_conv1d_reference, "torch": causal_conv1d_torch, "cuda": causal_conv1d_cuda}
 
 
-def causal_conv1d(x, weight, bias=None, activation=None, backend=None):
-    """Depthwise causal convolution. x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,).
+def causal_conv1d(x, weight, bias=None, activation=None, backend=None, seq_idx=None):
+    """Depthwise causal convolution. x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,);
+    seq_idx: (batch, seqlen) integer sample indices of packed rows, or None (see :mod:`ssmkit.ops.packing`).
 
     Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish".
     """
     name = _backend.select("causal_conv1d", x, backend=backend)
-    return _IMPLS[name](x, weight, bias, activation)
+    if name == "cuda" and seq_idx is not None and x.shape[1] == 1 and (backend or _backend.forced_backend()) \
+            != "cuda":
+        name = "torch"          # one channel cannot be channels-last, the layout the kernel needs for seq_idx
+    if seq_idx is None:
+        return _IMPLS[name](x, weight, bias, activation)
+    return _IMPLS[name](x, weight, bias, activation, seq_idx=seq_idx)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):

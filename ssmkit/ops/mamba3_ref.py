@@ -32,6 +32,11 @@ The state to continue a sequence is the 4-tuple (angle, ssm, k, v): θ (batch, n
 rotated k (batch, rank, nheads, dstate) and the last input x (batch, nheads, headdim): the trapezoid needs
 the previous input. Shapes follow mamba_ssm's ``mamba3_siso_combined`` / ``mamba3_mimo`` but for the time
 axis, which comes second everywhere here (dt, A, trap: (batch, seqlen, nheads), as in ``ssd_scan``).
+
+Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): where a new sample starts, the whole
+state (angle, ssm, k, v) is zeroed before the step, so the sample's first step sees no memory, no previous
+input for the trapezoid and an angle starting from 0, as if it ran alone (mamba_ssm's kernels do the same
+for each sequence of their varlen ``cu_seqlens`` form). ``initial_states`` reach sample 0 only.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .packing import check_seq_idx, resets
 
 TWO_PI = 2 * math.pi
 A_ACTIVATIONS = ("heavy_tail", "softplus")
@@ -125,7 +132,7 @@ def finish(y, v, D, z, mimo_z, mimo_o, siso: bool):
     return y if mimo_o is None else (y * mimo_o.float().transpose(0, 1)).sum(dim=-3)
 
 
-def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states):
+def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx=None):
     """Every shape against x's (batch, seqlen, nheads, headdim) and B's rank, groups and dstate."""
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
@@ -151,6 +158,7 @@ def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states):
         got = tuple(tuple(s.shape) for s in initial_states)
         if len(got) != 4 or got != want:
             raise ValueError(f"initial_states must be (angle, ssm, k, v) shaped {want}; got {got}")
+    check_seq_idx(seq_idx, b, L)
 
 
 def zero_states(x: torch.Tensor, rank: int, dstate: int, nangles: int) -> Mamba3States:
@@ -184,11 +192,13 @@ def step(states: Mamba3States, x, dt, A, lam, Bh, Ch, turn, mimo_x, pairwise: bo
 
 
 def mamba3_reference(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None, mimo_z=None,
-                     mimo_o=None, chunk_size=None, initial_states=None, return_final_states=False):
+                     mimo_o=None, chunk_size=None, initial_states=None, return_final_states=False,
+                     seq_idx=None):
     """The recurrence, one time step at a time (``chunk_size`` is ignored). Shapes: see the module docstring;
     returns y (batch, seqlen, nheads, headdim) in x's dtype ((batch, seqlen, rank, nheads, headdim) for MIMO
-    without mimo_o), and with ``return_final_states`` the :class:`Mamba3States` after the last step."""
-    check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states)
+    without mimo_o), and with ``return_final_states`` the :class:`Mamba3States` after the last step.
+    ``seq_idx`` (batch, seqlen) or None: the states are zeroed before each packed sample's first step."""
+    check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
     h, r, n = x.shape[2], B.shape[2], B.shape[4]
     pairwise = mimo_x is None
     dt, A, lam = dt.float(), A.float(), torch.sigmoid(trap.float())
@@ -196,8 +206,11 @@ def mamba3_reference(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=Non
     turn = angle_increments(angles, dt)
     states = (zero_states(x[:, 0], r, n, angles.shape[3]) if initial_states is None
               else Mamba3States(*(s.float() for s in initial_states)))
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()            # 0 where a new sample starts
     ys = []
     for t in range(x.shape[1]):
+        if keep is not None:    # a new sample: no angle, no memory, no previous input
+            states = Mamba3States(*(s * keep[:, t].view(-1, *[1] * (s.dim() - 1)) for s in states))
         y, xr, states = step(states, x[:, t], dt[:, t], A[:, t], lam[:, t], Bh[:, t], Ch[:, t], turn[:, t],
                              mimo_x, pairwise)
         ys.append(finish(y, xr, D, None if z is None else z[:, t], mimo_z, mimo_o, siso=pairwise))

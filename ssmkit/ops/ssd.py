@@ -24,6 +24,11 @@ form inside each chunk, the recurrence across chunk boundaries. Three functions 
 three views and must agree: :func:`ssd_reference` (recurrence), :func:`ssd_quadratic` (dual),
 :func:`ssd_chunked` (the ``torch`` backend). Shapes follow mamba_ssm's
 ``mamba_chunk_scan_combined``.
+
+Packed samples (``seq_idx``, :mod:`ssmkit.ops.packing`): h_{t-1} is replaced by 0 where seq_idx changes, so
+no decay and no input cross a sample boundary; in the dual form L_ts = 0 unless s and t are one sample.
+``initial_states`` reach only sample 0 (when the row starts with it), and the final state is the last
+sample's: mamba_ssm's semantics.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import backend as _backend
+from .packing import check_seq_idx, resets, segments
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -46,7 +52,7 @@ LOG2_E = 1.0 / math.log(2.0)
 CPU_CHUNK_SIZE = 64
 
 
-def _check(x, dt, A, B, C, initial_states):
+def _check(x, dt, A, B, C, initial_states, seq_idx=None):
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
     batch, seqlen, nheads, headdim = x.shape
@@ -67,6 +73,7 @@ def _check(x, dt, A, B, C, initial_states):
             f"initial_states must be (batch={batch}, nheads={nheads}, headdim={headdim}, dstate={dstate}); "
             f"got {tuple(initial_states.shape)}"
         )
+    check_seq_idx(seq_idx, batch, seqlen)
 
 
 def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
@@ -103,17 +110,21 @@ def _skip_and_gate(y, x, D, z):
 
 
 def ssd_reference(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
-    """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t. ``chunk_size`` is ignored here."""
-    _check(x, dt, A, B, C, initial_states)
+                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
+    """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t (h_{t-1} = 0 where ``seq_idx`` changes).
+    ``chunk_size`` is ignored here."""
+    _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
     h = (xf.new_zeros(batch, nheads, headdim, B.shape[3]) if initial_states is None
          else initial_states.float())
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()            # 0: a new sample starts at t
     ys = []
     for t in range(seqlen):
         a = torch.exp(dt[:, t] * A.float())                                    # a_t: (batch, nheads)
+        if keep is not None:
+            h = keep[:, t, None, None, None] * h
         h = a[:, :, None, None] * h + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
         ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))                  # y_t = h_t C_t
     y = _skip_and_gate(torch.stack(ys, dim=1), x, D, z).to(x.dtype)
@@ -140,23 +151,28 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_quadratic(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
-    """y = (L ∘ C Bᵀ)(Δ x) over the whole sequence: O(seqlen²) memory, the "attention" view."""
-    _check(x, dt, A, B, C, initial_states)
+                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
+    """y = (L ∘ C Bᵀ)(Δ x) over the whole sequence: O(seqlen²) memory, the "attention" view. With
+    ``seq_idx`` L is block diagonal: L_ts = 0 unless s and t are one sample."""
+    _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
     logA = rearrange(dt * A.float(), "b l h -> b h l")                         # log a_t
     L = torch.exp(segsum(logA))                                                # (b, h, t, s)
+    decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))                   # prod_{k<=t} a_k
+    if seq_idx is not None:
+        seg = segments(seq_idx)                                                # (b, L)
+        L = L * (seg[:, None, :, None] == seg[:, None, None, :])               # one sample only
+        decay_from_start = decay_from_start * (seg == 0)[:, None, :]           # h_0 reaches sample 0 only
     scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)                           # C_t · B_s
     y = torch.einsum("bhts,bsh,bshp->bthp", L * scores, dt, xf)
-    decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))                   # prod_{k<=t} a_k
     if initial_states is not None:
         y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, Ch, initial_states.float())
     y = _skip_and_gate(y, x, D, z).to(x.dtype)
     if not return_final_states:
         return y
-    decay_to_end = torch.exp(segsum(logA)[:, :, -1, :])                        # prod_{s<k<=L} a_k
+    decay_to_end = L[:, :, -1, :]                                              # prod_{s<k<=L} a_k
     h = torch.einsum("bhs,bsh,bshp,bshn->bhpn", decay_to_end, dt, xf, Bh)
     if initial_states is not None:
         h = h + decay_from_start[:, :, -1, None, None] * initial_states.float()
@@ -169,12 +185,15 @@ def ssd_quadratic(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
 
 
 def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
-                initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
+                initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
     """SSD by chunks of ``chunk_size``: quadratic inside a chunk, recurrence between chunks.
 
-    Heads are kept grouped as (ngroups, heads per group) so B and C are never copied per head.
+    Heads are kept grouped as (ngroups, heads per group) so B and C are never copied per head. With
+    ``seq_idx`` every term is masked to one sample, as mamba_ssm's kernels do: inside a chunk (s, t) pairs of
+    one sample, a chunk's own state from its last sample's steps, the state entering a chunk only to the
+    steps of the sample it belongs to and across a chunk only when no sample starts in it.
     """
-    _check(x, dt, A, B, C, initial_states)
+    _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = int(chunk_size)
@@ -192,6 +211,10 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
     Cc = rearrange(Cf, "b (c l) g n -> b c l g n", l=Q)
     logA = rearrange(dt_p * A.float(), "b (c l) (g h) -> b g h c l", l=Q, g=ngroups)
     cum = torch.cumsum(logA, dim=-1)                                            # within-chunk prefix
+    if seq_idx is not None:     # segc: each step's sample (padded steps: the last's); enter: the entering
+        seg = segments(seq_idx)
+        segc = rearrange(torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1), "b (c l) -> b c l", l=Q)
+        enter = F.pad(segc[:, :-1, -1], (1, 0), value=0)                         # (b, c); chunk 0: sample 0
 
     # 1. diagonal blocks: y = (L ∘ C Bᵀ)(Δ x) inside each chunk. L_ls = exp(cum_l - cum_s) for l >= s: the
     # official kernel's form (chunk_scan: exp(dA_cs_m - dA_cs_k), fp32). Within one chunk the prefix sums stay
@@ -199,6 +222,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
     # masked cumsum over (Q, Q) costs a scan and its backward a flip and a second scan.
     # exp(v) = 2^(v log2 e): on CPUs exp2 is several times cheaper than exp over these (Q, Q) blocks.
     causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=x.device))
+    if seq_idx is not None:                                                     # (b, 1, 1, c, l, s)
+        causal = (causal & (segc[..., :, None] == segc[..., None, :]))[:, None, None]
     cum2 = cum * LOG2_E
     L = torch.exp2((cum2[..., :, None] - cum2[..., None, :]).masked_fill(~causal, -math.inf))  # (b,g,h,c,l,s)
     scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)                         # shared by a group's heads
@@ -206,6 +231,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
 
     # 2. each chunk's own final state, as if it started from zero
     decay_to_end = torch.exp(cum[..., -1:] - cum)                               # (b, g, h, c, l)
+    if seq_idx is not None:                                                     # the chunk's last sample only
+        decay_to_end = decay_to_end * (segc == segc[..., -1:])[:, None, None]
     states = torch.einsum("bghcl,bclgn,bclghp->bcghpn", decay_to_end, Bc, xc)
 
     # 3. pass states across chunk boundaries: h_c = a_chunk(c-1) h_{c-1} + states(c-1)
@@ -213,7 +240,10 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
          else rearrange(initial_states.float(), "b (g h) p n -> b g h p n", g=ngroups))
     # unbind, not states[:, c]: the backward of an indexed slice writes a zero tensor of the whole input,
     # which over c chunks is O(c^2) memory traffic; unbind's backward is one stack.
-    chunk_decay = torch.exp(cum[..., -1])[..., None, None].unbind(-3)           # c x (b, g, h, 1, 1)
+    chunk_decay = torch.exp(cum[..., -1])
+    if seq_idx is not None:                             # a sample starting inside chunk c cuts the chain
+        chunk_decay = chunk_decay * (segc[..., -1] == enter)[:, None, None]
+    chunk_decay = chunk_decay[..., None, None].unbind(-3)                       # c x (b, g, h, 1, 1)
     entering = []
     for decay, state in zip(chunk_decay, states.unbind(1)):
         entering.append(h)
@@ -221,7 +251,10 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
     entering = torch.stack(entering, dim=1)                                     # (b, c, g, h, p, n)
 
     # 4. off-diagonal blocks: the state entering each chunk, decayed to each position, read by C
-    y = y + torch.einsum("bclgn,bcghpn,bghcl->bclghp", Cc, entering, torch.exp(cum))
+    decay_in = torch.exp(cum)
+    if seq_idx is not None:                             # only the steps of the entering state's sample
+        decay_in = decay_in * (segc == enter[..., None])[:, None, None]
+    y = y + torch.einsum("bclgn,bcghpn,bghcl->bclghp", Cc, entering, decay_in)
     y = rearrange(y, "b c l g h p -> b (c l) (g h) p")[:, :seqlen]
     y = _skip_and_gate(y, x, D, z).to(x.dtype)
     if not return_final_states:
@@ -235,25 +268,31 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
 
 
 def ssd_cuda(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
-             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf)):
-    """mamba_ssm's ``mamba_chunk_scan_combined``."""
+             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
+    """mamba_ssm's ``mamba_chunk_scan_combined`` (``seq_idx`` passed as the int32, contiguous (batch, seqlen)
+    tensor its Triton kernels read)."""
     fn = _backend.kernel_module("ssd_scan").mamba_chunk_scan_combined
+    extra = {} if seq_idx is None else {"seq_idx": seq_idx.to(torch.int32).contiguous()}
     return fn(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states)
+              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states,
+              **extra)
 
 
 _IMPLS = {"reference": ssd_reference, "torch": ssd_chunked, "cuda": ssd_cuda}
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), backend=None):
+             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), backend=None,
+             seq_idx=None):
     """The Mamba-2 SSD scan, dispatched to a backend.
 
     Args:
         x: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,), negative;
         B, C: (batch, seqlen, ngroups, dstate); D: (nheads,) or (nheads, headdim) or None;
         z: like x or None; dt_bias: (nheads,) or None;
-        initial_states: (batch, nheads, headdim, dstate) or None.
+        initial_states: (batch, nheads, headdim, dstate) or None;
+        seq_idx: (batch, seqlen) integer sample index of every position of packed rows, non-decreasing
+        along each row, or None: the state restarts at every sample (:mod:`ssmkit.ops.packing`).
     Returns:
         y like x (x's dtype); with ``return_final_states`` also the final state
         (batch, nheads, headdim, dstate) in fp32.
@@ -264,6 +303,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     name = _backend.select("ssd_scan", x, backend=backend)
     if name == "torch" and x.device.type == "cpu":
         chunk_size = min(int(chunk_size), CPU_CHUNK_SIZE)
+    extra = {} if seq_idx is None else {"seq_idx": seq_idx}
     return _IMPLS[name](x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                         initial_states=initial_states, return_final_states=return_final_states,
-                        dt_limit=dt_limit)
+                        dt_limit=dt_limit, **extra)
