@@ -34,6 +34,7 @@ LAYERS = {
     "models": 3,      # configs, mixers, the LM, cache, generate, the Transformer baseline
     "hub": 4,         # from_pretrained / save_pretrained (attaches MambaLM.save_pretrained)
     "eval": 5,        # perplexity, task accuracy, FLOPs/MFU, throughput and memory, run summaries
+    "finetune": 5,    # LoRA with peft, adapters, merged export: models, hub, io, checks, data
     "plots": 6,       # presentation only (matplotlib inside functions): needs nothing above io/checks/eval
     "train": 7,       # config, optimizer, trainer loop, checkpoints, distributed
     "workbook": 8,    # what notebook cells call; the papermill runner

@@ -6,15 +6,22 @@
     plan = ssmkit.train.plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, n_gpus=8)   # bytes per GPU
     print(plan.table()); print(ssmkit.train.memory_table(ssmkit.train.scale_up_plans()))
 
+Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint (instead of
+``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning), ``freeze_embedding``,
+``precision: bf16-pure`` (bf16 weights, no fp32 master), ``data: sft-arith | sft-docstrings |
+"sft:PATH.jsonl"`` (packed SFT samples; the Trainer passes their seq_idx to the model). A LoRA run's
+checkpoints hold only the adapter (peft's format) and its optimizer state, and resume exactly.
+
 Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``; the memory
 planner: ``ssmkit plan --model PRESET_OR_YAML [--seq-len N] [--micro-batch N] [--gpus N] ...``.
 """
 
 from ..eval import flops_per_token, lm_loss  # still here for old imports; their home is ssmkit.eval
 from .config import TrainConfig
+from .data import prepare_data
 from .optim import build_optimizer, lr_at, split_parameters
 from .planner import MemoryPlan, memory_table, plan_memory, scale_up_plans
-from .trainer import Trainer, TrainingError, prepare_data
+from .trainer import Trainer, TrainingError
 
 __all__ = ["MemoryPlan", "TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token",
            "lm_loss", "lr_at", "memory_table", "plan_memory", "prepare_data", "scale_up_plans",

@@ -6,8 +6,11 @@
             model/              save_pretrained: loads with ssmkit.from_pretrained, exports to HF; with
                                 the tokenizer's files (trainer.json "tokenizer"), so `ssmkit generate`
                                 and ssmkit.data.get_tokenizer(".../model") need nothing else
+            adapter/            instead of model/ for a LoRA run (``adapter_only``): the adapter in peft's
+                                format (ssmkit.finetune.load_adapter onto the base), with the tokenizer
             state/              torch.distributed.checkpoint of {"model", "optim"} (sharded under FSDP;
-                                DCP reshards on load, so 2 processes can resume with 1)
+                                DCP reshards on load, so 2 processes can resume with 1); for a LoRA
+                                run only the trainable tensors (the adapter) and their optimizer state
             trainer.json        step, tokens seen, data loader position, scaler, skipped steps, config
             rng/rank_00000.json every RNG state of each rank (python, numpy, torch, cuda), as JSON
             manifest.json       bytes and sha256 of every file above; written last
@@ -34,16 +37,13 @@ manifest detects corruption, not forgery: someone who can rewrite the files can 
 
 from __future__ import annotations
 
-import base64
 import os
 import pickle
-import random
 import re
 import shutil
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..io import plain_name, read_json, sha256_file, write_atomically, write_json
 from .distributed import Dist
+from .rng import rng_state, set_rng_state
 
 LATEST, MANIFEST = "latest", "manifest.json"
 STEP = re.compile(r"step_\d{8}")
@@ -73,46 +74,6 @@ def _quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():     # "torch.distributed ... uninitialized ... single process": intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
         return fn(*args, **kwargs)
-
-
-# --- RNG states as JSON ---------------------------------------------------------------------------
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
-
-
-def rng_state() -> dict:
-    """Every RNG state of this process as plain JSON values."""
-    version, keys, gauss = random.getstate()
-    name, mt, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(keys), gauss], "numpy": [name, mt.tolist(), pos, has_gauss, cached],
-             "torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict):
-    """Restore :func:`rng_state`'s output; a malformed state raises CheckpointCorrupt before anything
-    is set."""
-    try:
-        version, keys, gauss = state["python"]
-        name, mt, pos, has_gauss, cached = state["numpy"]
-        python = (int(version), tuple(int(k) for k in keys), None if gauss is None else float(gauss))
-        numpy = (str(name), np.asarray(mt, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
-        cpu = _bytes_tensor(state["torch"])
-        cuda = [_bytes_tensor(s) for s in state.get("cuda", [])]
-        random.setstate(python)
-        np.random.set_state(numpy)
-        torch.set_rng_state(cpu)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointCorrupt(f"malformed RNG state ({type(exc).__name__}: {exc})") from None
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 # --- reading DCP without running code -------------------------------------------------------------
@@ -252,9 +213,20 @@ def save_tokenizer(name: str | None, folder: Path, model: nn.Module) -> bool:
 
 # --- save, recover, find, load --------------------------------------------------------------------
 
+def _model_state(model: nn.Module, optimizer, adapter_only: bool):
+    """DCP's (model, optimizer) state dicts; ``adapter_only``: the trainable tensors only (the frozen base,
+    a head tied to a frozen embedding included, is the base checkpoint's, not the run's)."""
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter_only))
+    if adapter_only:
+        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trainable}
+    return msd, osd
+
+
 def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist,
-         keep_last: int = 3) -> Path:
-    """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence above."""
+         keep_last: int = 3, adapter_only: bool = False) -> Path:
+    """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence above.
+    ``adapter_only`` (a LoRA run): only the trainable tensors, and ``adapter/`` instead of ``model/``."""
     root = Path(root)
     name = f"step_{step:08d}"
     final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
@@ -263,14 +235,19 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         (tmp / "rng").mkdir(parents=True)
     d.barrier()
     try:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = _model_state(model, optimizer, adapter_only)
         _quiet(dcp.save, {"model": msd, "optim": osd}, checkpoint_id=str(tmp / "state"))
         write_json(tmp / "rng" / f"rank_{d.rank:05d}.json", rng_state(), indent=None)
-        sharded = d.world_size > 1          # gather the full tensors (a collective: every rank takes part)
+        sharded = d.world_size > 1 and not adapter_only   # gather the full tensors (a collective)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
             if sharded else None
         if d.is_main:
-            if hasattr(model, "save_pretrained"):
+            if adapter_only:
+                from ..finetune import save_adapter
+
+                save_adapter(model, tmp / "adapter")
+                save_tokenizer(trainer_state.get("tokenizer"), tmp / "adapter", model)
+            elif hasattr(model, "save_pretrained"):
                 model.save_pretrained(tmp / "model", **({"state_dict": full} if sharded else {}))
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "model", model)
             write_json(tmp / "trainer.json", trainer_state)
@@ -357,15 +334,19 @@ def saved_shapes(path: Path) -> dict[str, tuple]:
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
 
-def check_model(path: Path, model: nn.Module, saved_config: dict | None = None, config: dict | None = None):
-    """Refuse a checkpoint whose model tensors differ from ``model``'s (names or shapes), naming the first
-    differences and the config keys that changed."""
+def check_model(path: Path, model: nn.Module, saved_config: dict | None = None, config: dict | None = None,
+                adapter_only: bool = False):
+    """Refuse a checkpoint whose model tensors differ from ``model``'s (names or shapes; ``adapter_only``:
+    the trainable ones), naming the first differences and the config keys that changed."""
     mine = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    if adapter_only:
+        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        mine = {k: v for k, v in mine.items() if k in trainable}
     theirs = saved_shapes(path)
     diff = [f"{k}: {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
             for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if diff:
-        keys = ("model", "model_overrides")
+        keys = ("model", "model_overrides", "base", "lora")
         changed = [f"{k}={(saved_config or {}).get(k)!r} -> {(config or {}).get(k)!r}" for k in keys
                    if (saved_config or {}).get(k) != (config or {}).get(k)]
         raise ValueError(f"cannot resume {path}: its model differs from this run's ({'; '.join(diff[:3])}"
@@ -386,24 +367,30 @@ def verify_everywhere(path: Path, d: Dist):
         raise error or CheckpointCorrupt(f"rank 0 refused the checkpoint {path}")
 
 
-def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = False) -> dict:
-    """Verify ``path`` (unless ``verified``), then restore model, optimizer and this rank's RNG; return
-    trainer.json's contents."""
+def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = False,
+         adapter_only: bool = False) -> dict:
+    """Verify ``path`` (unless ``verified``), then restore model (``adapter_only``: its trainable tensors,
+    the rest stays as built), optimizer and this rank's RNG; return trainer.json's contents."""
     path = Path(path)
     if not verified:
         verify_everywhere(path, d)
     state_json = read_json(path / "trainer.json", "checkpoint state")
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = _model_state(model, optimizer, adapter_only)
     state = {"model": msd, "optim": osd}
     _quiet(dcp.load, state, storage_reader=_SafeReader(str(path / "state")), planner=_SafePlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = StateDictOptions(ignore_frozen_params=True, strict=False) if adapter_only else None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     # torch 2.13 drops a group's lr/betas/eps/weight_decay when an FSDP save loads unsharded
     for group, h in zip(optimizer.param_groups, hyper):
         group.update({k: v for k, v in h.items() if k not in group})
     rng = path / "rng" / f"rank_{d.rank:05d}.json"
     if rng.exists():                       # a rank new to this run (world size grew) keeps its seeded RNG
-        set_rng_state(read_json(rng, "RNG state"))
+        try:
+            set_rng_state(read_json(rng, "RNG state"))
+        except ValueError as exc:                                  # a malformed state: nothing was set
+            raise CheckpointCorrupt(f"{rng}: {exc}") from None
     return state_json
 
 
@@ -434,6 +421,10 @@ def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
             raise ValueError(f"{given} holds no model and no complete checkpoint: {accepted}")
     if step is None:
         raise ValueError(f"{given} names no complete checkpoint in {given.parent}: {accepted}")
+    if (step / "adapter").is_dir():
+        raise ValueError(f"checkpoint {step} holds a LoRA adapter (adapter/), not a whole model: load its "
+                         "base and the adapter with ssmkit.finetune.load_adapter(base_model, "
+                         "step/'adapter'), or export the merged model with ssmkit.finetune.export_merged")
     if not (step / "model" / "config.json").is_file():
         raise ValueError(f"checkpoint {step} has no model/ (its model has no save_pretrained); "
                          "load it with Trainer(..., resume=True) instead")

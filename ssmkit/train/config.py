@@ -9,6 +9,15 @@ Batch arithmetic (the plan gives the global batch in tokens, e.g. 0.5M):
 
 ``grad_accum`` is derived, never set; a batch that cannot be met exactly is an error that names
 the nearest valid values.
+
+Fine-tuning (:mod:`ssmkit.finetune`): ``base`` names a pretrained checkpoint (anything
+:func:`ssmkit.from_pretrained` reads, or a training run's out_dir / checkpoint), which replaces
+``model``; ``lora`` trains a LoRA adapter on it (None: full fine-tuning); ``freeze_embedding`` keeps the
+embedding (and a head tied to it) fixed. ``precision: bf16-pure`` trains bf16 weights with no fp32 master
+copy (weights, gradients and AdamW states in bf16: half the memory of ``bf16``, which keeps fp32 master
+weights and autocasts the compute). SFT data: ``data: sft-arith`` / ``sft-docstrings`` (the offline sets,
+validated on their held-out split) or ``data: "sft:PATH.jsonl"`` (trl's formats; validation on the
+sibling ``PATH.val.jsonl`` when it exists), see :mod:`ssmkit.train.data`.
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ from .. import checks
 
 CHOICES = {
     "schedule": ("cosine", "wsd", "constant"),
-    "precision": ("fp32", "bf16", "fp16"),
+    "precision": ("fp32", "bf16", "fp16", "bf16-pure"),
     "strategy": ("single", "ddp", "fsdp"),
     "tracking": ("none", "wandb"),
 }
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")   # the `lora:` mapping
+SUB_KEYS = ("model_overrides", "lora")                # keys that take sub-keys in overrides (lora.r=8)
 
 
 @dataclass
@@ -33,6 +44,12 @@ class TrainConfig:
     # --- model ---
     model: str = "tiny"                   # a preset name (ssmkit.presets()); vocab_size follows the tokenizer
     model_overrides: dict = field(default_factory=dict)  # ModelConfig fields, e.g. {d_model: 128, n_layer: 4}
+    # --- fine-tuning: a pretrained checkpoint instead of `model` (a directory or a hub id) ---
+    base: str | None = None
+    # LoRA on `base`: {r: 16, alpha: 32, dropout: 0.05, target_modules: [x_proj, in_proj, out_proj]}
+    # (the plan's defaults for missing keys; None = full fine-tuning of every weight)
+    lora: dict | None = None
+    freeze_embedding: bool = False        # keep the input embedding (and an lm_head tied to it) fixed
     # --- data ---
     # a prepared shard directory (has index.json), or a source to prepare
     data: str = "stdlib-docs"
@@ -59,7 +76,8 @@ class TrainConfig:
     max_steps: int | None = None          # length of the run: steps ...
     max_tokens: int | None = None         # ... or tokens (ceil(max_tokens / batch_tokens) steps)
     # --- numerics and hardware ---
-    precision: str = "fp32"               # fp32 | bf16 (autocast, fp32 master weights) | fp16 (+ grad scaler)
+    # fp32 | bf16 (autocast, fp32 master weights) | fp16 (+ grad scaler) | bf16-pure (bf16 weights, no master)
+    precision: str = "fp32"
     device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps
     strategy: str = "single"              # single | ddp | fsdp (under torchrun)
     compile: bool = False                 # torch.compile the model
@@ -93,7 +111,7 @@ class TrainConfig:
             checks.text(getattr(self, name), name)
         if self.val_data is not None:
             checks.text(self.val_data, "val_data (a shard directory or null)")
-        for name in ("compile", "overwrite", "progress", "activation_checkpointing"):
+        for name in ("compile", "overwrite", "progress", "activation_checkpointing", "freeze_embedding"):
             setattr(self, name, checks.boolean(getattr(self, name), name))
         for name, valid in CHOICES.items():
             setattr(self, name, checks.choice(getattr(self, name), name, valid))
@@ -122,7 +140,44 @@ class TrainConfig:
             raise ValueError(f"model_overrides must be a mapping of ModelConfig fields; "
                              f"got {self.model_overrides!r}")
         checks.device_name(self.device)
+        self._validate_finetune()
         self.grad_accum(1)                                          # the batch must divide for one process
+
+    def _validate_finetune(self):
+        """``base`` replaces ``model``; ``lora`` needs ``base`` and single/ddp; its values are checked."""
+        if self.base is not None:
+            checks.text(self.base, "base (a checkpoint directory or hub id, or null)")
+            if self.model != "tiny" or self.model_overrides:
+                raise ValueError(f"base={self.base!r} gives the model (its architecture and weights); leave "
+                                 f"model and model_overrides unset (got model={self.model!r}, "
+                                 f"model_overrides={self.model_overrides!r})")
+        if self.lora is None:
+            return
+        if not isinstance(self.lora, dict):
+            raise ValueError(f"lora must be a mapping with keys from {list(LORA_KEYS)}, or null for full "
+                             f"fine-tuning; got {self.lora!r}")
+        unknown = sorted(set(self.lora) - set(LORA_KEYS))
+        if unknown:
+            raise ValueError(f"unknown lora keys {unknown}; valid keys: {', '.join(LORA_KEYS)}")
+        if self.base is None:
+            raise ValueError("lora needs base: the pretrained checkpoint the adapter trains on (a directory "
+                             "ssmkit.from_pretrained reads, a run's out_dir, or a hub id)")
+        if self.strategy == "fsdp":
+            raise ValueError("lora with strategy fsdp is not supported: the adapter and its optimizer state "
+                             "are small, use strategy ddp (or single)")
+        lora = self.lora
+        if "r" in lora:
+            checks.integer(lora["r"], "lora.r", minimum=1)
+        if "alpha" in lora:
+            checks.number(lora["alpha"], "lora.alpha", low=0, low_open=True)
+        if "dropout" in lora and not (checks.is_number(lora["dropout"]) and 0 <= lora["dropout"] < 1):
+            raise ValueError(f"lora.dropout must be a number in [0, 1); got {lora['dropout']!r}")
+        for key in ("target_modules", "modules_to_save"):
+            value = lora.get(key)
+            if value is not None and not (isinstance(value, list) and value
+                                          and all(isinstance(v, str) and v for v in value)):
+                raise ValueError(f"lora.{key} must be a list of module names (e.g. [x_proj, in_proj, "
+                                 f"out_proj]) or null; got {value!r}")
 
     def grad_accum(self, world_size: int = 1) -> int:
         """Micro-batches per optimizer step: batch_tokens / (micro_batch * world_size * seq_len)."""
@@ -171,10 +226,10 @@ class TrainConfig:
             if top not in valid:
                 raise ValueError(f"unknown key {key!r} in overrides; valid keys: {', '.join(valid)}")
             if sub:
-                if top != "model_overrides":
-                    raise ValueError(f"{key!r}: only model_overrides takes sub-keys "
-                                     "(model_overrides.d_model=...)")
-                d[top] = {**d.get(top, {}), sub: value}
+                if top not in SUB_KEYS:
+                    raise ValueError(f"{key!r}: only {' and '.join(SUB_KEYS)} take sub-keys "
+                                     "(model_overrides.d_model=..., lora.r=...)")
+                d[top] = {**(d.get(top) or {}), sub: value}
             else:
                 d[top] = value
         return cls(**d)

@@ -4,6 +4,7 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
 
     for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
         loss = CE(model(x).logits, y) / grad_accum       # bf16/fp16 autocast, fp32 master weights
+                                                         # SFT: (x, y, seq_idx), model(x, seq_idx=...)
         loss.backward()                                  # DDP/FSDP reduce on the last micro-batch only
     if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
@@ -15,6 +16,11 @@ and ``rank_state_mb``); every ``eval_every`` steps the validation loss; every ``
 checkpoint. Losses, perplexity, FLOPs/MFU and peak memory come from :mod:`ssmkit.eval`.
 Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
 ``on_end(trainer)``.
+
+What is trained comes from :mod:`.model_setup` (a preset, or ``base`` fine-tuned whole or with LoRA,
+bf16-pure), the data from :mod:`.data` (token shards, or SFT samples whose batches carry ``seq_idx`` so
+the scan restarts at each packed sample). A LoRA run checkpoints only its adapter and the adapter's
+optimizer state, and records a fingerprint of its base, so resuming on another base is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -32,26 +37,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data import TokenLoader, prepare, source_fingerprint
+from ..data import TokenLoader
 from ..env import reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
-from ..io import cache_dir, read_json, tqdm_bar, write_atomically
-from ..models import build_model
+from ..io import read_json, tqdm_bar, write_atomically
 from . import checkpoint
 from .config import TrainConfig
-from .distributed import DTYPES, Dist, gather_floats, held_mb, setup, wrap
+from .data import PREPARE_WAIT, loader_index, make_loader, make_val, prepare_data, resume_keys, sft_val_loss
+from .distributed import DTYPES, gather_floats, held_mb, setup, wrap
+from .model_setup import base_module, build_run_model, is_lora
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
 
-PREPARE_WAIT = 6 * 3600        # seconds to wait for another process preparing the same cached shards
+__all__ = ["PREPARE_WAIT", "Trainer", "TrainingError", "lm_loss", "prepare_data"]   # old homes kept
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for max_bad_steps steps in a row)."""
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")[-80:]
 
 
 def _long_context(model, cfg: TrainConfig):
@@ -62,45 +64,6 @@ def _long_context(model, cfg: TrainConfig):
                          f"{type(model).__name__} has neither (set them to false / 0)")
     backbone.gradient_checkpointing = cfg.activation_checkpointing
     model.loss_chunk_size = cfg.loss_chunk_size
-
-
-def _rank0_first(d: Dist, fn):
-    """``fn()`` on rank 0, then on the other ranks (which find its work done: prepared shards, verified
-    checksums); an error on rank 0 stops every rank instead of leaving them waiting."""
-    error = result = None
-    if d.is_main:
-        try:
-            result = fn()
-        except Exception as exc:
-            error = exc
-    if d.any(error is not None):
-        raise error or ValueError("rank 0 stopped while preparing the data (see its message)")
-    return result if d.is_main else fn()
-
-
-def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path | None]:
-    """Shard directories (train, validation) for ``cfg.data``: used as is when it holds an index.json,
-    else the source is prepared once into ``$SSMKIT_CACHE/shards/``. The cache entry is keyed by the
-    source's content (:func:`ssmkit.data.source_fingerprint`: an edited local corpus is prepared
-    afresh), and a process preparing the same entry is waited for. Under torchrun rank 0 prepares."""
-    if (Path(cfg.data) / "index.json").exists():
-        return Path(cfg.data), Path(cfg.val_data) if cfg.val_data else None
-    budget = f"-{cfg.data_tokens}" if cfg.data_tokens else ""
-    content = source_fingerprint(cfg.data) or "remote"
-    base = cache_dir() / "shards" / f"{_slug(cfg.data)}-{_slug(cfg.tokenizer)}{budget}-{content}"
-
-    def work():
-        if dist is not None and not dist.is_main:
-            return
-        prepare(cfg.data, cfg.tokenizer, base / "train", split="train", max_tokens=cfg.data_tokens,
-                workers=cfg.data_workers, progress=cfg.progress, lock_wait=PREPARE_WAIT)
-        if not cfg.val_data:
-            val_budget = None if cfg.data_tokens is None else max(1, cfg.data_tokens // 100)
-            prepare(cfg.data, cfg.tokenizer, base / "validation", split="validation", max_tokens=val_budget,
-                    workers=cfg.data_workers, progress=cfg.progress, lock_wait=PREPARE_WAIT)
-
-    _rank0_first(dist or Dist(), work)
-    return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
 
 
 @contextlib.contextmanager
@@ -125,9 +88,11 @@ def _no_hf_bars():
 
 
 class Trainer:
-    """Train ``model`` (None: built from ``config.model``) on ``data``: None (``config.data``, prepared if it
-    is a source), a shard directory, or a :class:`~ssmkit.data.TokenLoader` matching the config. ``val_data``:
-    a shard directory (None: ``config.val_data`` or the source's validation split). ``resume=True``
+    """Train ``model`` (None: built from ``config.model``, or ``config.base`` fine-tuned, with LoRA when
+    ``config.lora``) on ``data``: None (``config.data``, prepared if it is a source), a shard or SFT
+    directory, or a :class:`~ssmkit.data.TokenLoader` / :class:`~ssmkit.data.SFTLoader` matching the
+    config. ``val_data``: a directory of the same kind (None: ``config.val_data`` or the source's
+    validation split). ``resume=True``
     continues from the latest checkpoint in ``config.out_dir``. ``name``: the model's name on the progress
     bar and in messages (default: the preset's name when the model is built from the config, else the
     model's class name)."""
@@ -145,33 +110,34 @@ class Trainer:
             val_data = val_data or default_val
         elif val_data is None:
             val_data = cfg.val_data
-        if isinstance(data, TokenLoader):
+        if isinstance(data, TokenLoader) or hasattr(data, "windows"):          # a TokenLoader, an SFTLoader
             mine = dict(seq_len=cfg.seq_len, batch_size=cfg.micro_batch, rank=d.rank, world_size=d.world_size)
             theirs = {k: getattr(data, k) for k in mine}
             if theirs != mine:
-                raise ValueError(f"the TokenLoader given has {theirs}; this run needs {mine} (seq_len, "
-                                 "micro_batch, rank and world size of the config): pass its shard directory "
-                                 "instead")
+                raise ValueError(f"the {type(data).__name__} given has {theirs}; this run needs {mine} "
+                                 "(seq_len, micro_batch, rank and world size of the config): pass its "
+                                 "directory instead")
             self.loader = data
         else:
-            self.loader = _rank0_first(d, lambda: TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank,
-                                                              d.world_size, seed=cfg.seed))   # verified once
+            self.loader = make_loader(data, cfg, d, seed=cfg.seed)                  # verified once
+        self.sft = hasattr(self.loader, "windows")           # batches (x, y, seq_idx): packed SFT samples
         self.val_loader = None
         if val_data is not None and cfg.eval_batches:
-            self.val_loader = _rank0_first(d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch,
-                                                                  d.rank, d.world_size, seed=0))
-        vocab = self.loader.index["vocab_size"]
-        self.name = name or (cfg.model if model is None else type(model).__name__)
-        if model is None:
-            torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
-            model = build_model(cfg.model_config(vocab))
-        rows = getattr(model.config, "padded_vocab_size", None) or getattr(model.config, "vocab_size", vocab)
+            self.val_loader = make_val(val_data, cfg, d, self.sft)
+        index = loader_index(self.loader)
+        vocab = index["vocab_size"]
+        self.name = name or (type(model).__name__ if model is not None else
+                             Path(cfg.base).name or cfg.base if cfg.base is not None else cfg.model)
+        model, self.base_fingerprint = build_run_model(cfg, vocab, model)
+        self.lora = is_lora(model)                           # checkpoints hold the adapter only
+        inner = base_module(model)
+        rows = getattr(inner.config, "padded_vocab_size", None) or getattr(inner.config, "vocab_size", vocab)
         if rows < vocab:
             raise ValueError(f"the model has {rows} vocabulary rows but the data's tokenizer "
-                             f"{self.loader.index['tokenizer']!r} has {vocab} tokens")
-        self.model = model.to(d.device)                              # fp32 master weights
+                             f"{index['tokenizer']!r} has {vocab} tokens")
+        self.model = model.to(d.device)                              # fp32 master weights (but bf16-pure)
         if cfg.activation_checkpointing or cfg.loss_chunk_size:
-            _long_context(self.model, cfg)
+            _long_context(inner, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
         if cfg.compile:
             self.module = torch.compile(self.module)
@@ -202,9 +168,10 @@ class Trainer:
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
-        """The dtype forward passes autocast to; None: no autocast (fp32, or FSDP, which casts through its
-        MixedPrecisionPolicy)."""
-        if self.config.precision == "fp32" or self.config.strategy == "fsdp" and self.dist.world_size > 1:
+        """The dtype forward passes autocast to; None: no autocast (fp32; bf16-pure, whose weights are bf16
+        already; FSDP, which casts through its MixedPrecisionPolicy)."""
+        if self.config.precision in ("fp32", "bf16-pure") or \
+                self.config.strategy == "fsdp" and self.dist.world_size > 1:
             return None
         return DTYPES[self.config.precision]
 
@@ -222,9 +189,18 @@ class Trainer:
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def _batches(self, loader: TokenLoader):
-        for x, y in loader:
-            yield x.to(self.dist.device, non_blocking=True), y.to(self.dist.device, non_blocking=True)
+    def _batches(self, loader):
+        """The loader's batches on the device: (x, y), or (x, y, seq_idx) from an SFTLoader."""
+        for batch in loader:
+            yield tuple(t.to(self.dist.device, non_blocking=True) for t in batch)
+
+    def _loss(self, batch) -> torch.Tensor:
+        """Mean loss of one micro-batch: the next-token loss (:func:`ssmkit.eval.lm_loss`), or for SFT the
+        loss on the labelled (completion) tokens with ``seq_idx``, so the scan restarts at each sample."""
+        if len(batch) == 2:
+            return lm_loss(self.module, *batch, self.config.loss_chunk_size)
+        x, y, seq_idx = batch
+        return self.module(x, labels=y, shift_labels=False, seq_idx=seq_idx).loss
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self, until: int | None = None) -> list[dict]:
@@ -275,9 +251,9 @@ class Trainer:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=d.device)
             for micro in range(self.grad_accum):
-                x, y = next(batches)
+                batch = next(batches)
                 with self._sync(micro == self.grad_accum - 1), self._autocast():
-                    loss = lm_loss(self.module, x, y, self.config.loss_chunk_size)
+                    loss = self._loss(batch)
                 self.scaler.scale(loss / self.grad_accum).backward()
                 loss_sum += loss.detach()
             loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
@@ -347,11 +323,17 @@ class Trainer:
 
     def evaluate(self) -> dict | None:
         """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards (all
-        ranks together, so any world size evaluates the same windows): :func:`ssmkit.eval.perplexity`."""
+        ranks together, so any world size evaluates the same windows): :func:`ssmkit.eval.perplexity`; for
+        SFT the held-out completion loss of eval_batches x micro_batch samples (:func:`.sft_val_loss`)."""
         if self.val_loader is None:
             return None
-        result = perplexity(self.module, self.val_loader, self.config.eval_batches, device=self.dist.device,
-                            dtype=self._autocast_dtype(), reduce=self.dist.all_reduce_mean)
+        if self.sft:                                      # the held-out completion loss, samples one per row
+            result = sft_val_loss(self.module, self.val_loader, self.config, self.dist.device,
+                                  self._autocast_dtype())
+        else:
+            result = perplexity(self.module, self.val_loader, self.config.eval_batches,
+                                device=self.dist.device, dtype=self._autocast_dtype(),
+                                reduce=self.dist.all_reduce_mean)
         record = {"kind": "eval", "step": self.step, "tokens": self.tokens, "val_loss": result["loss"],
                   "val_ppl": result["ppl"]}
         self._emit(record)
@@ -388,10 +370,11 @@ class Trainer:
                  "bad_in_row": self.bad_in_row, "loader": self.loader.state_dict(),
                  "scaler": self.scaler.state_dict(),
                  "world_size": self.dist.world_size, "config": self.config.to_dict(),
-                 "tokenizer": self.loader.index.get("tokenizer")}    # its files go into model/
+                 "tokenizer": loader_index(self.loader).get("tokenizer"),   # its files go into model/
+                 "base_fingerprint": self.base_fingerprint}                  # a LoRA run's base
         with self.run_dir.hold(), _no_hf_bars():                   # no "Writing model shards" bar
             path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
-                                   self.config.keep_last)
+                                   self.config.keep_last, adapter_only=self.lora)
             self._committed = True
             self.run_dir.committed()                                 # an overwritten run can go now
         return path
@@ -406,19 +389,25 @@ class Trainer:
                       "from step 0", flush=True)
             return False
         checkpoint.verify_everywhere(path, self.dist)                  # before anything of it is read
-        saved_config = read_json(path / "trainer.json", "checkpoint state").get("config")
-        checkpoint.check_model(path, self.model, saved_config, self.config.to_dict())
-        state = checkpoint.load(path, self.model, self.optimizer, self.dist, verified=True)
+        saved_state = read_json(path / "trainer.json", "checkpoint state")
+        checkpoint.check_model(path, self.model, saved_state.get("config"), self.config.to_dict(),
+                               adapter_only=self.lora)
+        if self.lora and saved_state.get("base_fingerprint") != self.base_fingerprint:
+            raise ValueError(f"cannot resume {path}: its LoRA adapter was trained on another base model "
+                             f"(fingerprint {saved_state.get('base_fingerprint')}, this base "
+                             f"{self.base_fingerprint}); set base to the checkpoint the run started from")
+        state = checkpoint.load(path, self.model, self.optimizer, self.dist, verified=True,
+                                adapter_only=self.lora)
         self.step, self.tokens, self.skipped = state["step"], state["tokens"], state["skipped"]
         self.bad_in_row = state["bad_in_row"]
         self.scaler.load_state_dict(state["scaler"])
         self.scaler_skipped = state.get("scaler_skipped", 0)       # absent from older checkpoints
         saved = state["loader"]
         mine = self.loader.state_dict()
-        for key in ("seed", "seq_len", "total_tokens"):
-            if saved[key] != mine[key]:
-                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved[key]!r}, this run "
-                                 f"has {mine[key]!r} (same data, seq_len and seed are needed)")
+        for key in resume_keys(self.loader):
+            if saved.get(key) != mine[key]:
+                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved.get(key)!r}, this "
+                                 f"run has {mine[key]!r} (same data, seq_len and seed are needed)")
         windows = saved["step"] * saved["batch_size"] * saved["world_size"]   # consumed this epoch, all ranks
         per_step = self.loader.batch_size * self.loader.world_size
         if windows % per_step:
