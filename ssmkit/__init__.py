@@ -1,4 +1,4 @@
-"""ssmkit: train state-space language models (Mamba-1, Mamba-2, hybrids) from scratch and fine-tune them.
+"""ssmkit: train state-space language models (Mamba-1, -2, -3, hybrids) from scratch and fine-tune them.
 
     import ssmkit
     cfg = ssmkit.ModelConfig.preset("tiny")
@@ -8,12 +8,14 @@
     print(ssmkit.env_report())
     model = ssmkit.from_pretrained("state-spaces/mamba-130m-hf")   # or a local HF / mamba_ssm directory
     model.save_pretrained("out", format="hf")                      # or "mamba_ssm"
+    lora = ssmkit.finetune.apply_lora(model)                       # peft LoRA, the plan's LoraConfig
 
 The layers, low to high (each imports only lower ones; tests/test_layers.py keeps it so): ``io``,
-``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval`` < ``plots`` < ``train`` <
-``workbook``, ``demo`` < ``cli``. All are attributes of this package: the light ones are imported with it,
-the heavy ones (``eval``, ``plots``, ``train``, ``workbook``, ``demo``, ``cli``: matplotlib, papermill,
-torch.distributed) on first use, so ``import ssmkit`` stays quick and ``ssmkit.train.Trainer`` still works.
+``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` < ``plots`` <
+``train`` < ``workbook``, ``demo`` < ``cli``. All are attributes of this package: the light ones are imported
+with it, the heavy ones (``eval``, ``finetune``, ``plots``, ``train``, ``workbook``, ``demo``, ``cli``:
+peft, matplotlib, papermill, torch.distributed) on first use, so ``import ssmkit`` stays quick and
+``ssmkit.train.Trainer`` still works.
 """
 
 from . import checks, data, env, hub, io, models, ops  # hub also gives MambaLM its save_pretrained method
@@ -24,7 +26,7 @@ from .models import InferenceCache, LMOutput, MambaLM, ModelConfig, build_model,
 __version__ = "0.1.0"
 
 # Subpackages imported on first attribute access (PEP 562), not by `import ssmkit`.
-_LAZY = ("cli", "demo", "eval", "plots", "train", "workbook")
+_LAZY = ("cli", "demo", "eval", "finetune", "plots", "train", "workbook")
 
 # `from ssmkit import *` takes the eager names only (the lazy ones would import heavy dependencies).
 __all__ = ["checks", "data", "env", "hub", "io", "models", "ops", "env_report", "CheckpointError",

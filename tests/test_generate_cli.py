@@ -164,7 +164,7 @@ def test_demo_help_names_the_subcommand_and_its_options():
     done = subprocess.run([sys.executable, "-m", "ssmkit.cli", "demo", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage: ssmkit demo [-h] [--steps STEPS]")
-    for option in ("--steps", "--mixer {mamba1,mamba2,hybrid}", "--batch-size", "--seq-len", "--lr",
+    for option in ("--steps", "--mixer {mamba1,mamba2,mamba3,hybrid}", "--batch-size", "--seq-len", "--lr",
                    "--seed"):
         assert option in done.stdout
     bad = subprocess.run([sys.executable, "-m", "ssmkit.cli", "demo", "--bogus"], capture_output=True,

@@ -303,9 +303,10 @@ names = {name: type(getattr(ssmkit, name)).__name__
          for name in ("data", "hub", "models", "ops", "io", "checks", "env")}
 eager_imported = sorted(set(sys.modules) - before)
 found = {"train": ssmkit.train.Trainer.__name__, "eval": ssmkit.eval.summarize_run.__name__,
-         "workbook": ssmkit.workbook.run_workbook.__name__, "plots": ssmkit.plots.LivePlot.__name__}
+         "workbook": ssmkit.workbook.run_workbook.__name__, "plots": ssmkit.plots.LivePlot.__name__,
+         "finetune": ssmkit.finetune.apply_lora.__name__}
 lazy = {name: type(getattr(ssmkit, name)).__name__
-        for name in ("train", "eval", "workbook", "plots", "demo", "cli")}
+        for name in ("train", "eval", "finetune", "workbook", "plots", "demo", "cli")}
 try:
     ssmkit.no_such_layer
     missing = None
@@ -336,8 +337,9 @@ def test_import_ssmkit_is_light_and_every_layer_is_an_attribute():
     assert got["names"] == dict.fromkeys(("data", "hub", "models", "ops", "io", "checks", "env"), "module")
     assert got["eager_imported"] == []                                       # imported with ssmkit itself
     assert got["found"] == {"train": "Trainer", "eval": "summarize_run", "workbook": "run_workbook",
-                            "plots": "LivePlot"}
-    assert got["lazy"] == dict.fromkeys(("train", "eval", "workbook", "plots", "demo", "cli"), "module")
+                            "plots": "LivePlot", "finetune": "apply_lora"}
+    assert got["lazy"] == dict.fromkeys(("train", "eval", "finetune", "workbook", "plots", "demo", "cli"),
+                                        "module")
     assert got["missing"] == "module 'ssmkit' has no attribute 'no_such_layer'"
     assert got["dir"] == sorted(got["lazy"])
     assert got["saved"] and got["same"]                              # model.save_pretrained round trip

@@ -24,6 +24,10 @@ Modules, in the order a reader meets them:
   :func:`prepare_at_scale`, :func:`stream_remote`, :func:`precision_runs`, ...; its parameters' checks join
   :data:`~ssmkit.workbook.params.CHECKS`; :mod:`~ssmkit.workbook.scaling` its measuring half:
   :func:`mixer_throughput`, :func:`evaluate_models`, :func:`scaling_sweep`, :func:`fit_power_law`, ...;
+* :mod:`~ssmkit.workbook.finetune`: what notebook 04 (fine-tuning) calls: :func:`base_checkpoint`,
+  :func:`plan_snippet_on_transformers`, :func:`finetune_config` (LoRA or full), :func:`compare_finetuning`,
+  :func:`step_memory`, :func:`export_to_transformers`; its parameters' checks join
+  :data:`~ssmkit.workbook.params.CHECKS`;
 * :mod:`~ssmkit.workbook.launch`: :func:`launch_train`, ``ssmkit train --nproc N`` started from a cell, its
   output streamed live, its metrics returned; interrupting the cell stops every rank;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
@@ -52,6 +56,16 @@ from .cells import (
     write_metrics,
 )
 from .cli import main
+from .finetune import PARAMETER_CHECKS as FINETUNE_CHECKS
+from .finetune import (
+    base_checkpoint,
+    compare_finetuning,
+    export_to_transformers,
+    finetune_config,
+    plan_snippet_on_transformers,
+    sft_split,
+    step_memory,
+)
 from .hybrid import (
     attention_share,
     build_lm,
@@ -109,6 +123,7 @@ from .scaling import (
 from .signals import Interrupted
 
 params.CHECKS.update(PARAMETER_CHECKS)          # notebook 02's parameters (see scale_up.PARAMETER_CHECKS)
+params.CHECKS.update(FINETUNE_CHECKS)           # notebook 04's (finetune.PARAMETER_CHECKS)
 
 __all__ = [
     # cells
@@ -125,6 +140,9 @@ __all__ = [
     "max_loss_difference", "memory_rows", "mixer_throughput", "model_compute", "plot_scaling",
     "precision_metrics", "precision_rows", "precision_runs", "predict_loss", "prepare_at_scale",
     "scale_up_plans", "scaling_sweep", "score_table", "slurm_command", "strategy_metrics", "stream_remote",
+    # notebook 04: fine-tuning
+    "base_checkpoint", "compare_finetuning", "export_to_transformers", "finetune_config",
+    "plan_snippet_on_transformers", "sft_split", "step_memory",
     # notebooks and params files
     "PROJECT_ROOT", "WorkbookError", "declared_parameters", "find_notebooks", "load_params_file",
     "parse_value", "strip_notebook",

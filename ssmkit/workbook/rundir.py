@@ -73,7 +73,7 @@ def claim(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> None
 
 # a metric's unit, read from the last word of its name (val_loss, train_tok_s, preset_params, disk_free_gb)
 UNITS = {"loss": "nats/token", "tok_s": "tokens/s", "tokens_per_s": "tokens/s", "seconds": "s",
-         "params": "parameters", "gb": "GiB", "flops": "FLOPs", "tokens": "tokens"}
+         "params": "parameters", "gb": "GiB", "mb": "MiB", "flops": "FLOPs", "tokens": "tokens"}
 
 
 def unit(name: str) -> str:
