@@ -58,42 +58,42 @@ def _generate_parser(sub) -> argparse.ArgumentParser:
     return gen
 
 
-def generate_text(args) -> str:
-    """``ssmkit generate``: the checkpoint's model and tokenizer, the prompt continued, decoded. A user's
-    mistake (no such checkpoint, no tokenizer, a tokenizer that does not fit) raises ValueError."""
-    import torch
-
-    from .hub import from_pretrained
-    from .io import read_json
-    from .models import generate
-    from .models.generate import check_sampling
-
-    check_sampling(args.temperature, args.top_k, args.top_p)
-    source, step = str(args.checkpoint), None
-    looks_like_hub_id = not Path(source).exists() and source.count("/") == 1 and not source.startswith(".")
-    if not looks_like_hub_id:
-        from .train.checkpoint import find_model, verify
-
-        model_dir, step = find_model(source)
-        if step is not None:
-            verify(step, prefix="model/")                 # the weights and tokenizer, as the manifest says
-        source = str(model_dir)
-    name = args.tokenizer or source
-    from .data import get_tokenizer
+def load_with_tokenizer(source: str, tokenizer: str | None, dtype=None, device=None):
+    """(model, tokenizer name) behind a path a user gave ``ssmkit generate`` / ``eval``: a model directory,
+    a checkpoint, a run's out_dir (a LoRA run: its base with the adapter merged in) or a hub id
+    (:func:`ssmkit.train.model_setup.load_model`). The tokenizer: ``tokenizer``, else the files saved with
+    the model; none there is a ValueError naming the one trainer.json recorded."""
     from .data.tokenizers import TOKENIZER_FILES
+    from .io import read_json
+    from .train.model_setup import load_model
 
-    if args.tokenizer is None and not looks_like_hub_id and \
-            not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+    model, tok_dir, step = load_model(source, dtype=dtype, device=device)
+    if tokenizer is None and Path(source).exists() and \
+            not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         trained = None
         if step is not None:
             state = read_json(step / "trainer.json", "checkpoint state")
             trained = state.get("tokenizer") or (state.get("config") or {}).get("tokenizer")
         hint = f" (trainer.json says it was trained with {trained!r}: --tokenizer {trained})" if trained \
             else ""
-        raise ValueError(f"{source} holds no tokenizer files; pass --tokenizer NAME, the tokenizer the model "
-                         f"was trained with{hint}")
+        raise ValueError(f"{tok_dir} holds no tokenizer files; pass --tokenizer NAME, the tokenizer the "
+                         f"model was trained with{hint}")
+    return model, tokenizer or str(tok_dir)
+
+
+def generate_text(args) -> str:
+    """``ssmkit generate``: the checkpoint's model and tokenizer, the prompt continued, decoded. A user's
+    mistake (no such checkpoint, no tokenizer, a tokenizer that does not fit) raises ValueError."""
+    import torch
+
+    from .data import get_tokenizer
+    from .models import generate
+    from .models.generate import check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    model, name = load_with_tokenizer(str(args.checkpoint), args.tokenizer, dtype=args.dtype,
+                                      device=args.device)
     tok = get_tokenizer(name)
-    model = from_pretrained(source, dtype=args.dtype, device=args.device)
     vocab = model.config.vocab_size
     if len(tok) > vocab:
         raise ValueError(f"the tokenizer {name!r} has {len(tok):,} tokens, more than the model's vocabulary "
@@ -139,31 +139,12 @@ def eval_table(args) -> str:
     task, a dataset out of reach) raises ValueError."""
     import contextlib
 
-    from .data.tokenizers import TOKENIZER_FILES
     from .eval.harness_run import lm_eval_table, run_lm_eval, task_names
-    from .io import read_json
 
     names = task_names(args.tasks)
-    source, step = str(args.model), None
-    looks_like_hub_id = not Path(source).exists() and source.count("/") == 1 and not source.startswith(".")
-    if not looks_like_hub_id:
-        from .train.checkpoint import find_model, verify
-
-        model_dir, step = find_model(source)
-        if step is not None:
-            verify(step, prefix="model/")                 # the weights and tokenizer, as the manifest says
-        source = str(model_dir)
-        if args.tokenizer is None and not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-            trained = None
-            if step is not None:
-                state = read_json(step / "trainer.json", "checkpoint state")
-                trained = state.get("tokenizer") or (state.get("config") or {}).get("tokenizer")
-            hint = f" (trainer.json says it was trained with {trained!r}: --tokenizer {trained})" if trained \
-                else ""
-            raise ValueError(f"{source} holds no tokenizer files; pass --tokenizer NAME, the tokenizer the "
-                             f"model was trained with{hint}")
+    model, tokenizer = load_with_tokenizer(str(args.model), args.tokenizer, dtype="float32")
     with contextlib.redirect_stdout(sys.stderr):          # lm-eval prints progress: keep stdout for the table
-        results = run_lm_eval(source, names, tokenizer=args.tokenizer, batch_size=args.batch_size,
+        results = run_lm_eval(model, names, tokenizer=tokenizer, batch_size=args.batch_size,
                               limit=args.limit, out_dir=args.out, device=args.device)
     return lm_eval_table(results)
 
@@ -218,7 +199,6 @@ def main(argv=None):
     elif args.command == "convert":
         if rest:
             parser.error(f"unrecognized arguments for convert: {' '.join(rest)}")
-        from .hub import from_pretrained
         from .io import describe_os_error, overlapping
 
         if Path(args.src).exists() and overlapping(args.src, args.dst):   # writing DST would destroy SRC
@@ -226,8 +206,10 @@ def main(argv=None):
                            "(the same directory, or one inside the other); "
                            "choose a target outside the source\n")
         try:
-            model = from_pretrained(args.src)
-            out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=args.src,
+            from .train.model_setup import load_model
+
+            model, tok_dir, _ = load_model(args.src)                  # a LoRA run: base + adapter, merged
+            out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=str(tok_dir),
                                         overwrite=args.overwrite)
         except ValueError as exc:               # CheckpointError, a refused target, an unsupported layout
             parser.exit(1, f"ssmkit convert: {exc}\n")

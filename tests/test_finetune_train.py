@@ -234,3 +234,36 @@ def test_the_cli_trains_and_resumes_a_lora_run(tmp_path, base_dir, sft_dirs, cap
         cli.main(["--config", str(config), "--set", "model=tiny-mamba2"])
     assert exit_.value.code == 2
     assert "leave model and model_overrides unset" in capsys.readouterr().err
+
+
+def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(tmp_path, base_dir, sft_dirs, capsys):
+    """A LoRA run's out_dir is what a batch user points the other commands at: its base with the adapter
+    merged (the oracle: the Trainer's own peft model), exported whole, refused on a changed base."""
+    import shutil
+
+    from ssmkit.cli import main
+    from ssmkit.train.model_setup import load_model
+
+    base = shutil.copytree(base_dir, tmp_path / "base")                # this test changes it at the end
+    trainer = Trainer(config=run_config(tmp_path, base, sft_dirs, max_steps=2, lora={**LORA, "dropout": 0.0}))
+    trainer.fit()
+    ids = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        trained = trainer.model.eval()(ids).logits
+        merged, tok_dir, step = load_model(str(tmp_path / "run"))
+        torch.testing.assert_close(merged(ids).logits, trained, rtol=0, atol=1e-5)
+    assert not hasattr(merged, "peft_config") and tok_dir == step / "adapter"
+    main(["generate", str(tmp_path / "run"), "--prompt", "What is 2 + 2?", "--max-new-tokens", "4",
+          "--tokenizer", "byte"])
+    assert capsys.readouterr().out.startswith("What is 2 + 2?")
+    main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf"])
+    assert "hf layout" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / "hf")(ids).logits, trained,
+                                   rtol=0, atol=1e-5)
+    changed = ssmkit.from_pretrained(base)
+    with torch.no_grad():
+        changed.lm_head.weight.add_(0.01)
+    changed.save_pretrained(base, overwrite=True)
+    with pytest.raises(ValueError, match="has changed since the run"):
+        load_model(str(tmp_path / "run"))

@@ -60,6 +60,9 @@ SMALL = [
     ('overrides=["max_steps=50", "out_dir=runs/try"]',
      'overrides=["max_steps=2", "out_dir=runs/try"]',
      "2 steps instead of 50"),
+    ("ssmkit train --config configs/cpu-tiny-lora.yaml          #",
+     "ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 #",
+     "2 LoRA steps instead of 60 (on the 4-step cpu-tiny run of the Training section)"),
 ]
 SLOW_SECTIONS = ("Two commands", "The workbook")   # notebooks under papermill, `make run`
 

@@ -394,12 +394,9 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
     return state_json
 
 
-def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
-    """The model directory behind ``path`` and the training checkpoint holding it (None for a plain model
-    directory). ``path`` may be a model directory (``config.json``), a checkpoint ``step_N/`` (its
-    ``model/``), a ``checkpoints/`` directory or its ``latest`` file (the checkpoint it names, as
-    :func:`latest` reads it: plain names only), or a run's ``out_dir`` (its ``checkpoints/``). A path that
-    is none of these is a ValueError saying what is accepted."""
+def _locate(path: str | os.PathLike) -> tuple[Path | None, Path | None]:
+    """(model_dir, None) for a plain model directory, else (None, the checkpoint step_N/ behind ``path``);
+    ValueError saying what is accepted when it is neither."""
     given = Path(path)
     accepted = ("expected a model directory (config.json), a checkpoint step_N/ (with model/), a "
                 "checkpoints/ directory or its latest file, or a run's out_dir (with checkpoints/)")
@@ -410,8 +407,7 @@ def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
     elif not given.is_dir():
         raise ValueError(f"{given} does not exist: {accepted}")
     elif (given / "config.json").is_file():
-        parent = given.parent if given.name == "model" and is_complete(given.parent) else None
-        return given, parent
+        return given, None
     elif (given / "trainer.json").is_file():
         step = given
     else:
@@ -421,6 +417,19 @@ def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
             raise ValueError(f"{given} holds no model and no complete checkpoint: {accepted}")
     if step is None:
         raise ValueError(f"{given} names no complete checkpoint in {given.parent}: {accepted}")
+    return None, step
+
+
+def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """The model directory behind ``path`` and the training checkpoint holding it (None for a plain model
+    directory). ``path`` may be a model directory (``config.json``), a checkpoint ``step_N/`` (its
+    ``model/``), a ``checkpoints/`` directory or its ``latest`` file (the checkpoint it names, as
+    :func:`latest` reads it: plain names only), or a run's ``out_dir`` (its ``checkpoints/``). A path that
+    is none of these is a ValueError saying what is accepted. LoRA checkpoints: :func:`find_adapter`."""
+    model_dir, step = _locate(path)
+    if model_dir is not None:
+        parent = model_dir.parent if model_dir.name == "model" and is_complete(model_dir.parent) else None
+        return model_dir, parent
     if (step / "adapter").is_dir():
         raise ValueError(f"checkpoint {step} holds a LoRA adapter (adapter/), not a whole model: load its "
                          "base and the adapter with ssmkit.finetune.load_adapter(base_model, "
@@ -429,3 +438,13 @@ def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
         raise ValueError(f"checkpoint {step} has no model/ (its model has no save_pretrained); "
                          "load it with Trainer(..., resume=True) instead")
     return step / "model", step
+
+
+def find_adapter(path: str | os.PathLike) -> Path | None:
+    """The checkpoint step_N/ behind ``path`` (as :func:`find_model` reads it) when it holds a LoRA adapter
+    (``adapter/``: a LoRA run), else None (a plain model, a full checkpoint, or nothing found)."""
+    try:
+        model_dir, step = _locate(path)
+    except ValueError:
+        return None
+    return step if model_dir is None and (step / "adapter").is_dir() else None
