@@ -18,9 +18,13 @@ Why ratios: this runs on shared machines whose speed drifts by tens of percent. 
 models are timed in the same process, round-robin (one step of each model per round),
 so drift hits all of them alike and the ratios stay meaningful when absolute numbers don't.
 
-Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both]
+Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both] [--seq-len 256,2048]
       [--steps 7] [--warmup 3] [--threads N] [--json-only]
-The last stdout line is one JSON object (keyed by config name for --config both).
+The last stdout line is one JSON object (keyed by config name for --config both, by "config@L" with
+--seq-len). --seq-len L1,L2 runs the config at each length with the same tokens per step (batch =
+config batch x config seqlen / L, at least 1); transformers' per-token default path is timed only up
+to 512 tokens (its ratio is null beyond). Issue 17's targets against the matched Llama: Mamba-1 and
+Mamba-2 >= 1x at L=256 and >= 3x at L=2048 (LLAMA_TARGETS).
 """
 import argparse
 import json
@@ -57,12 +61,24 @@ MODELS = ["ssmkit_mamba1", "ssmkit_mamba2", "ssmkit_mamba3", "ssmkit_mamba3_mimo
 RATIOS = {  # name: (numerator, denominator, target); a target of None: reported, not judged
     "ssmkit_mamba1_vs_hf_mamba_default": ("ssmkit_mamba1", SLOW, 50.0),
     "ssmkit_mamba1_vs_hf_mambapy": ("ssmkit_mamba1", "hf_mambapy", 2.0),
-    "ssmkit_mamba1_vs_llama": ("ssmkit_mamba1", "llama", 0.5),
+    "ssmkit_mamba1_vs_llama": ("ssmkit_mamba1", "llama", 1.0),
+    "ssmkit_mamba2_vs_llama": ("ssmkit_mamba2", "llama", 1.0),
     "ssmkit_mamba2_vs_hf_mamba2": ("ssmkit_mamba2", "hf_mamba2", 1.0),
     "ssmkit_mamba3_vs_ssmkit_mamba2": ("ssmkit_mamba3", "ssmkit_mamba2", 0.5),
     "ssmkit_mamba3_vs_ssmkit_mamba1": ("ssmkit_mamba3", "ssmkit_mamba1", None),
     "ssmkit_mamba3_mimo_vs_ssmkit_mamba3": ("ssmkit_mamba3_mimo", "ssmkit_mamba3", None),
 }
+
+
+# the targets against Llama by sequence length (issue 17); lengths between take the shorter one's
+LLAMA_TARGETS = {256: 1.0, 2048: 3.0}
+SLOW_MAX_LEN = 512             # transformers' per-token loop: ~70 tokens/s, not timed beyond this
+
+
+def llama_target(seqlen: int) -> float | None:
+    """The target of Mamba-1 / Mamba-2 against Llama at ``seqlen``: the longest listed length's <= it."""
+    known = [n for n in LLAMA_TARGETS if n <= seqlen]
+    return LLAMA_TARGETS[max(known)] if known else None
 
 
 def mambapy_available():
@@ -131,7 +147,7 @@ def child_peak_mb(job):
     after the imports, i.e. the extra peak memory of model + optimizer + activations.
     In-process deltas would be dishonest (a high-water mark never goes down), and
     ru_maxrss is inherited from the forking parent across exec, so VmHWM is used (peak_memory_mb)."""
-    c = CONFIGS[job["config"]]
+    c = {**CONFIGS[job["config"]], "batch": job["batch"], "seqlen": job["seqlen"]}
     before = peak_memory_mb()
     model = build(job["model"], c, job["llama_ffn"]).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -141,9 +157,14 @@ def child_peak_mb(job):
     return peak_memory_mb() - before
 
 
-def bench_config(cfg_name, args, log):
-    c = CONFIGS[cfg_name]
+def bench_config(cfg_name, args, log, seqlen=None):
+    c = dict(CONFIGS[cfg_name])
+    if seqlen is not None:                               # same tokens per step at another length
+        c["batch"], c["seqlen"] = max(1, c["batch"] * c["seqlen"] // seqlen), seqlen
     names = [n for n in MODELS if n != "hf_mambapy" or mambapy_available()]
+    if c["seqlen"] > SLOW_MAX_LEN:
+        names.remove(SLOW)
+        log(f"[{cfg_name}] L={c['seqlen']}: transformers' per-token path not timed (> {SLOW_MAX_LEN})")
     if "hf_mambapy" not in names:
         log("mambapy does not import: skipping transformers use_mambapy=True (reported as null)")
     models = {n: build(n, c) for n in names if n != "llama"}
@@ -187,7 +208,7 @@ def bench_config(cfg_name, args, log):
     # Peak memory: one fresh child process per model, run sequentially after the timing.
     peak_mb = {}
     for n in names:
-        job = dict(model=n, config=cfg_name, llama_ffn=llama_ffn)
+        job = dict(model=n, config=cfg_name, llama_ffn=llama_ffn, batch=c["batch"], seqlen=c["seqlen"])
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(job)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
@@ -200,12 +221,17 @@ def bench_config(cfg_name, args, log):
                         f"({SLOW}: 1 timed after 1 warmup)"}
     for key, (num, den, _) in RATIOS.items():
         result[key] = train_tps[num] / train_tps[den] if den in train_tps else None
+    targets = targets_at(c["seqlen"])
     result.update(tokens_per_s=train_tps, fwd2048_tokens_per_s=fwd_tps, peak_mb=peak_mb,
-                  params=params, final_loss=losses,
-                  targets={k: t for k, (_, _, t) in RATIOS.items()},
+                  params=params, final_loss=losses, targets=targets,
                   targets_met={k: None if result[k] is None or t is None else result[k] >= t
-                               for k, (_, _, t) in RATIOS.items()})
+                               for k, t in targets.items()})
     return result
+
+
+def targets_at(seqlen: int) -> dict:
+    """RATIOS' targets, those against Llama taken from LLAMA_TARGETS at ``seqlen``."""
+    return {k: (llama_target(seqlen) if den == "llama" else t) for k, (_, den, t) in RATIOS.items()}
 
 
 def print_table(res):
@@ -213,16 +239,18 @@ def print_table(res):
           f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads; {res['timing']} ==")
     print(f"{'model':<20}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
           f"{'fwd@2048 tok/s':>16}{'peak MB':>9}")
-    base = res["tokens_per_s"][SLOW]
+    base = res["tokens_per_s"].get(SLOW)
     for n in MODELS:
         if n not in res["tokens_per_s"]:
-            print(f"{n:<20}{'skipped (mambapy not installed)':>60}")
+            why = "not timed at this length" if n == SLOW else "skipped (mambapy not installed)"
+            print(f"{n:<20}{why:>60}")
             continue
         tps, fwd = res["tokens_per_s"][n], res["fwd2048_tokens_per_s"].get(n)
         fwd_s = f"{fwd:,.0f}" if fwd is not None else "-"
+        vs = f"{tps / base:>12.1f}x" if base else f"{'-':>13}"
         print(f"{n:<20}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
-              f"{tps / base:>12.1f}x{fwd_s:>16}{res['peak_mb'][n]:>9.0f}")
-    for key, (_, _, target) in RATIOS.items():
+              f"{vs}{fwd_s:>16}{res['peak_mb'][n]:>9.0f}")
+    for key, target in res["targets"].items():
         val = res[key]
         if target is None:
             print(f"  {key}: {'n/a' if val is None else f'{val:.2f}x'}")
@@ -234,6 +262,8 @@ def print_table(res):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=["base", "large", "both"], default="base")
+    p.add_argument("--seq-len", default=None, metavar="L1,L2",
+                   help="sequence lengths to run the config at, same tokens per step (default: the config's)")
     p.add_argument("--steps", type=int, default=7, help="timed steps (fast models)")
     p.add_argument("--warmup", type=int, default=3, help="warmup steps (fast models)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -252,12 +282,19 @@ def main():
         if not args.json_only:
             print(msg, file=sys.stderr, flush=True)
 
+    try:
+        lengths = [int(v) for v in args.seq_len.split(",")] if args.seq_len else [None]
+    except ValueError:
+        p.error(f"--seq-len takes comma-separated integers, e.g. 256,2048; got {args.seq_len!r}")
+    if any(n is not None and n < 8 for n in lengths):
+        p.error("--seq-len: each length must be >= 8")
     cfg_names = ["base", "large"] if args.config == "both" else [args.config]
-    results = {name: bench_config(name, args, log) for name in cfg_names}
+    results = {(name if n is None else f"{name}@{n}"): bench_config(name, args, log, n)
+               for name in cfg_names for n in lengths}
     if not args.json_only:
         for res in results.values():
             print_table(res)
-    print(json.dumps(results if args.config == "both" else results[args.config]))
+    print(json.dumps(results if len(results) > 1 else next(iter(results.values()))))
 
 
 if __name__ == "__main__":
