@@ -159,6 +159,21 @@ def test_runs_under_papermill(path, tmp_path):
             assert {k: saved[k] for k in recipe} == recipe, config
 
 
+TRAINING = [p for p in NOTEBOOKS if p.stem[:2] != "00"]      # the stages: each builds models from `preset`
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TRAINING, ids=[p.stem for p in TRAINING])
+def test_runs_with_mamba3_blocks(path, tmp_path):
+    """Every stage takes a Mamba-3 model as its preset (issue 16): CI parameters, preset cpu-tiny-mamba3."""
+    ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
+    summary = workbook.run_workbook([path], parameters={"preset": "cpu-tiny-mamba3"}, out=tmp_path / "run",
+                                    shared=ci, cell_timeout=600)
+    (entry,) = summary["notebooks"]
+    assert entry["status"] == "ok", (f"{path.name} with Mamba-3 failed at cell {entry.get('cell')}:\n"
+                                     f"{entry.get('source')}\n{entry.get('error')}")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_bad_parameter_fails_in_the_first_cell(path, tmp_path):
     summary = workbook.run_workbook([path], parameters={"device": "tpu"}, out=tmp_path / "run")

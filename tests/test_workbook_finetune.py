@@ -135,3 +135,24 @@ def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path,
         assert by[name]["state_mb"] == pytest.approx(12 * by[name]["trainable"] / 2**20, abs=5e-4)   # rounded
     assert all(0 <= r["exact_match"] <= 1 for r in rows)
     assert hasattr(models["LoRA"], "peft_config") and not hasattr(models["full"], "peft_config")
+
+
+def test_a_model_transformers_has_no_class_for_says_so_and_exports_in_its_own_layout(tmp_path):
+    """Mamba-3 (notebook 04 with preset cpu-tiny-mamba3): no transformers class, so the plan's snippet has
+    nothing to run on (one row saying so) and the merged model goes out in mamba_ssm's layout, reloaded by
+    ssmkit with the same logits."""
+    torch.manual_seed(0)
+    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=257, mixer="mamba3",
+                                                  d_state=16, headdim=16, chunk_size=8))
+    base = ssmkit.hub.save_pretrained(model, tmp_path / "base", format="mamba_ssm")
+    (row,) = ft.plan_snippet_on_transformers(str(base), tmp_path)
+    assert "transformers has no class" in row["result"] and "mamba3" in row["model"]
+    lora = apply_lora(ssmkit.from_pretrained(base), r=4, alpha=8, dropout=0.0, init_lora_weights=False)
+    ids = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        before = lora(ids).logits
+    out = ft.export_to_transformers(lora, tmp_path, ids)
+    assert out["hf_class"].startswith("ssmkit (mamba_ssm layout") and out["max_abs_logit_diff"] < 1e-4
+    with torch.no_grad():
+        torch.testing.assert_close(ssmkit.from_pretrained(out["path"])(ids).logits, before, rtol=0, atol=1e-4)
+    assert "no transformers Mamba class" in out["adapter_for_transformers"]

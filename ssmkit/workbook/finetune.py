@@ -92,15 +92,23 @@ def sft_split(p: dict, split: str = "val") -> Path:
 
 
 def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
-    """The plan's ``peft.get_peft_model(model, LoraConfig(...))`` on transformers' ``MambaForCausalLM`` of
-    the same weights (``base`` written in transformers' format into ``out_dir/base-hf``), with the plan's
-    targets and without ``out_proj``. One row per attempt: the targets, and what peft said."""
+    """The plan's ``peft.get_peft_model(model, LoraConfig(...))`` on transformers' model of the same weights
+    (``base`` written in transformers' format into ``out_dir/base-hf``), with the plan's targets and
+    without ``out_proj``. One row per attempt: the targets, and what peft said. A model transformers has
+    no class for (Mamba-3, hybrids with attention or MLPs) gives one row saying so."""
     import peft
     from transformers import AutoModelForCausalLM
 
     from ..hub import from_pretrained, save_pretrained
+    from ..hub.save import natural_format
 
-    hf_dir = save_pretrained(from_pretrained(base), Path(out_dir) / "base-hf", format="hf", overwrite=True)
+    model = from_pretrained(base)
+    if natural_format(model.config) not in ("hf", "jamba", "zamba2"):
+        return [{"model": f"(mixers {', '.join(sorted(set(model.config.mixers)))})", "target_modules": "-",
+                 "result": "transformers has no class for this model (it is saved in mamba_ssm's layout): "
+                           "the plan's snippet has nothing to run on"}]
+    hf_dir = save_pretrained(model, Path(out_dir) / "base-hf", format=natural_format(model.config),
+                             overwrite=True)
     rows = []
     for targets in (PLAN_LORA["target_modules"], ["x_proj", "in_proj"]):
         hf = AutoModelForCausalLM.from_pretrained(hf_dir)
@@ -201,13 +209,16 @@ def _device(device: str) -> str:
 def export_to_transformers(model, out_dir: str | Path, input_ids=None) -> dict:
     """Merge a LoRA model's adapter into its weights (``merge_and_unload``), write the merged model in
     transformers' format to ``out_dir/merged-hf``, load it with ``AutoModelForCausalLM`` and compare its
-    logits with the ssmkit model's on ``input_ids`` (default: 2 x 32 fixed ids). Also tries the adapter
-    itself for transformers (:func:`ssmkit.finetune.adapter_for_transformers`) and reports what it said.
-    The model is merged in place: afterwards it is the plain ssmkit model."""
+    logits with the ssmkit model's on ``input_ids`` (default: 2 x 32 fixed ids). A model transformers has
+    no class for (Mamba-3, hybrids) is written in its own format (mamba_ssm's layout) to ``out_dir/merged``
+    and reloaded with :func:`ssmkit.from_pretrained` instead. Also tries the adapter itself for
+    transformers (:func:`ssmkit.finetune.adapter_for_transformers`) and reports what it said. The model is
+    merged in place: afterwards it is the plain ssmkit model."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ..finetune import adapter_for_transformers, export_merged, merge, save_adapter
+    from ..hub import from_pretrained
+    from ..hub.save import natural_format
 
     out_dir = Path(out_dir)
     adapter = save_adapter(model, out_dir / "adapter")
@@ -217,16 +228,23 @@ def export_to_transformers(model, out_dir: str | Path, input_ids=None) -> dict:
         adapter_note = "written for transformers: peft.PeftModel.from_pretrained(hf_model, adapter-hf)"
     except ValueError as exc:
         adapter_note = str(exc)
-    path = export_merged(model, out_dir / "merged-hf", format="hf")
+    fmt = natural_format(config)
+    path = export_merged(model, out_dir / ("merged-hf" if fmt != "mamba_ssm" else "merged"), format=fmt)
     merged = merge(model).eval()
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    if fmt == "mamba_ssm":
+        reloaded, name = from_pretrained(path).eval(), "ssmkit (mamba_ssm layout; transformers has no class)"
+    else:
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+        name = type(reloaded).__name__
     if input_ids is None:
         input_ids = torch.arange(64).reshape(2, 32) * 37 % config.vocab_size
     with torch.no_grad():
         ours = merged(input_ids.to(next(merged.parameters()).device)).logits.float().cpu()
-        theirs = hf(input_ids).logits.float()
+        theirs = reloaded(input_ids).logits.float()
     adapter_mb = sum(f.stat().st_size for f in Path(adapter).iterdir()) / 2**20
-    return {"path": str(path), "hf_class": type(hf).__name__,
+    return {"path": str(path), "hf_class": name,
             "max_abs_logit_diff": float((ours - theirs).abs().max()), "adapter_mb": round(adapter_mb, 3),
             "adapter_for_transformers": adapter_note}
 
