@@ -156,3 +156,14 @@ def test_a_model_transformers_has_no_class_for_says_so_and_exports_in_its_own_la
     with torch.no_grad():
         torch.testing.assert_close(ssmkit.from_pretrained(out["path"])(ids).logits, before, rtol=0, atol=1e-4)
     assert "no transformers Mamba class" in out["adapter_for_transformers"]
+
+
+def test_step_memory_leaves_the_weights_as_they_were():
+    torch.manual_seed(0)
+    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=257, d_state=8)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 257, (2, 16))
+    extra = ft.step_memory(model, (x, x, torch.zeros_like(x, dtype=torch.int32)))
+    assert extra >= 0 and not model.training and all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
