@@ -167,3 +167,18 @@ def test_step_memory_leaves_the_weights_as_they_were():
     assert extra >= 0 and not model.training and all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_params_file_s_base_reaches_notebook_04_only():
+    """`base` is a TrainConfig key too: routed as one, a fine-tuning params file would turn notebook 01's
+    pretraining into a fine-tuning of that checkpoint. It reaches only the notebook that declares it."""
+    from ssmkit.workbook.params import route_parameters
+
+    root = Path(__file__).resolve().parent.parent / "notebooks"
+    paths = [root / "01_prototype_130m.ipynb", root / "04_lora_finetune.ipynb"]
+    declared = {str(p): workbook.declared_parameters(p) for p in paths}
+    values, unused = route_parameters(declared, {}, {"base": "state-spaces/mamba-130m-hf", "micro_batch": 4})
+    first, fourth = (values[str(p)] for p in paths)
+    assert "base" not in first.get("overrides", {}) and first["overrides"]["micro_batch"] == 4
+    assert "base" in unused[str(paths[0])]
+    assert fourth["base"] == "state-spaces/mamba-130m-hf" and "base" not in fourth.get("overrides", {})

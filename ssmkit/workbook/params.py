@@ -44,6 +44,18 @@ NOTEBOOK_SETS = {"overwrite": "out_dir", "eval_every": "evals"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
+# TrainConfig keys that say WHAT a run trains from, not how: a params file's or papermill's loose key reaches
+# only a notebook that declares it (notebook 04's `base`), never a pretraining notebook's overrides, where
+# it would silently turn the run into a fine-tuning of another model (explicit `overrides` may still set them)
+NOT_ROUTED = ("base", "lora")
+
+
+def routed_keys() -> set[str]:
+    """The TrainConfig keys a loose ``-f`` / papermill key may carry into a training notebook's overrides:
+    :func:`train_keys` but :data:`NOT_ROUTED`."""
+    return set(train_keys()) - set(NOT_ROUTED)
+
+
 def train_keys() -> list[str]:
     """The fields of :class:`ssmkit.train.TrainConfig`: the keys ``overrides`` and a recipe file may set."""
     import dataclasses
@@ -297,7 +309,7 @@ def _with_injected(params: dict) -> dict:
     extra = {k: v for k, v in injected.items() if k not in params}
     if not extra:
         return params
-    keys = set(train_keys())
+    keys = routed_keys()
     unknown = sorted(k for k in extra if k not in keys and k not in workbook_parameters())
     if unknown:
         raise WorkbookError(f"papermill passed parameter(s) {', '.join(unknown)} that this notebook does not "
@@ -333,7 +345,7 @@ def route_parameters(declared: dict, parameters: dict, shared: dict,
     key that is neither a parameter of the workbook nor a TrainConfig key, or a bad ``overrides``.
     """
     known = set().union(*declared.values())
-    train = set(train_keys())
+    train = routed_keys()
     trains = [Path(p).stem for p, names in declared.items() if "overrides" in names]
     unknown = sorted(k for k in parameters if k not in known and not (k in train and trains))
     if unknown:
