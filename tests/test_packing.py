@@ -19,6 +19,7 @@ import pytest
 import test_cuda_dispatch as dispatch
 import torch
 import torch.nn.functional as F
+from helpers import perturb_
 from test_cuda_dispatch import fake_kernels  # noqa: F401  (a fixture: the fake kernel modules)
 
 from ssmkit import ops
@@ -84,15 +85,6 @@ def assert_same_with_grads(packed, reference, inputs, seed=0, tol=1e-5):
                                      allow_unused=True)
     for i, (a, b) in enumerate(zip(grads_got, grads_want)):
         close(torch.zeros_like(b) if a is None else a, b, tol, f"gradient of input {i}")
-
-
-def perturb_(model, seed):
-    """Every parameter moved by 0.1 x N(0, 1) (seeded): not only the init is compared."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def rnd(seed, *shape, grad=True):
