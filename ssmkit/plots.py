@@ -48,6 +48,19 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def save_and_show(fig, path: str | Path | None = None, show: bool | None = None):
+    """Write ``fig`` to ``path`` (atomically; format from the suffix) when given, and show it as a PNG in a
+    Jupyter kernel (``show`` None: only there). Returns ``fig``. What every figure function of the workbook
+    ends with."""
+    if path is not None:
+        _save(fig, path)
+    if _in_kernel() if show is None else show:
+        from IPython.display import Image, display
+
+        display(Image(data=_png(fig), format="png"))
+    return fig
+
+
 def _new_figure(title: str | None, xlabel: str, ylabel: str):
     from matplotlib.figure import Figure
 
@@ -193,13 +206,7 @@ def plot_curves(histories: dict[str, list[dict]], path: str | Path | None = None
     if logy:
         ax.set_yscale("log")
     ax.legend()
-    if path is not None:
-        _save(fig, path)
-    if _in_kernel() if show is None else show:
-        from IPython.display import Image, display
-
-        display(Image(data=_png(fig), format="png"))
-    return fig
+    return save_and_show(fig, path, show)
 
 
-__all__ = ["LivePlot", "plot_curves"]
+__all__ = ["LivePlot", "plot_curves", "save_and_show"]

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from .. import checks
-from ..io import write_atomically
 from .cells import pick_device
 
 __all__ = ["SWEEP", "attention_share", "build_lm", "context_costs", "context_models", "crossovers",
@@ -386,11 +385,10 @@ def plot_panels(rows: list[dict], path, x: str, panels: dict, group: str | None 
     """One panel per entry of ``panels`` ({row key: panel title}), side by side: y = that key against
     ``x``, one line per value of ``group`` (None: one line). ``logy``: the keys drawn on a log
     scale. Saved to ``path`` (written whole) and, in a Jupyter kernel, shown. Returns the figure."""
-    from io import BytesIO
 
     from matplotlib.figure import Figure
 
-    from ..plots import _in_kernel
+    from ..plots import save_and_show
 
     fig = Figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
     for ax, (key, name) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels.items()):
@@ -412,13 +410,4 @@ def plot_panels(rows: list[dict], path, x: str, panels: dict, group: str | None 
             ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    buf = BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, buf.getvalue())
-    if _in_kernel() if show is None else show:
-        from IPython.display import Image, display
-
-        display(Image(data=buf.getvalue(), format="png"))
-    return fig
+    return save_and_show(fig, path, show)

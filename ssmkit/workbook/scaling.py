@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from .. import checks
-from ..io import write_atomically
 
 __all__ = ["evaluate_models", "fit_power_law", "mixer_throughput", "model_compute", "plot_scaling",
            "predict_loss", "scaling_sweep", "score_table"]
@@ -228,11 +227,10 @@ def plot_scaling(rows: list[dict], fit: dict, path, *, extra: dict | None = None
     """Validation loss against compute on log-log axes: the sweep's points, the fitted power law, and
     ``extra`` ({"label": (compute, loss)}, e.g. the prediction for 130M) as stars. Saved to ``path``
     (written whole) and shown in a Jupyter kernel. Returns the figure."""
-    from io import BytesIO
 
     from matplotlib.figure import Figure
 
-    from ..plots import _in_kernel
+    from ..plots import save_and_show
 
     fig = Figure(figsize=(6.5, 4.2), layout="constrained")
     ax = fig.add_subplot()
@@ -250,13 +248,4 @@ def plot_scaling(rows: list[dict], fit: dict, path, *, extra: dict | None = None
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
-    buf = BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, buf.getvalue())
-    if _in_kernel() if show is None else show:
-        from IPython.display import Image, display
-
-        display(Image(data=buf.getvalue(), format="png"))
-    return fig
+    return save_and_show(fig, path, show)
