@@ -9,6 +9,7 @@ import torch
 
 from .checks import device_name
 from .ops import backend as _backend
+from .ops import compiled as _compiled
 
 
 def _version(module: str) -> str:
@@ -38,6 +39,8 @@ def env_report() -> str:
                  f"{_version('causal_conv1d') if device == 'cuda' else 'not checked (no CUDA)'}")
     forced = _backend.forced_backend()
     lines.append(f"SSMKIT_BACKEND {forced or 'unset (automatic)'}")
+    lines.append(f"compiled scans {'on' if _compiled.enabled() else 'off'} (the torch backend's S6 and SSD "
+                 "through torch.compile: ssmkit.ops.compile_scan / SSMKIT_COMPILE_SCAN)")
     lines.append(f"backends on {device}:")
     lines += [f"  {op:<24} {choice}" for op, choice in _backend.describe(device).items()]
     return "\n".join(lines)

@@ -13,9 +13,12 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
 * :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes ``seq_idx``
   (batch, seqlen), the sample index of each position, and restarts at every sample;
   :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
+* :func:`compile_scan` -- opt-in: the torch backend's S6 and SSD scans through ``torch.compile``
+  (:mod:`ssmkit.ops.compiled`; also ``SSMKIT_COMPILE_SCAN=1``)
 """
 
 from .backend import BACKENDS, BackendError
+from .compiled import compile_scan
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
 from .mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_scan, mamba3_step
 from .mamba3_ref import Mamba3States, a_activation, heavy_tail, mamba3_reference, rope_angles
@@ -26,7 +29,7 @@ from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
 
 __all__ = [
-    "BACKENDS", "BackendError",
+    "BACKENDS", "BackendError", "compile_scan",
     "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_torch", "causal_conv1d_update",
     "rms_norm", "rms_norm_gated",
     "selective_scan", "selective_scan_reference", "selective_scan_torch", "selective_state_update",

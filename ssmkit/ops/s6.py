@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as _backend
+from . import compiled as _compiled
 from .packing import check_seq_idx, resets
 
 
@@ -326,7 +327,8 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     h0 = (u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32) if initial_state is None
           else initial_state.float())
     keep = None if seq_idx is None else (~resets(seq_idx)).float()                 # (b, L)
-    y, h = SelectiveScanFn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(),
+    fn = _compiled.CompiledScanFn if _compiled.enabled() else SelectiveScanFn  # opt-in: compiled chunks
+    y, h = fn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(),
                                  _grouped(C).float(), f(D), f(z), f(delta_bias), h0, delta_softplus, keep)
     # the scan works time-major; y comes back in u's layout (contiguous, or a channels-last view as the
     # mixers pass), like the reference and the kernel: one copy, which the next matmul would make anyway

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import backend as _backend
+from . import compiled as _compiled
 from .packing import check_seq_idx, resets, segments
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -304,6 +305,10 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     if name == "torch" and x.device.type == "cpu":
         chunk_size = min(int(chunk_size), CPU_CHUNK_SIZE)
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
+    if name == "torch" and _compiled.enabled():                 # opt-in: the whole chunked SSD compiled
+        return _compiled.run(ssd_chunked, x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                             dt_softplus=dt_softplus, initial_states=initial_states,
+                             return_final_states=return_final_states, dt_limit=dt_limit, **extra)
     return _IMPLS[name](x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                         initial_states=initial_states, return_final_states=return_final_states,
                         dt_limit=dt_limit, **extra)

@@ -1,0 +1,165 @@
+"""ssmkit.ops.compiled: the opt-in torch.compile'd S6 chunks and SSD against the reference and the eager path.
+
+Chunks of 4 steps here (``CHUNK`` patched) keep inductor's compile of each graph to a few seconds; the
+sequences are not multiples of 4, so the padded last chunk is always exercised. fp32 tolerance: 1e-5 of
+the oracle's largest magnitude (the project's fp32 bound is 1e-4).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ssmkit import ops
+from ssmkit.ops import compiled
+from ssmkit.ops.backend import BackendError
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(compiled, "CHUNK", 4)
+    monkeypatch.setattr(compiled, "_ENABLED", None)
+    calls = []
+    run = compiled.run
+    monkeypatch.setattr(compiled, "run", lambda fn, *a, **k: calls.append(fn.__name__) or run(fn, *a, **k))
+    yield calls
+    compiled.compile_scan(False)
+
+
+def close(a, b, rel=1e-5):
+    return (a - b).abs().max().item() <= rel * b.abs().max().item() + 1e-7
+
+
+def s6_inputs(batch, dim, dstate, L, groups, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    Bshape = (batch, dstate, L) if groups == 1 else (batch, groups, dstate, L)
+    return dict(u=r(batch, dim, L), delta=r(batch, dim, L) * 0.5, A=-torch.rand(dim, dstate, generator=g) * 4,
+                B=r(*Bshape), C=r(*Bshape), D=r(dim), z=r(batch, dim, L), delta_bias=r(dim) * 0.3,
+                initial_state=r(batch, dim, dstate))
+
+
+def grads_of(fn, x, names, **kw):
+    x = {k: v.clone().requires_grad_(k in names) for k, v in x.items()}
+    y, h = fn(**x, delta_softplus=True, return_final_state=True, **kw)
+    g = torch.Generator().manual_seed(7)
+    loss = (y * torch.randn(y.shape, generator=g)).sum() + (h * torch.randn(h.shape, generator=g)).sum()
+    return [y, h, *torch.autograd.grad(loss, [x[k] for k in names])]
+
+
+def test_compiled_s6_matches_the_reference_with_every_input(small_chunks):
+    """Grouped B/C, D, z, Δ bias + softplus, an initial state, a final state and packed rows (a reset inside a
+    chunk and one on a chunk boundary); outputs, final state and every gradient."""
+    x = s6_inputs(batch=2, dim=8, dstate=4, L=11, groups=2)
+    seq_idx = torch.tensor([[0] * 3 + [1] * 5 + [2] * 3, [0] * 11])
+    names = list(x)
+    ref = grads_of(ops.selective_scan_reference, x, names, seq_idx=seq_idx)
+    ops.compile_scan(True)
+    out = grads_of(ops.selective_scan_torch, x, names, seq_idx=seq_idx)
+    assert small_chunks.count("chunk_forward") == 3 and small_chunks.count("chunk_backward") == 3
+    for name, a, b in zip(["y", "h"] + names, out, ref):
+        assert close(a, b), (name, (a - b).abs().max().item(), b.abs().max().item())
+
+
+def test_compiled_s6_without_optional_inputs(small_chunks):
+    x = s6_inputs(batch=1, dim=6, dstate=3, L=9, groups=1, seed=1)
+    for k in ("D", "z", "delta_bias", "initial_state"):
+        x.pop(k)
+    ref = grads_of(ops.selective_scan_reference, x, list(x))
+    ops.compile_scan(True)
+    out = grads_of(ops.selective_scan_torch, x, list(x))
+    assert small_chunks
+    for a, b in zip(out, ref):
+        assert close(a, b)
+
+
+def test_compiled_ssd_matches_the_eager_chunked_path(small_chunks):
+    g = torch.Generator().manual_seed(2)
+    b, L, h, p, n = 2, 13, 4, 3, 5
+    x = dict(x=torch.randn(b, L, h, p, generator=g), dt=torch.randn(b, L, h, generator=g),
+             A=-torch.rand(h, generator=g), B=torch.randn(b, L, 2, n, generator=g),
+             C=torch.randn(b, L, 2, n, generator=g), D=torch.randn(h, generator=g),
+             initial_states=torch.randn(b, h, p, n, generator=g), dt_bias=torch.randn(h, generator=g))
+    seq_idx = torch.tensor([[0] * 6 + [1] * 7, [0] * 13])
+
+    def run():
+        t = {k: v.clone().requires_grad_() for k, v in x.items()}
+        y, s = ops.ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], 4, D=t["D"], dt_bias=t["dt_bias"],
+                            dt_softplus=True, initial_states=t["initial_states"], return_final_states=True,
+                            seq_idx=seq_idx, backend="torch")
+        loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + s.square().sum()
+        return [y, s, *torch.autograd.grad(loss, list(t.values()))]
+
+    eager = run()
+    ops.compile_scan(True)
+    out = run()
+    assert small_chunks == ["ssd_chunked"]
+    for a, e in zip(out, eager):
+        assert close(a, e)
+
+
+def test_a_mamba1_model_trains_the_same_compiled(small_chunks):
+    """Through the mixer (channels-last views of the activations) and the whole LM: loss and gradients."""
+    import ssmkit
+    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=16, n_layer=2, vocab_size=50, mixer="mamba1"))
+    ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(3))
+
+    def step():
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    eager = step()
+    ops.compile_scan(True)
+    out = step()
+    assert small_chunks
+    for a, e in zip(out, eager):
+        assert close(a, e)
+
+
+def test_the_switch_reads_the_environment_and_names_bad_values(monkeypatch):
+    monkeypatch.setattr(compiled, "_ENABLED", None)
+    monkeypatch.setenv("SSMKIT_COMPILE_SCAN", "1")
+    assert compiled.enabled()
+    monkeypatch.setenv("SSMKIT_COMPILE_SCAN", "yes please")
+    with pytest.raises(BackendError, match=r"SSMKIT_COMPILE_SCAN='yes please'.*0, 1, false, true"):
+        compiled.enabled()
+    ops.compile_scan(False)                                   # the call wins over the environment
+    assert not compiled.enabled()
+    monkeypatch.setattr(compiled, "_ENABLED", None)
+    monkeypatch.delenv("SSMKIT_COMPILE_SCAN")
+    assert not compiled.enabled()                             # off by default
+
+
+def test_no_compiler_is_a_clear_error(tmp_path):
+    """Fault injected: inductor pointed at a C++ compiler that does not exist, with an empty cache."""
+    code = ("import torch; from ssmkit import ops\n"
+            "u = torch.randn(1, 4, 6); B = torch.randn(1, 2, 6)\n"
+            "try:\n    ops.selective_scan(u, u, -torch.rand(4, 2), B, B)\n"
+            "except ops.BackendError as e:\n    print('ERROR', e)\n")
+    env = {**os.environ, "SSMKIT_COMPILE_SCAN": "1", "CXX": str(tmp_path / "no-such-g++"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "ERROR the compiled scan could not be built" in out.stdout, out.stdout + out.stderr
+    assert "C++ compiler" in out.stdout and "SSMKIT_COMPILE_SCAN=0" in out.stdout
+
+
+def test_the_benchmark_rows_switch_modes_and_restore_them():
+    """benchmarks/train_step_cpu.py --compile-scan / --floor: each row runs in its mode, the next in its own;
+    the floor rows are a bound (reported, never judged against a target)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import train_step_cpu as bench
+    finally:
+        sys.path.pop(0)
+    scan, ssd = ops.selective_scan, ops.ssd_scan
+    with bench.scan_mode("ssmkit_mamba1_compiled"):
+        assert compiled.enabled() and ops.selective_scan is scan
+    with bench.scan_mode("ssmkit_mamba2_noscan"):
+        assert not compiled.enabled() and ops.selective_scan is bench._no_s6 and ops.ssd_scan is bench._no_ssd
+    assert (ops.selective_scan, ops.ssd_scan) == (scan, ssd) and not compiled.enabled()
+    targets = bench.targets_at(2048)
+    assert targets["ssmkit_mamba1_compiled_vs_llama"] == 3.0 and targets["ssmkit_mamba1_vs_llama"] == 3.0
+    assert targets["ssmkit_mamba1_noscan_vs_llama"] is None and targets["ssmkit_mamba2_noscan_vs_llama"] is None
