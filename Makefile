@@ -43,8 +43,8 @@ strip: $(STAMP)          ## clear outputs and execution counts of notebooks/*.ip
 demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (~1 min)
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
 
-bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps, as ratios
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py
+bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps at 256 and 2048, as ratios (~6 min)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py --seq-len 256,2048 --compile-scan --floor
 
 gpu-check: $(STAMP)      ## on a GPU node: per-op parity, kernels, 130M train steps, generation, notebook 01 (< 8 min, JSON last)
 	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py

@@ -18,8 +18,16 @@ Why ratios: this runs on shared machines whose speed drifts by tens of percent. 
 models are timed in the same process, round-robin (one step of each model per round),
 so drift hits all of them alike and the ratios stay meaningful when absolute numbers don't.
 
+Two optional groups of rows, timed in the same rounds (train step only: no fwd@2048, no peak memory):
+
+* ``--compile-scan``: ssmkit Mamba-1 / Mamba-2 with ``ssmkit.ops.compile_scan(True)`` (the S6 chunks and the
+  SSD through torch.compile; the first step per shape compiles, which the warmup absorbs);
+* ``--floor``: the same models with the scan replaced by an O(batch x seqlen x channels) stand-in
+  (y = u silu(z), plus zero-weighted terms so every input still gets a gradient). Its ratio to Llama is
+  an upper bound for any scan implementation at this config: what the rest of the model costs.
+
 Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both] [--seq-len 256,2048]
-      [--steps 7] [--warmup 3] [--threads N] [--json-only]
+      [--compile-scan] [--floor] [--steps 7] [--warmup 3] [--threads N] [--json-only]
 The last stdout line is one JSON object (keyed by config name for --config both, by "config@L" with
 --seq-len). --seq-len L1,L2 runs the config at each length with the same tokens per step (batch =
 config batch x config seqlen / L, at least 1); transformers' per-token default path is timed only up
@@ -27,6 +35,7 @@ to 512 tokens (its ratio is null beyond). Issue 17's targets against the matched
 Mamba-2 >= 1x at L=256 and >= 3x at L=2048 (LLAMA_TARGETS).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,6 +44,7 @@ import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no hub kernels / downloads; must precede the import
 import torch
+import torch.nn.functional as F
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -58,6 +68,9 @@ FWD_SEQLEN = 2048
 SLOW = "hf_mamba_default"  # ~70 tokens/s: timed with 1 warmup + 1 timed step only
 MODELS = ["ssmkit_mamba1", "ssmkit_mamba2", "ssmkit_mamba3", "ssmkit_mamba3_mimo", SLOW, "hf_mambapy",
           "hf_mamba2", "llama"]
+COMPILED = {"ssmkit_mamba1_compiled": "ssmkit_mamba1", "ssmkit_mamba2_compiled": "ssmkit_mamba2"}
+FLOOR = {"ssmkit_mamba1_noscan": "ssmkit_mamba1", "ssmkit_mamba2_noscan": "ssmkit_mamba2"}
+VARIANTS = {**COMPILED, **FLOOR}          # row name -> the model it times in another mode
 RATIOS = {  # name: (numerator, denominator, target); a target of None: reported, not judged
     "ssmkit_mamba1_vs_hf_mamba_default": ("ssmkit_mamba1", SLOW, 50.0),
     "ssmkit_mamba1_vs_hf_mambapy": ("ssmkit_mamba1", "hf_mambapy", 2.0),
@@ -67,6 +80,11 @@ RATIOS = {  # name: (numerator, denominator, target); a target of None: reported
     "ssmkit_mamba3_vs_ssmkit_mamba2": ("ssmkit_mamba3", "ssmkit_mamba2", 0.5),
     "ssmkit_mamba3_vs_ssmkit_mamba1": ("ssmkit_mamba3", "ssmkit_mamba1", None),
     "ssmkit_mamba3_mimo_vs_ssmkit_mamba3": ("ssmkit_mamba3_mimo", "ssmkit_mamba3", None),
+    # with --compile-scan (judged by the same targets) and --floor (the bound: reported, not judged)
+    "ssmkit_mamba1_compiled_vs_llama": ("ssmkit_mamba1_compiled", "llama", 1.0),
+    "ssmkit_mamba2_compiled_vs_llama": ("ssmkit_mamba2_compiled", "llama", 1.0),
+    "ssmkit_mamba1_noscan_vs_llama": ("ssmkit_mamba1_noscan", "llama", None),
+    "ssmkit_mamba2_noscan_vs_llama": ("ssmkit_mamba2_noscan", "llama", None),
 }
 
 
@@ -97,7 +115,34 @@ def llama_ffn_size(c, target_params):
     return max(16, round((target_params - fixed) / (3 * d * L) / 16) * 16)
 
 
+def _no_s6(u, delta, A, B, C, D=None, z=None, **_):
+    """--floor's stand-in for ops.selective_scan: O(b L d), every input in the graph."""
+    return u * F.silu(z) + delta * 0 + (B.sum(-2) + C.sum(-2))[:, None] * 0 + A.sum() * 0 + D[:, None] * 0
+
+
+def _no_ssd(x, dt, A, B, C, chunk_size, D=None, z=None, **_):
+    """--floor's stand-in for ops.ssd_scan (Mamba-2's mixer gates after its norm: z is None here)."""
+    y = x + dt[..., None] * 0 + (B.sum((-2, -1)) + C.sum((-2, -1)))[..., None, None] * 0 + A.sum() * 0
+    return y if D is None else y + D.sum() * 0
+
+
+@contextlib.contextmanager
+def scan_mode(name):
+    """Run model row ``name`` in its mode: compiled scans for COMPILED rows, the stand-ins for FLOOR."""
+    saved = ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan
+    ssmkit.ops.compile_scan(name in COMPILED)
+    if name in FLOOR:
+        ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan = _no_s6, _no_ssd
+    try:
+        yield
+    finally:
+        ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan = saved
+        ssmkit.ops.compile_scan(False)
+
+
 def build(name, c, llama_ffn=None):
+    if name in VARIANTS:
+        return build(VARIANTS[name], c)
     torch.manual_seed(0)
     d, L, V = c["d_model"], c["n_layer"], c["vocab"]
     if name == "ssmkit_mamba1":
@@ -162,6 +207,7 @@ def bench_config(cfg_name, args, log, seqlen=None):
     if seqlen is not None:                               # same tokens per step at another length
         c["batch"], c["seqlen"] = max(1, c["batch"] * c["seqlen"] // seqlen), seqlen
     names = [n for n in MODELS if n != "hf_mambapy" or mambapy_available()]
+    names += [*(COMPILED if args.compile_scan else ()), *(FLOOR if args.floor else ())]
     if c["seqlen"] > SLOW_MAX_LEN:
         names.remove(SLOW)
         log(f"[{cfg_name}] L={c['seqlen']}: transformers' per-token path not timed (> {SLOW_MAX_LEN})")
@@ -182,7 +228,8 @@ def bench_config(cfg_name, args, log, seqlen=None):
 
     def train_call(n, model, opt):  # one train step of model n; its loss is kept for the table
         def call():
-            losses[n] = train_step(model, opt, ids)
+            with scan_mode(n):
+                losses[n] = train_step(model, opt, ids)
         return call
 
     for m in models.values():
@@ -195,7 +242,7 @@ def bench_config(cfg_name, args, log, seqlen=None):
     train_tps = {n: tokens / statistics.median(times[n]) for n in names}
 
     # Forward only at 2048 tokens, same round-robin scheme.
-    fwd_names = [n for n in names if n != SLOW]
+    fwd_names = [n for n in names if n != SLOW and n not in VARIANTS]
     fwd_ids = torch.randint(0, c["vocab"], (1, FWD_SEQLEN), generator=gen)
     for n in fwd_names:
         models[n].eval()
@@ -207,7 +254,7 @@ def bench_config(cfg_name, args, log, seqlen=None):
 
     # Peak memory: one fresh child process per model, run sequentially after the timing.
     peak_mb = {}
-    for n in names:
+    for n in [n for n in names if n not in VARIANTS]:
         job = dict(model=n, config=cfg_name, llama_ffn=llama_ffn, batch=c["batch"], seqlen=c["seqlen"])
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(job)]
         if args.threads:
@@ -220,7 +267,7 @@ def bench_config(cfg_name, args, log, seqlen=None):
               "timing": f"median over {args.steps} timed steps after {args.warmup} warmup "
                         f"({SLOW}: 1 timed after 1 warmup)"}
     for key, (num, den, _) in RATIOS.items():
-        result[key] = train_tps[num] / train_tps[den] if den in train_tps else None
+        result[key] = train_tps[num] / train_tps[den] if num in train_tps and den in train_tps else None
     targets = targets_at(c["seqlen"])
     result.update(tokens_per_s=train_tps, fwd2048_tokens_per_s=fwd_tps, peak_mb=peak_mb,
                   params=params, final_loss=losses, targets=targets,
@@ -231,27 +278,32 @@ def bench_config(cfg_name, args, log, seqlen=None):
 
 def targets_at(seqlen: int) -> dict:
     """RATIOS' targets, those against Llama taken from LLAMA_TARGETS at ``seqlen``."""
-    return {k: (llama_target(seqlen) if den == "llama" else t) for k, (_, den, t) in RATIOS.items()}
+    return {k: (llama_target(seqlen) if den == "llama" and t is not None else t)
+            for k, (_, den, t) in RATIOS.items()}
 
 
 def print_table(res):
     print(f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
           f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads; {res['timing']} ==")
-    print(f"{'model':<20}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
+    print(f"{'model':<24}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
           f"{'fwd@2048 tok/s':>16}{'peak MB':>9}")
     base = res["tokens_per_s"].get(SLOW)
-    for n in MODELS:
+    for n in MODELS + [v for v in VARIANTS if v in res["tokens_per_s"]]:
         if n not in res["tokens_per_s"]:
             why = "not timed at this length" if n == SLOW else "skipped (mambapy not installed)"
-            print(f"{n:<20}{why:>60}")
+            print(f"{n:<24}{why:>60}")
             continue
         tps, fwd = res["tokens_per_s"][n], res["fwd2048_tokens_per_s"].get(n)
         fwd_s = f"{fwd:,.0f}" if fwd is not None else "-"
+        peak = res["peak_mb"].get(n)                   # the --compile-scan / --floor rows: not measured
+        peak_s = f"{peak:>9.0f}" if peak is not None else f"{'-':>9}"
         vs = f"{tps / base:>12.1f}x" if base else f"{'-':>13}"
-        print(f"{n:<20}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
-              f"{vs}{fwd_s:>16}{res['peak_mb'][n]:>9.0f}")
+        print(f"{n:<24}{res['params'][n]:>10,}{res['final_loss'][n]:>8.3f}{tps:>13,.0f}"
+              f"{vs}{fwd_s:>16}{peak_s}")
     for key, target in res["targets"].items():
         val = res[key]
+        if val is None and RATIOS[key][0] in VARIANTS:       # a row group that was not asked for
+            continue
         if target is None:
             print(f"  {key}: {'n/a' if val is None else f'{val:.2f}x'}")
             continue
@@ -266,6 +318,10 @@ def main():
                    help="sequence lengths to run the config at, same tokens per step (default: the config's)")
     p.add_argument("--steps", type=int, default=7, help="timed steps (fast models)")
     p.add_argument("--warmup", type=int, default=3, help="warmup steps (fast models)")
+    p.add_argument("--compile-scan", action="store_true",
+                   help="also time ssmkit Mamba-1/-2 with ssmkit.ops.compile_scan(True)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time ssmkit Mamba-1/-2 with the scan replaced by an O(L d) stand-in (a bound)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     p.add_argument("--_child", help=argparse.SUPPRESS)  # internal: peak-memory child process
