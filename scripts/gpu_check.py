@@ -431,6 +431,23 @@ def parity_cases() -> dict:
     return cases
 
 
+def compiled_cases() -> dict:
+    """The S6 and SSD cases again with ``ops.compile_scan(True)`` on the torch backend (Triton on a GPU).
+    Run on CUDA only: on CPU tests/test_compiled_scan.py checks the same and the compiles cost CI time."""
+    def compiled(make, call, tol):
+        def call_compiled(t, backend):
+            if backend != "torch":
+                return call(t, backend)
+            ops.compile_scan(True)       # the choice is made in forward; backward follows the graph it built
+            try:
+                return call(t, backend)
+            finally:
+                ops.compile_scan(False)
+        return make, call_compiled, tol
+    return {"selective_scan/compiled": (*compiled(*_s6_case(2, True)), False),
+            "ssd_scan/compiled": (*compiled(*_ssd_case(2, True)), False)}
+
+
 def _run(call, inputs: dict, backend: str, device, grad_names, grad_outs: dict | None, forward_only: bool):
     """Leaves on ``device`` (gradients for ``grad_names``), the outputs, and the gradients after backward
     with ``grad_outs`` (made here, seeded, in each output's dtype, when None). Returns (outs, grads, g)."""
@@ -519,7 +536,8 @@ def _no_tf32():
 def section_parity(ctx: Context) -> dict:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     results, failed = {}, []
-    for name, (make, call, tol, forward_only) in parity_cases().items():
+    cases = {**parity_cases(), **(compiled_cases() if ctx.device.type == "cuda" else {})}
+    for name, (make, call, tol, forward_only) in cases.items():
         results[name] = {}
         for dname, dtype in dtypes.items():
             try:
