@@ -39,13 +39,15 @@ _ENABLED: bool | None = None       # None: read SSMKIT_COMPILE_SCAN
 
 
 def compile_scan(enabled: bool = True) -> None:
-    """Turn the compiled S6 chunk kernels on or off for this process (overrides SSMKIT_COMPILE_SCAN)."""
+    """Turn the compiled scans (S6 chunks, the SSD) on or off for this process (overrides
+    SSMKIT_COMPILE_SCAN); only the ``torch`` backend is affected, never the CUDA kernels."""
     global _ENABLED
     _ENABLED = bool(enabled)
 
 
 def enabled() -> bool:
-    """Whether :func:`ssmkit.ops.selective_scan`'s torch backend runs the compiled chunks."""
+    """Whether the torch backend of :func:`~ssmkit.ops.selective_scan` and :func:`~ssmkit.ops.ssd_scan` runs
+    compiled; a value of SSMKIT_COMPILE_SCAN other than 0 / 1 / false / true is an error."""
     if _ENABLED is not None:
         return _ENABLED
     value = os.environ.get("SSMKIT_COMPILE_SCAN", "").strip().lower()
@@ -140,7 +142,8 @@ class CompiledScanFn(torch.autograd.Function):
         dt_raw = tm(delta) if delta_bias is None else tm(delta) + delta_bias
         dt = F.softplus(dt_raw) if softplus else dt_raw                        # Δ: (L, b, d)
         grp = lambda M: M.reshape(M.shape[0], *state[:3])  # noqa: E731  (k, b, d) -> (k, b, g, c)
-        dt_p, u_p = _padded(grp(dt), Lp), _padded(grp(tm(u)), Lp)             # padded steps: Δ = 0
+        u_t = tm(u)
+        dt_p, u_p = _padded(grp(dt), Lp), _padded(grp(u_t), Lp)               # padded steps: Δ = 0
         B_p, C_p = _padded(tm(B), Lp), _padded(tm(C), Lp)
         keep_p = _padded(u.new_ones(L, batch) if keep is None else keep.t().contiguous(), Lp, 1.0)
         A2 = A.reshape(state[1:]) * LOG2_E
@@ -151,7 +154,6 @@ class CompiledScanFn(torch.autograd.Function):
                         keep_p[s:s + T])
             ys.append(y)
         ys = torch.cat(ys)[:L].reshape(L, batch, dim)                          # C h, before D and z
-        u_t = tm(u)
         pre = ys if D is None else ys + u_t * D                               # skip connection
         z_t = None if z is None else tm(z)
         out = pre if z is None else pre * F.silu(z_t)                         # gate
