@@ -6,6 +6,9 @@ What it measures, per config (fp32, CPU, vocab 1000, AdamW lr 1e-3, torch.manual
   zero_grad. tokens/s = batch * seqlen / median(step time) over the timed steps.
 * fwd@2048 tokens/s: batch 1 x 2048 tokens, eval mode, torch.no_grad, median over steps.
   The transformers Mamba default path (a per-token Python loop) is left out here.
+* allocator: steps are timed under the Trainer's CPU allocator setting (ssmkit.env.reuse_freed_memory:
+  glibc reuses freed blocks instead of unmapping them and page-faulting them in again), process-wide, so
+  for every model alike; SSMKIT_REUSE_MEMORY=0 times glibc's default. Peak memory is measured without it.
 * peak MB: extra peak RSS of a fresh child process that builds only that model and runs
   two train steps (see `child_peak_mb`).
 
@@ -97,6 +100,13 @@ def llama_target(seqlen: int) -> float | None:
     """The target of Mamba-1 / Mamba-2 against Llama at ``seqlen``: the longest listed length's <= it."""
     known = [n for n in LLAMA_TARGETS if n <= seqlen]
     return LLAMA_TARGETS[max(known)] if known else None
+
+
+def allocator_setting() -> str:
+    """The Trainer's CPU allocator setting (``ssmkit.env.reuse_freed_memory``: freed blocks are reused, not
+    unmapped and page-faulted in again), process-wide, so every model here is timed under it;
+    SSMKIT_REUSE_MEMORY=0 keeps glibc's default. Returns which one is in effect."""
+    return "reuse freed memory (the Trainer's)" if ssmkit.env.reuse_freed_memory() else "glibc default"
 
 
 def mambapy_available():
@@ -263,7 +273,7 @@ def bench_config(cfg_name, args, log, seqlen=None):
         peak_mb[n] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
         log(f"[{cfg_name}] peak memory of {n}: {peak_mb[n]:.0f} MB")
 
-    result = {"config": cfg_name, **c, "threads": torch.get_num_threads(),
+    result = {"config": cfg_name, **c, "threads": torch.get_num_threads(), "allocator": args.allocator,
               "timing": f"median over {args.steps} timed steps after {args.warmup} warmup "
                         f"({SLOW}: 1 timed after 1 warmup)"}
     for key, (num, den, _) in RATIOS.items():
@@ -284,7 +294,8 @@ def targets_at(seqlen: int) -> dict:
 
 def print_table(res):
     print(f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
-          f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads; {res['timing']} ==")
+          f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads, allocator: {res['allocator']}; "
+          f"{res['timing']} ==")
     print(f"{'model':<24}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
           f"{'fwd@2048 tok/s':>16}{'peak MB':>9}")
     base = res["tokens_per_s"].get(SLOW)
@@ -333,6 +344,7 @@ def main():
         return
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    args.allocator = allocator_setting()
 
     def log(msg):
         if not args.json_only:

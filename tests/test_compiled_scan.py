@@ -4,6 +4,7 @@ Chunks of 4 steps here (``CHUNK`` patched) keep inductor's compile of each graph
 sequences are not multiples of 4, so the padded last chunk is always exercised. fp32 tolerance: 1e-5 of
 the oracle's largest magnitude (the project's fp32 bound is 1e-4).
 """
+import json
 import os
 import subprocess
 import sys
@@ -162,4 +163,17 @@ def test_the_benchmark_rows_switch_modes_and_restore_them():
     assert (ops.selective_scan, ops.ssd_scan) == (scan, ssd) and not compiled.enabled()
     targets = bench.targets_at(2048)
     assert targets["ssmkit_mamba1_compiled_vs_llama"] == 3.0 and targets["ssmkit_mamba1_vs_llama"] == 3.0
-    assert targets["ssmkit_mamba1_noscan_vs_llama"] is None and targets["ssmkit_mamba2_noscan_vs_llama"] is None
+    assert targets["ssmkit_mamba1_noscan_vs_llama"] is None
+    assert targets["ssmkit_mamba2_noscan_vs_llama"] is None
+
+
+def test_the_profile_script_reports_a_step_and_its_top_ops():
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_train_step.py")
+    args = ["ssmkit_mamba1_noscan", "--seq-len", "64", "--steps", "1", "--profile-steps", "1", "--rows", "3"]
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["model"] == "ssmkit_mamba1_noscan" and (res["batch"], res["seqlen"]) == (32, 64)
+    assert res["step_ms"] > 0 and len(res["top_self_cpu_share"]) == 3
+    assert "aten::mm" in out.stdout                       # the projections show up in the table
