@@ -33,6 +33,7 @@ sample's: mamba_ssm's semantics.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -305,10 +306,9 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
     if name == "torch" and x.device.type == "cpu":
         chunk_size = min(int(chunk_size), CPU_CHUNK_SIZE)
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
+    impl = _IMPLS[name]
     if name == "torch" and _compiled.enabled():                 # opt-in: the whole chunked SSD compiled
-        return _compiled.run(ssd_chunked, x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                             dt_softplus=dt_softplus, initial_states=initial_states,
-                             return_final_states=return_final_states, dt_limit=dt_limit, **extra)
-    return _IMPLS[name](x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                        initial_states=initial_states, return_final_states=return_final_states,
-                        dt_limit=dt_limit, **extra)
+        impl = functools.partial(_compiled.run, ssd_chunked)
+    return impl(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                initial_states=initial_states, return_final_states=return_final_states, dt_limit=dt_limit,
+                **extra)
