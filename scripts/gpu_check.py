@@ -8,7 +8,7 @@ Sections, run in this order; each returns a dict with a ``status``: "ok", "skipp
   parity      every op of ssmkit's ``torch`` backend on the device against the ``reference`` backend on the
               CPU in fp32: forward and the gradients of every input, small shapes and odd lengths; fp32
               (max error / max |reference| <= 1e-4, TF32 off) and bf16 (the kernels' own suites' tolerances,
-              as tests/test_low_precision.py); the max error of each tensor and pass / fail
+              as tests/unit/ops/test_low_precision.py); the max error of each tensor and pass / fail
   kernels     (CUDA, when mamba_ssm / causal_conv1d import) their ops (backend "cuda") against ssmkit's
               torch backend on the same GPU: parity (fwd/bwd, fp32) and speed (median fwd+bwd ms, ratio)
               at realistic shapes (Mamba-1 130M: batch 8 x 2048, d_inner 1536; Mamba-2 130M's SSD)
@@ -194,7 +194,8 @@ def section_env(ctx: Context) -> dict:
 # A case: make(low) -> (inputs on the CPU, names of the activations cast to ``low``), call(inputs, backend)
 # -> a tuple of named outputs, the names of the inputs whose gradients are checked, and the bf16 tolerance
 # of each output and gradient. fp32: max |ours - ref| / max |ref| <= 1e-4 for every tensor. bf16: as the
-# kernels' suites (tests/test_low_precision.py): "elem" |ours - ref| <= atol + rtol |ref| elementwise with
+# kernels' suites (tests/unit/ops/test_low_precision.py): "elem" |ours - ref| <= atol + rtol |ref|
+# elementwise with
 # ref rounded to the tensor's dtype; "scale" the same with atol x max |ref| (fp32 parameters whose gradient
 # is a sum over every position); "norm" |ours - ref| <= 2 |plain bf16 PyTorch - ref| + 8e-3 (layernorm_gated).
 
@@ -382,7 +383,8 @@ def _norm_case(gated: bool, group_size=None, norm_before_gate=True):
 
 
 def _mamba3_case(rank: int):
-    """Mamba-3's scan (SISO rank 1, MIMO rank > 1), with the shapes of tests/test_cuda_dispatch.py."""
+    """Mamba-3's scan (SISO rank 1, MIMO rank > 1), with the shapes of
+    tests/unit/ops/test_cuda_dispatch.py."""
     b, L, h, p, gr, n, S = 2, 19, 4, 3, 2, 8, 2
     mimo = rank > 1
 
@@ -433,7 +435,8 @@ def parity_cases() -> dict:
 
 def compiled_cases() -> dict:
     """The S6 and SSD cases again with ``ops.compile_scan(True)`` on the torch backend (Triton on a GPU).
-    Run on CUDA only: on CPU tests/test_compiled_scan.py checks the same and the compiles cost CI time."""
+    Run on CUDA only: on CPU tests/unit/ops/test_compiled_scan.py checks the same and the compiles cost
+    CI time."""
     def compiled(make, call, tol):
         def call_compiled(t, backend):
             if backend != "torch":
@@ -554,7 +557,8 @@ def section_parity(ctx: Context) -> dict:
     return {"pass": not failed, "failed": failed, "device": str(ctx.device),
             "oracle": "reference backend, CPU",
             "tolerance": {"fp32": f"max|ours-ref| <= {FP32_REL} max|ref|, TF32 off",
-                          "bf16": "the kernels' suites (tests/test_low_precision.py); ratio <= 1 passes"},
+                          "bf16": "the kernels' suites (tests/unit/ops/test_low_precision.py); "
+                                  "ratio <= 1 passes"},
             "cases": results}
 
 

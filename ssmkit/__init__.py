@@ -10,7 +10,7 @@
     model.save_pretrained("out", format="hf")                      # or "mamba_ssm"
     lora = ssmkit.finetune.apply_lora(model)                       # peft LoRA, the plan's LoraConfig
 
-The layers, low to high (each imports only lower ones; tests/test_layers.py keeps it so): ``io``,
+The layers, low to high (each imports only lower ones; tests/unit/test_layers.py keeps it so): ``io``,
 ``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` < ``plots`` <
 ``train`` < ``workbook``, ``demo`` < ``cli``. All are attributes of this package: the light ones are imported
 with it, the heavy ones (``eval``, ``finetune``, ``plots``, ``train``, ``workbook``, ``demo``, ``cli``:

@@ -25,3 +25,11 @@ def shards(tmp_path_factory):
     prepare("stdlib-docs", "byte", base / "train", max_tokens=60_000, shard_tokens=20_000, progress=False)
     prepare("stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False)
     return base
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """The fake kernel modules of tests/fake_kernels.py installed; returns the list their calls go to."""
+    from fake_kernels import install_fake_kernels
+
+    return install_fake_kernels(monkeypatch)

@@ -9,6 +9,8 @@ import torch
 
 from ssmkit.train import TrainConfig
 
+ROOT = Path(__file__).resolve().parents[1]      # the checkout: configs/, notebooks/, benchmarks/
+
 # mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
 MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
                            "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm",

@@ -1,6 +1,7 @@
 """Zamba2 (Zyphra; Glorioso et al. 2024, arXiv 2411.15242): Mamba-2 layers and shared attention blocks.
 
-Computed exactly as transformers' ``Zamba2Model`` (fp32 logits agree to 1e-4, tests/test_zamba2.py):
+Computed exactly as transformers' ``Zamba2Model`` (fp32 logits agree to 1e-4,
+tests/unit/models/test_zamba2.py):
 
     e = embedding(ids);  h = e
     for layer i:

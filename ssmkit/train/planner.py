@@ -37,8 +37,9 @@ and:
 FSDP (n > 1 GPUs, ``fully_shard`` on each block, then the root): the gathered low-precision copy of the
 root (embedding, norm_f) and of two blocks (the one running and the one prefetched), the root's and one
 block's unsharded gradients (and the fp32 copy reduce-scatter takes) are workspace. Backends: ``torch``
-is ssmkit's pure-PyTorch path (as on CPU; tests/test_planner.py checks it against autograd's saved tensors
-and measured peaks), ``cuda`` the kernels (from their ``save_for_backward``; not yet measured on a GPU).
+is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py checks it against autograd's
+saved tensors and measured peaks), ``cuda`` the kernels (from their ``save_for_backward``; not yet
+measured on a GPU).
 """
 
 from __future__ import annotations

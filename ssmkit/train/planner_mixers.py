@@ -50,8 +50,8 @@ S = the rotation angles (``ssmkit.ops.rope_angles``), I = 2E + 2GNr + 3H + S (it
                   output; d_conv: the conv's taps and output; a window shorter than L/2: the blocks' output
     MLP           fc1 out 2h + SiLU(gate) h + product h [a] (after norm2)
 
-Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/test_planner.py checks it against
-autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from their
+Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py checks it
+against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from their
 ``save_for_backward``; not yet measured on a GPU). In bf16/fp16 the torch formulas assume autocast casts
 the operands of a matmul (the saved copies are then [a]), and elementwise products stay fp32.
 """
@@ -69,7 +69,8 @@ SCAN_CHUNK_ELEMENTS = 1 << 20   # ssmkit.ops.s6: the torch scan's chunk holds ~2
 CUDA_SCAN_CHUNK = 2048       # mamba_ssm's selective scan keeps a state every 2048 steps
 
 # Temporaries of a part's backward, as a fraction of what the part saved (measured on CPU, torch backend,
-# tests/test_planner.py): the S6 Function's backward allocates all its gradients and two T-step buffers
+# tests/unit/train/test_planner.py): the S6 Function's backward allocates all its gradients and two
+# T-step buffers
 # before its saved tensors go; Mamba-2's and Mamba-3's chunked scans are many small autograd ops, each
 # freeing as it goes (Mamba-3's largest, the (Q'r)² blocks, leave twice Mamba-2's share).
 BACKWARD_TEMPS = {"mamba1": 0.7, "mamba2": 0.1, "mamba3": 0.2, "attn": 0.3, "swa": 0.3, "mlp": 0.3}

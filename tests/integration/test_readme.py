@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 VENV = Path(sys.prefix)
 RUN = f"readme-test-{os.getpid()}"              # `make run` writes runs/$(RUN) in the checkout: removed after
@@ -161,6 +161,7 @@ def test_every_substitution_still_applies():
 
 DRIVER = r"""
 import json, sys
+
 ns = {"__name__": "__main__"}
 for b in json.load(open(sys.argv[1])):
     print(f"--- README.md:{b['line']}", flush=True)

@@ -16,15 +16,14 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "notebooks/01_prototype_130m.ipynb"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 

@@ -18,8 +18,9 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ssmkit"
+PACKAGE = ROOT / "ssmkit"
 MAX_LINES = 450
 
 # Layers, low to high. A file may import the files of its own layer (its package: in any direction, circles
@@ -136,7 +137,7 @@ def reversed_edges(graph: dict[Path, dict[Path, int]], root: Path = PACKAGE) -> 
     bad = []
     unknown = sorted({_layer(p, root) for p in graph} - set(LAYERS) - {FACADE})
     for layer in unknown:
-        bad.append(f"{root.name}/{layer}: layer {layer!r} is not in LAYERS (tests/test_layers.py): "
+        bad.append(f"{root.name}/{layer}: layer {layer!r} is not in LAYERS (tests/unit/test_layers.py): "
                    "place it there")
     for a, targets in graph.items():
         la = _layer(a, root)
@@ -275,7 +276,7 @@ def test_a_reversed_edge_a_circle_and_a_long_module_are_named(tmp_path):
     assert long_modules(root) == ["ssmkit/models/lm.py: 463 lines (limit 450: split it by meaning)"]
     assert reversed_edges(import_graph(_package(tmp_path / "other" / "ssmkit", {"new.py": ""})),
                           tmp_path / "other" / "ssmkit") == [
-        "ssmkit/new: layer 'new' is not in LAYERS (tests/test_layers.py): place it there"]
+        "ssmkit/new: layer 'new' is not in LAYERS (tests/unit/test_layers.py): place it there"]
 
 
 @pytest.mark.parametrize("line", ["from .. import hub", "from ..hub import x", "import ssmkit.hub",
@@ -297,6 +298,7 @@ import json, sys, tempfile
 from ssmkit.models import MambaLM        # runs ssmkit/__init__.py first, which imports the hub
 method = hasattr(MambaLM, "save_pretrained")
 import ssmkit
+
 loaded = sorted(m for m in sys.modules if m.startswith(HEAVY))
 before = set(sys.modules)
 names = {name: type(getattr(ssmkit, name)).__name__

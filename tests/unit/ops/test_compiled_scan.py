@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers import ROOT
 
 from ssmkit import ops
 from ssmkit.ops import compiled
@@ -150,7 +151,7 @@ def test_no_compiler_is_a_clear_error(tmp_path):
 def test_the_benchmark_rows_switch_modes_and_restore_them():
     """benchmarks/train_step_cpu.py --compile-scan / --floor: each row runs in its mode, the next in its own;
     the floor rows are a bound (reported, never judged against a target)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import train_step_cpu as bench
     finally:
@@ -168,7 +169,7 @@ def test_the_benchmark_rows_switch_modes_and_restore_them():
 
 
 def test_the_profile_script_reports_a_step_and_its_top_ops():
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_train_step.py")
+    script = os.path.join(ROOT, "benchmarks", "profile_train_step.py")
     args = ["ssmkit_mamba1_noscan", "--seq-len", "64", "--steps", "1", "--profile-steps", "1", "--rows", "3"]
     out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cuda_dispatch import fake_kernels  # noqa: F401  (the kernel stand-ins, as a fixture)
 
 import ssmkit
 from ssmkit.finetune import (

@@ -4,19 +4,16 @@ bars of their own, the live plot's axes from the first point, and the one-line n
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import tqdm.auto
-from helpers import small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import ROOT, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
 from ssmkit import io
 from ssmkit.plots import LivePlot
 from ssmkit.train import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the bar's form -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 import ssmkit
 from ssmkit import workbook
@@ -174,7 +175,7 @@ def test_a_params_file_s_base_reaches_notebook_04_only():
     pretraining into a fine-tuning of that checkpoint. It reaches only the notebook that declares it."""
     from ssmkit.workbook.params import route_parameters
 
-    root = Path(__file__).resolve().parent.parent / "notebooks"
+    root = ROOT / "notebooks"
     paths = [root / "01_prototype_130m.ipynb", root / "04_lora_finetune.ipynb"]
     declared = {str(p): workbook.declared_parameters(p) for p in paths}
     values, unused = route_parameters(declared, {}, {"base": "state-spaces/mamba-130m-hf", "micro_batch": 4})

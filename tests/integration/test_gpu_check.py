@@ -13,12 +13,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 SECTIONS = ["env", "parity", "kernels", "train_step", "generation", "notebook"]
 NO_CUDA = "skipped: no CUDA device"

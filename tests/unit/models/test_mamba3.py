@@ -1,6 +1,7 @@
 """Mamba-3: the scan's three views agree, generation equals the forward pass, MIMO rank 1 is SISO, it trains.
 
-Oracles: the step-by-step recurrence (ops.mamba3_reference), which tests/test_cuda_dispatch.py and the closing
+Oracles: the step-by-step recurrence (ops.mamba3_reference), which tests/unit/ops/test_cuda_dispatch.py and
+the closing
 note also check against mamba_ssm's own test references; a second path through the code (the chunked scan, the
 quadratic form, one-step generation, a left-padded batch); closed forms (the heavy-tail activation, parameter
 counts, FLOPs). Tolerance: fp32, relative 1e-4 of the largest value.

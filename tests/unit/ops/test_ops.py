@@ -627,7 +627,8 @@ def op_calls():
 
 
 def mamba3_op_calls(g):
-    """Mamba-3's ops (tests/test_mamba3.py tests them): a 2-step SISO scan, a rank-2 MIMO scan, one step."""
+    """Mamba-3's ops (tests/unit/models/test_mamba3.py tests them): a 2-step SISO scan, a rank-2 MIMO
+    scan, one step."""
     b, L, h, p, n, S = 1, 2, 2, 3, 4, 1
     scan = dict(x=randn(g, b, L, h, p), dt=rand(g, b, L, h), A=-rand(g, b, L, h), trap=randn(g, b, L, h),
                 angles=randn(g, b, L, h, S))

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from ssmkit.data import prepare
 from ssmkit.train import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

@@ -19,14 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
 from ssmkit.train import TrainConfig, Trainer, checkpoint
 from ssmkit.train.checkpoint import CheckpointCorrupt
 from ssmkit.train.rundir import PREVIOUS
 
-ROOT = Path(__file__).resolve().parents[1]
 POINTS = ["written", "old moved aside", "renamed", "latest written"]
 
 

@@ -25,9 +25,10 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
+from helpers import ROOT  # noqa: E402
+
 from ssmkit import workbook  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 REQUIRED = {"preset", "data", "max_tokens", "device", "out_dir", "seed"}

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 import ssmkit
 from ssmkit.train import MemoryPlan, TrainConfig, memory_table, plan_memory, planner, scale_up_plans
 
-ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 
 # Small configs whose activations are tens to hundreds of MB, so the planner's terms dominate the noise
@@ -167,6 +166,7 @@ import torch, ssmkit
 from ssmkit.eval import lm_loss
 from ssmkit.eval.long_context import fix_mmap_threshold, measure_call
 from ssmkit.train import TrainConfig, build_optimizer
+
 
 torch.set_num_threads(1)                   # steadier on a busy machine (no spinning OpenMP threads)
 assert fix_mmap_threshold()                   # freed tensors go back to the OS: RSS follows the live ones

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("jupyter_server")
+from helpers import ROOT
 from jupyter_server.services.contents.filemanager import FileContentsManager  # noqa: E402
 
 from ssmkit import cli  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
                  "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",

@@ -12,10 +12,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 pytest.importorskip("jupyterlab")
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "ssmkit-test"
 
 

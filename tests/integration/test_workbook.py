@@ -20,7 +20,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
-from helpers import make_notebook  # noqa: E402
+from helpers import ROOT, make_notebook  # noqa: E402
 
 from ssmkit import workbook  # noqa: E402
 from ssmkit.plots import LivePlot, plot_curves  # noqa: E402
@@ -325,7 +325,7 @@ def test_check_params_resolves_and_rejects(tmp_path):
 
 def test_relative_out_dir_starts_at_the_notebooks_folder(tmp_path, monkeypatch):
     """Whatever the working directory (papermill from the repository root, a cluster job elsewhere)."""
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     name = f"pytest-out-dir-{os.getpid()}"
     try:
         for cwd in (root, tmp_path):

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import sys
 
+import fake_kernels as dispatch
 import pytest
-import test_cuda_dispatch as dispatch
 import torch
 import torch.nn.functional as F
 from helpers import perturb_
-from test_cuda_dispatch import fake_kernels  # noqa: F401  (a fixture: the fake kernel modules)
 
 from ssmkit import ops
 from ssmkit.models import MambaLM, ModelConfig

@@ -8,16 +8,13 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
 from ssmkit.train import TrainConfig, Trainer, TrainingError, flops_per_token, lr_at, split_parameters
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- configuration ------------------------------------------------------------------------------

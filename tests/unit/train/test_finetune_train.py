@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import losses, perturb_
+from helpers import ROOT, losses, perturb_
 
 import ssmkit
 from ssmkit.data import vocab_size
@@ -90,9 +90,8 @@ def _write(path, text):
 
 
 def test_the_cpu_tiny_lora_config_is_valid():
-    from pathlib import Path
 
-    cfg = TrainConfig.from_yaml(Path(__file__).parent.parent / "configs" / "cpu-tiny-lora.yaml")
+    cfg = TrainConfig.from_yaml(ROOT / "configs" / "cpu-tiny-lora.yaml")
     assert cfg.base and cfg.lora is not None and cfg.data.startswith("sft")
 
 

@@ -21,12 +21,11 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
-from helpers import make_notebook  # noqa: E402
+from helpers import ROOT, make_notebook  # noqa: E402
 
 from ssmkit import workbook  # noqa: E402
 from ssmkit.io import DirLock  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib\n"
           "(pathlib.Path(out_dir) / 'metrics.json').write_text(json.dumps({'x': x}))")
