@@ -23,7 +23,8 @@ import torch
 
 import ssmkit
 from ssmkit.data import TokenLoader, prepare
-from ssmkit.train import TrainConfig, Trainer, build_optimizer, lm_loss, lr_at
+from ssmkit.eval import lm_loss
+from ssmkit.train import TrainConfig, Trainer, build_optimizer, lr_at
 
 
 class BareLoop:

@@ -7,6 +7,7 @@ nothing of ssmkit: every layer may use it.
 
     integer(5e8, "max_tokens", whole_floats=True)  -> 500000000   (YAML writes budgets as 5e8)
     integer(True, "seed", minimum=0)        -> ValueError: seed must be an integer >= 0; got True
+    integers("[256, 1024]", "lengths", minimum=2, ascending=True)  -> [256, 1024]
     number("x", "lr", low=0, low_open=True) -> ValueError: lr must be a number > 0; got 'x'
     parse_value("1e3"), parse_value("none"), parse_value("[1, 2]")  -> 1000.0, None, [1, 2]
 """
@@ -48,6 +49,23 @@ def integer(value, name: str, minimum: int | None = None, maximum: int | None = 
             what = f"an integer <= {maximum}" if minimum is None else f"an integer in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}; got {value!r}")
     return int(value)
+
+
+def integers(value, name: str, minimum: int | None = None, *, ascending: bool = False) -> list[int]:
+    """A non-empty list of integers (each as :func:`integer` with ``whole_floats``), or its text as a
+    command line writes it (``"[16, 64]"``); ``ascending``: strictly increasing (so also distinct)."""
+    parsed = parse_value(value) if isinstance(value, str) else value
+    floor = f" >= {minimum}" if minimum is not None else ""
+    try:
+        if not isinstance(parsed, (list, tuple)) or not parsed:
+            raise ValueError
+        values = [integer(v, name, minimum=minimum, whole_floats=True) for v in parsed]
+    except ValueError:
+        raise ValueError(f"{name} must be a non-empty list of integers{floor}, e.g. [16, 64]; "
+                         f"got {value!r}") from None
+    if ascending and values != sorted(set(values)):
+        raise ValueError(f"{name} must be ascending and distinct; got {values}")
+    return values
 
 
 def number(value, name: str, low: float | None = None, high: float | None = None, low_open: bool = False,

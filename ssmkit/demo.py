@@ -3,8 +3,10 @@
     python -m ssmkit.demo [--steps 300] [--mixer mamba1|mamba2|mamba3|hybrid] [--seed 0]
 
 The text is the Python language reference that ships with every CPython (``pydoc_data.topics``),
-read as raw UTF-8 bytes (vocabulary 256). The loop is deliberately minimal (AdamW, linear warmup,
-cosine decay, gradient clipping); the full training engine lives in ``ssmkit.train``.
+read as raw UTF-8 bytes (vocabulary 256). The loop is deliberately minimal: the Trainer's AdamW and
+schedule (:func:`ssmkit.train.optim.build_optimizer`, :func:`~ssmkit.train.optim.lr_at`: linear warmup,
+cosine decay to lr / 10) and gradient clipping, on random windows of one in-memory tensor; the full
+training engine (shards, checkpoints, evaluation, several processes) is :class:`ssmkit.train.Trainer`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 import torch
 
 from .models import ModelConfig, build_model, generate
+from .train import TrainConfig
+from .train.optim import build_optimizer, lr_at
 
 
 def builtin_bytes(max_bytes: int = 400_000) -> torch.Tensor:
@@ -31,14 +35,6 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
     while True:
         starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
         yield torch.stack([data[s : s + seq_len] for s in starts.tolist()])
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup to ``peak``, then cosine decay to peak / 10."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()
@@ -76,18 +72,20 @@ def main(argv=None, prog: str | None = None):
     print(f"model: {args.mixer}, d_model {cfg.d_model}, {cfg.n_layer} layers, "
           f"{model.num_parameters() / 1e3:.0f}K parameters; "
           f"data: {len(data) / 1e3:.0f}K bytes of the Python reference")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    recipe = TrainConfig(max_steps=args.steps, lr=args.lr, min_lr=args.lr / 10, weight_decay=0.1,
+                         warmup_steps=max(1, args.steps // 20), betas=(0.9, 0.95), grad_clip=1.0)
+    opt = build_optimizer(model, recipe)
     stream = batches(train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
     first_val = evaluate(model, val)
     print(f"step    0  val loss {first_val:.3f}  (uniform guess: {math.log(256):.3f})")
     t0 = time.perf_counter()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, warmup=max(1, args.steps // 20))
+            group["lr"] = lr_at(step, recipe)
         x = next(stream)
         loss = model(x, labels=x).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % 25 == 0 or step + 1 == args.steps:

@@ -12,12 +12,19 @@ from .ops import backend as _backend
 from .ops import compiled as _compiled
 
 
-def _version(module: str) -> str:
+def module_status(name: str) -> str:
+    """What importing ``name`` gives: its version ("installed" if it has none), "not installed", or
+    "broken (<error>)": a CUDA extension built against another torch raises more than ImportError."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        return "not installed"
     try:
-        mod = __import__(module)
-    except Exception as exc:  # a broken CUDA extension raises more than ImportError
-        return f"not importable ({type(exc).__name__})"
-    return getattr(mod, "__version__", "installed")
+        module = __import__(name)
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"broken ({type(exc).__name__}: {first})"
+    return getattr(module, "__version__", "installed")
 
 
 def env_report() -> str:
@@ -34,9 +41,12 @@ def env_report() -> str:
                      f"bf16: {torch.cuda.is_bf16_supported()}")
     else:
         lines.append("gpu          none (CUDA not available)")
-    lines.append(f"mamba_ssm    {_version('mamba_ssm') if device == 'cuda' else 'not checked (no CUDA)'}")
+    unchecked = "not checked (no CUDA)"
+    lines.append(f"mamba_ssm    {module_status('mamba_ssm') if device == 'cuda' else unchecked}")
     lines.append("causal_conv1d "
-                 f"{_version('causal_conv1d') if device == 'cuda' else 'not checked (no CUDA)'}")
+                 f"{module_status('causal_conv1d') if device == 'cuda' else unchecked}")
+    lines.append(f"offline      hub: {'yes' if offline('hub') else 'no'}, "
+                 f"datasets: {'yes' if offline('datasets') else 'no'} (HF_HUB_OFFLINE, ...)")
     forced = _backend.forced_backend()
     lines.append(f"SSMKIT_BACKEND {forced or 'unset (automatic)'}")
     lines.append(f"compiled scans {'on' if _compiled.enabled() else 'off'} (the torch backend's S6 and SSD "
@@ -110,6 +120,23 @@ def measure_freed_memory(mmap_threshold: int = 128 * 1024) -> bool:
 def malloc_mode() -> str | None:
     """The allocator setting last applied by this module: "reuse", "measure", or None (glibc's own)."""
     return _MALLOC_MODE
+
+
+# the variables that keep Hugging Face's libraries off the network, per library
+OFFLINE_VARIABLES = {"hub": ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
+                     "datasets": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+
+
+def offline(library: str = "hub") -> bool:
+    """Whether the user switched Hugging Face's ``library`` off the network: "hub" (models and
+    tokenizers: ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``) or "datasets" (``HF_HUB_OFFLINE`` or
+    ``HF_DATASETS_OFFLINE``) set to 1 / true / yes / on. Says nothing about whether a network exists."""
+    import os
+
+    if library not in OFFLINE_VARIABLES:
+        raise ValueError(f"library={library!r} is not valid; valid: {', '.join(OFFLINE_VARIABLES)}")
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in OFFLINE_VARIABLES[library])
 
 
 def pick_device(device: str = "auto") -> str:

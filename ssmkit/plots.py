@@ -210,3 +210,34 @@ def plot_curves(histories: dict[str, list[dict]], path: str | Path | None = None
 
 
 __all__ = ["LivePlot", "plot_curves", "save_and_show"]
+
+
+def plot_panels(rows: list[dict], path, x: str, panels: dict, group: str | None = "model", *,
+                logx: bool = False, logy=(), title: str | None = None, show: bool | None = None):
+    """One panel per entry of ``panels`` ({row key: panel title}), side by side: y = that key against
+    ``x``, one line per value of ``group`` (None: one line). ``logy``: the keys drawn on a log
+    scale. Saved to ``path`` (written whole) and, in a Jupyter kernel, shown. Returns the figure."""
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
+    for ax, (key, name) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels.items()):
+        lines: dict = {}
+        for r in rows:
+            if r.get(key) is not None and r.get(x) is not None:
+                lines.setdefault(r.get(group, "") if group else "", []).append((r[x], r[key]))
+        for label, points in lines.items():
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, "o-", ms=4, lw=1.2, label=str(label) if label != "" else None)
+        ax.set_xlabel(x)
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if key in logy:
+            ax.set_yscale("log")
+        if len(lines) > 1:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return save_and_show(fig, path, show)

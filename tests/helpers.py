@@ -58,3 +58,10 @@ def make_notebook(path: Path, params: str, *cells: str) -> Path:
                 + [nbformat.v4.new_code_cell(c) for c in cells])
     nbformat.write(nb, path)
     return path
+
+
+def check_parameters(chapter, tmp_path, **changes) -> dict:
+    """``chapter.PARAMETERS.check`` on its defaults with ``changes``, out_dir in ``tmp_path`` (the default
+    would create ../runs/lab/... in the checkout) and device cpu."""
+    values = {**chapter.PARAMETERS.defaults(), "out_dir": str(tmp_path), "device": "cpu", **changes}
+    return chapter.PARAMETERS.check(values)

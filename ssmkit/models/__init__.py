@@ -4,7 +4,7 @@ hybrids, the LM, its cache and generation, and a Transformer baseline of matched
 from .attention import Attention
 from .baseline import matched_transformer, parameter_report
 from .cache import InferenceCache, KVState, LayerState, Mamba3State
-from .config import MIXERS, PRESETS, ModelConfig, presets
+from .config import MIXERS, PRESETS, SSM_MIXERS, ModelConfig, presets
 from .generate import generate, sample_next
 from .lm import Block, LMOutput, MambaLM, build_model
 from .mamba1 import Mamba1
@@ -14,7 +14,8 @@ from .mlp import GatedMLP
 from .norms import RMSNorm, RMSNormGated
 
 __all__ = [
-    "Attention", "GatedMLP", "InferenceCache", "KVState", "LayerState", "MIXERS", "PRESETS", "ModelConfig",
+    "Attention", "GatedMLP", "InferenceCache", "KVState", "LayerState", "MIXERS", "PRESETS", "SSM_MIXERS",
+    "ModelConfig",
     "presets", "generate", "sample_next",
     "Block", "LMOutput", "MambaLM", "build_model", "Mamba1", "Mamba2", "Mamba3", "Mamba3State", "RMSNorm",
     "RMSNormGated",

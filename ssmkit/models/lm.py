@@ -330,9 +330,13 @@ class MambaLM(nn.Module):
         return sum(p.numel() for p in params.values())
 
 
-def build_model(cfg: ModelConfig | str, device=None, dtype=None) -> MambaLM:
-    """A freshly initialised :class:`MambaLM` from a config or a preset name."""
+def build_model(cfg: ModelConfig | str, device=None, dtype=None, seed: int | None = None) -> MambaLM:
+    """A freshly initialised :class:`MambaLM` from a config or a preset name. ``seed``: the weights
+    drawn under ``torch.manual_seed(seed)`` (the same model on every call and every rank); None: from
+    the global generator as it stands."""
     if isinstance(cfg, str):
         cfg = ModelConfig.preset(cfg)
+    if seed is not None:
+        torch.manual_seed(seed)
     model = MambaLM(cfg)
     return model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model

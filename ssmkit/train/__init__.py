@@ -5,6 +5,7 @@
     # or: Trainer(model, cfg, data="shards/dir", callbacks=[...]).fit(); Trainer(..., resume=True)
     plan = ssmkit.train.plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, n_gpus=8)   # bytes per GPU
     print(plan.table()); print(ssmkit.train.memory_table(ssmkit.train.scale_up_plans()))
+    fit = ssmkit.train.train_on_task(model, ssmkit.data.make_task("mqar"), steps=200)   # a synthetic task
 
 Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint (instead of
 ``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning), ``freeze_embedding``,
@@ -16,13 +17,13 @@ Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--n
 planner: ``ssmkit plan --model PRESET_OR_YAML [--seq-len N] [--micro-batch N] [--gpus N] ...``.
 """
 
-from ..eval import flops_per_token, lm_loss  # still here for old imports; their home is ssmkit.eval
 from .config import TrainConfig
 from .data import prepare_data
 from .optim import build_optimizer, lr_at, split_parameters
 from .planner import MemoryPlan, memory_table, plan_memory, scale_up_plans
+from .task import train_on_task
 from .trainer import Trainer, TrainingError
 
-__all__ = ["MemoryPlan", "TrainConfig", "Trainer", "TrainingError", "build_optimizer", "flops_per_token",
-           "lm_loss", "lr_at", "memory_table", "plan_memory", "prepare_data", "scale_up_plans",
-           "split_parameters"]
+__all__ = ["MemoryPlan", "TrainConfig", "Trainer", "TrainingError", "build_optimizer", "lr_at",
+           "memory_table", "plan_memory", "prepare_data", "scale_up_plans", "split_parameters",
+           "train_on_task"]

@@ -19,7 +19,6 @@ import math
 import torch
 from torch import nn
 
-from ..eval.flops import PEAK_BF16_FLOPS, flops_per_token, peak_flops  # noqa: F401  (old home: ssmkit.eval)
 from .config import TrainConfig
 
 

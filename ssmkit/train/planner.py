@@ -282,17 +282,30 @@ def plan_memory(model, *, seq_len: int | None = None, micro_batch: int | None = 
                       usable=usable, max_micro_batch=best, **sizes)
 
 
-SCALE_UP_PRESETS = ("mamba-130m", "mamba-370m", "mamba-1.4b", "mamba2-1.3b")
+SCALE_UP_PRESETS = ("mamba-130m", "mamba-370m", "mamba-1.4b", "mamba2-1.3b")   # stages 1 and 2's sizes
+# how a model is spread over the GPUs: (strategy, activation checkpointing)
+SCALE_UP_WAYS = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "fsdp+ckpt": ("fsdp", True)}
 
 
-def scale_up_plans(seq_len: int = 2048, micro_batch: int = 8, n_gpus: int = 8, gpu_memory_gb: float = 80.0,
-                   presets=SCALE_UP_PRESETS) -> dict[str, MemoryPlan]:
-    """The plan's stage-2 sizes on ``n_gpus`` x A100-80GB (bf16, FSDP, cuda kernels), each without and with
-    activation checkpointing: ``print(memory_table(scale_up_plans()))``."""
-    return {f"{name}{' +ckpt' if ckpt else ''}": plan_memory(
-        name, seq_len=seq_len, micro_batch=micro_batch, precision="bf16", strategy="fsdp", n_gpus=n_gpus,
-        gpu_memory_gb=gpu_memory_gb, activation_checkpointing=ckpt)
-        for name in presets for ckpt in (False, True)}
+def scale_up_plans(presets=SCALE_UP_PRESETS, *, ways=tuple(SCALE_UP_WAYS), seq_len: int = 2048,
+                   micro_batch: int = 8, n_gpus: int = 8, gpu_memory_gb: float = 80.0,
+                   precision: str = "bf16") -> dict[str, MemoryPlan]:
+    """The memory plan of each preset on ``n_gpus`` GPUs of ``gpu_memory_gb`` (A100-80GB by default;
+    the cuda kernels' formulas), spread over them in each of the ``ways`` of :data:`SCALE_UP_WAYS` (DDP,
+    FSDP, FSDP with activation checkpointing). Keys ``"<preset> <way>"``; show them with
+    ``print(memory_table(scale_up_plans()))``."""
+    unknown = [w for w in ways if w not in SCALE_UP_WAYS]
+    if unknown or not ways:
+        raise ValueError(f"ways={list(ways)!r} is not valid; valid: a non-empty list of "
+                         f"{', '.join(SCALE_UP_WAYS)}")
+    plans = {}
+    for preset in presets:
+        for way in ways:
+            strategy, ckpt = SCALE_UP_WAYS[way]
+            plans[f"{preset} {way}"] = plan_memory(
+                preset, seq_len=seq_len, micro_batch=micro_batch, precision=precision, strategy=strategy,
+                activation_checkpointing=ckpt, n_gpus=n_gpus, gpu_memory_gb=gpu_memory_gb)
+    return plans
 
 
 # --- ssmkit plan ------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..checks import parse_value
 from ..io import describe_os_error
-from .notebooks import WorkbookError, load_params_file, parse_value, strip_notebook
+from .notebooks import WorkbookError, load_params_file, strip_notebook
 from .runner import DEFAULT_CELL_TIMEOUT, run_workbook, timeout_seconds
 from .signals import Interrupted
 

@@ -1,7 +1,7 @@
 """Launching a distributed training run from a notebook cell: ``ssmkit train --nproc N`` as a subprocess.
 
     run = launch_train(cfg, nproc=2, overrides={"strategy": "fsdp"})   # cfg: a TrainConfig or a YAML path
-    run["history"], run["final_loss"], run["val_loss"], run["tokens_per_s"], run["rank_peak_mem_mb"]
+    run["history"], run["final_loss"], run["val_loss"], run["train_tok_s"], run["rank_peak_mem_mb"]
 
 The run is ``python -m ssmkit.cli train --config FILE --nproc N --set key=value ...`` (torchrun's launcher
 in that process, one worker process per rank; :mod:`ssmkit.train.cli`). It starts in a process group of its
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from .. import checks
+from ..eval import summarize_run
 from ..io import write_atomically
 
 __all__ = ["LaunchError", "Launch", "launch_train", "process_tree", "train_command"]
@@ -308,26 +309,6 @@ def read_history(out_dir) -> list[dict]:
     return records
 
 
-def run_metrics(history: list[dict]) -> dict:
-    """The headline numbers of a run's records: ``final_loss`` (the last training loss), ``val_loss`` (the
-    last validation loss), ``tokens_per_s`` (median of the training records), ``steps``, ``tokens``,
-    ``peak_mem_mb`` (rank 0's, the largest recorded), and where recorded ``rank_peak_mem_mb`` /
-    ``rank_state_mb`` (every rank's, from the last record), ``grad_scale`` and ``scaler_skipped`` (fp16)."""
-    train = [r for r in history if r.get("kind") == "train"]
-    evals = [r for r in history if r.get("kind") == "eval"]
-    rates = sorted(r["tokens_per_s"] for r in train)
-    out = {"steps": train[-1]["step"] if train else 0, "tokens": train[-1]["tokens"] if train else 0,
-           "final_loss": train[-1]["loss"] if train else None,
-           "val_loss": evals[-1]["val_loss"] if evals else None,
-           "tokens_per_s": rates[len(rates) // 2] if rates else None,
-           "peak_mem_mb": max((r["peak_mem_mb"] for r in train if r.get("peak_mem_mb") is not None),
-                              default=None)}
-    for key in ("rank_peak_mem_mb", "rank_state_mb", "grad_scale", "scaler_skipped"):
-        if train and key in train[-1]:
-            out[key] = train[-1][key]
-    return out
-
-
 def launch_train(config, *, nproc: int = 2, overrides=(), out_dir=None, show: bool = True,
                  resume: bool = False, grace: float = 10.0, env: dict | None = None) -> dict:
     """Run ``ssmkit train --config ... --nproc nproc`` in a subprocess, show its output live, return its
@@ -339,10 +320,10 @@ def launch_train(config, *, nproc: int = 2, overrides=(), out_dir=None, show: bo
     (1: no torchrun); resume: ``--resume``; grace: seconds the ranks get to stop after SIGINT before
     SIGTERM; env: more environment variables for the run (``SSMKIT_PROGRESS`` defaults to "text").
 
-    Returns :func:`run_metrics` of the run's records plus ``history`` (the records of metrics.jsonl),
-    ``out_dir``, ``nproc``, ``seconds`` (wall time, launch included) and ``command``. Raises ValueError
-    for a config that does not load (nothing is started), :class:`LaunchError` when the run fails, and
-    KeyboardInterrupt (after stopping every rank) when the cell is interrupted."""
+    Returns :func:`ssmkit.eval.summarize_run` of the run's records plus ``history`` (the records of
+    metrics.jsonl), ``out_dir``, ``nproc``, ``seconds`` (wall time, launch included) and ``command``.
+    Raises ValueError for a config that does not load (nothing is started), :class:`LaunchError` when the
+    run fails, and KeyboardInterrupt (after stopping every rank) when the cell is interrupted."""
     from ..train import TrainConfig
 
     nproc = checks.integer(nproc, "nproc", minimum=1)
@@ -375,6 +356,6 @@ def launch_train(config, *, nproc: int = 2, overrides=(), out_dir=None, show: bo
         raise LaunchError(f"the run failed (exit status {code}):\n" + "\n".join(lines), code, lines,
                           launch.command)
     history = read_history(run_dir)
-    return {**run_metrics(history), "history": history, "out_dir": run_dir, "nproc": nproc,
+    return {**summarize_run(history), "history": history, "out_dir": run_dir, "nproc": nproc,
             "seconds": round(launch.seconds, 1), "command": launch.command}
 

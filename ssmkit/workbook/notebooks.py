@@ -4,7 +4,6 @@ outputs, read a params file and a ``-p`` value.
     find_notebooks()                            # [notebooks/00_setup.ipynb, notebooks/01_...]
     declared_parameters("01_a.ipynb")           # {"lr": 0.1, "out_dir": "unused"}: the parameters cell
     load_params_file("params/ci.yaml")          # {"device": "cpu", "seed": 0, "max_tokens": 16384}
-    parse_value("1e3"), parse_value("none")     # 1000.0, None: ``-p key VALUE`` as ``ssmkit train --set``
 
 Values typed on a command line and params files are read with :mod:`ssmkit.checks`' one grammar
 (YAML with ``1e3`` a float, ``none`` null, only ``true``/``false`` booleans). Every problem a user can
@@ -17,13 +16,13 @@ import ast
 import json
 from pathlib import Path
 
-from ..checks import load_yaml, parse_value
+from ..checks import load_yaml
 from ..io import describe_os_error, write_atomically
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]   # a source checkout: notebooks/, configs/, params/
 
 __all__ = ["PROJECT_ROOT", "WorkbookError", "cell_source", "declared_parameters", "find_notebooks",
-           "load_params_file", "parse_value", "read_notebook", "strip_notebook"]
+           "load_params_file", "read_notebook", "strip_notebook"]
 
 
 class WorkbookError(ValueError):

@@ -71,14 +71,14 @@ def claim(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> None
             (out / name).unlink()
 
 
-# a metric's unit, read from the last word of its name (val_loss, train_tok_s, preset_params, disk_free_gb)
+# a metric's unit, read from the last word of its name (val_loss, train_tok_s, config_params, disk_free_gb)
 UNITS = {"loss": "nats/token", "tok_s": "tokens/s", "tokens_per_s": "tokens/s", "seconds": "s",
          "params": "parameters", "gb": "GiB", "mb": "MiB", "flops": "FLOPs", "tokens": "tokens"}
 
 
 def unit(name: str) -> str:
     """The unit of metric ``name``: :data:`UNITS` of the name itself or of its ending ``_<word>``
-    (``val_loss`` nats/token, ``train_tok_s`` tokens/s, ``smoke_seconds`` s, ``preset_params`` parameters,
+    (``val_loss`` nats/token, ``train_tok_s`` tokens/s, ``smoke_seconds`` s, ``config_params`` parameters,
     ``disk_free_gb`` GiB, ...); "" for none (perplexity, counts, names)."""
     for word, what in UNITS.items():
         if name == word or name.endswith("_" + word):

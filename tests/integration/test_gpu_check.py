@@ -345,8 +345,10 @@ def test_notebook_command_is_accepted_offline_and_short(gpu_check, tmp_path):
     """The notebook section's command, routed as ``ssmkit workbook run`` routes it and built into the
     TrainConfig notebook 01 builds (its first cell's calls), without running it: params/gpu-a100.yaml's
     130M bf16 recipe, but the offline corpus and 30 steps of 8 x 2048 tokens."""
-    from ssmkit.workbook import check_params, train_config
-    from ssmkit.workbook.notebooks import declared_parameters, load_params_file, parse_value
+    from ssmkit.checks import parse_value
+    from ssmkit.workbook import train_config
+    from ssmkit.workbook.chapters import ch01_prototype
+    from ssmkit.workbook.notebooks import declared_parameters, load_params_file
     from ssmkit.workbook.params import route_parameters, workbook_parameters
 
     cmd, params = gpu_check.notebook_command("cpu", tmp_path / "run", quick=False, cell_timeout=600)
@@ -358,8 +360,8 @@ def test_notebook_command_is_accepted_offline_and_short(gpu_check, tmp_path):
     declared = declared_parameters(notebook)
     values, _ = route_parameters({notebook: declared}, explicit, shared, workbook_parameters())
     given = {**declared, **values[notebook], "out_dir": str(tmp_path / "nb")}
-    p = check_params(**given)
-    cfg = train_config(p["preset"], data=p["data"], tokenizer=p["tokenizer"], max_tokens=p["max_tokens"],
+    p = ch01_prototype.PARAMETERS.check(given)
+    cfg = train_config(p["config"], data=p["data"], tokenizer=p["tokenizer"], max_tokens=p["max_tokens"],
                        device=p["device"], precision=p["precision"], seed=p["seed"], evals=p["evals"],
                        out_dir=str(p["out_dir"] / "mamba"), overwrite=True, **p["overrides"])
     assert cfg.model == "mamba-130m" and cfg.precision == "bf16" and cfg.seq_len == 2048

@@ -17,7 +17,7 @@ import pytest
 
 from ssmkit.train import TrainConfig
 from ssmkit.workbook import LaunchError, launch
-from ssmkit.workbook.launch import _alive, _set_items, launch_train, process_tree, run_metrics
+from ssmkit.workbook.launch import _alive, _set_items, launch_train, process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_two_processes_return_the_runs_metrics(shards, tmp_path, capsys):
     losses = [[r["loss"] for r in run["history"] if r["kind"] == "train"] for run in (one, two)]
     assert len(losses[1]) == 4 and losses[1] == pytest.approx(losses[0], abs=2e-5)
     assert two["final_loss"] == losses[1][-1] and two["val_loss"] == pytest.approx(one["val_loss"], abs=2e-5)
-    assert two["steps"] == 4 and two["tokens"] == 4 * 512 and two["tokens_per_s"] > 0
+    assert two["steps"] == 4 and two["tokens"] == 4 * 512 and two["train_tok_s"] > 0
     assert len(two["rank_peak_mem_mb"]) == 2 and all(m > 0 for m in two["rank_peak_mem_mb"])
     assert "rank_peak_mem_mb" not in one                                     # one process: no ranks
     assert (tmp_path / "run" / "launch.yaml").exists() and two["out_dir"] == (tmp_path / "run").resolve()
@@ -138,18 +138,10 @@ def test_bad_configs_fail_before_anything_starts(shards, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_overrides_and_metrics_helpers():
+def test_overrides_become_set_items():
     assert _set_items({"lr": 1e-5, "betas": [0.9, 0.95], "val_data": None, "data": "x y",
                        "model_overrides": {"d_model": 64}}) == \
         ["lr=1e-05", "betas=[0.9, 0.95]", "val_data=null", "data=x y", "model_overrides.d_model=64"]
     cfg = TrainConfig.from_dict({"max_steps": 1}, overrides=_set_items({"lr": 1e-5, "betas": [0.9, 0.95],
                                                                        "val_data": None}))
     assert (cfg.lr, cfg.betas, cfg.val_data) == (1e-5, (0.9, 0.95), None)
-    history = [{"kind": "eval", "step": 0, "val_loss": 5.0}, {"kind": "train", "step": 1, "tokens": 8,
-               "loss": 4.0, "tokens_per_s": 10.0, "peak_mem_mb": 3.0},
-               {"kind": "train", "step": 2, "tokens": 16, "loss": 3.0, "tokens_per_s": 30.0,
-                "peak_mem_mb": 2.0, "grad_scale": 1024.0, "scaler_skipped": 1},
-               {"kind": "eval", "step": 2, "val_loss": 3.5}]
-    assert run_metrics(history) == {"steps": 2, "tokens": 16, "final_loss": 3.0, "val_loss": 3.5,
-                                    "tokens_per_s": 30.0, "peak_mem_mb": 3.0, "grad_scale": 1024.0,
-                                    "scaler_skipped": 1}

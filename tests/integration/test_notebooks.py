@@ -1,10 +1,12 @@
 """Every notebook in notebooks/: committed clean and well-formed, and it runs top to bottom under papermill.
 
 Structure (DESIGN.md, "Conventions"): no outputs or execution counts; exactly one cell tagged
-``parameters`` holding plain values with a comment each, including preset, data, max_tokens,
-device ("auto"), out_dir and seed; the first code cell after it passes every parameter to
-``workbook.check_params``; a stated CPU time in the metadata (``ssmkit.cpu_seconds``); no ``sys.path``
-hacks; no hard-coded "cuda" device strings; imports of ssmkit's public API only; no functions or
+``parameters`` holding plain values with a comment each, including config, data, max_tokens,
+device ("auto"), out_dir and seed (written from its chapter's declaration: tests/unit/workbook/
+test_params.py); the first code cell after it imports the notebook's own chapter and checks every
+parameter with ``chapter.PARAMETERS.check(globals())``; a stated CPU time in the metadata
+(``ssmkit.cpu_seconds``); no ``sys.path`` hacks; no hard-coded "cuda" device strings; imports of ssmkit's
+public API (and the notebook's chapter) only; no functions or
 classes defined in cells (they belong in the library); short cells. Execution: each notebook under
 papermill on CPU with params/ci.yaml (the keys it declares; a notebook that trains gets the file's
 TrainConfig keys through its ``overrides``, and they reach the run's config.yaml), failing on any
@@ -31,7 +33,7 @@ from ssmkit import workbook  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
-REQUIRED = {"preset", "data", "max_tokens", "device", "out_dir", "seed"}
+REQUIRED = {"config", "data", "max_tokens", "device", "out_dir", "seed"}
 MAX_CELL_LINES = 15          # lines of logic per code cell; longer belongs in ssmkit
 DEVICE_STRING = re.compile(r"cuda(:\d*)?", re.IGNORECASE)
 
@@ -90,19 +92,24 @@ def test_parameters_cell(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_check_cell_passes_every_parameter(path):
-    """So that each one is checked, and names papermill injected are compared with all of them."""
+def test_check_cell_checks_every_parameter_with_the_notebooks_chapter(path):
+    """So that each one is checked, and names papermill injected are compared with all of them: the first
+    code cell after the parameters imports this notebook's chapter and calls its PARAMETERS.check once,
+    on the notebook's namespace."""
+    from ssmkit.workbook.chapters import chapter_of
+
     nb = nbformat.read(path, as_version=4)
     index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     cell = next(c for c in nb.cells[index + 1:] if c.cell_type == "code")
-    calls = [n for n in ast.walk(parse(cell.source)) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr == "check_params"]
-    assert len(calls) == 1, "the first code cell after the parameters calls workbook.check_params once"
-    passed = {kw.arg: kw.value for kw in calls[0].keywords}
-    declared = workbook.declared_parameters(path)
-    assert set(passed) == set(declared), f"check_params misses {sorted(set(declared) - set(passed))}"
-    assert all(isinstance(v, ast.Name) and v.id == k for k, v in passed.items()), "pass name=name"
-    assert set(declared) <= set(workbook.params.CHECKS), "a parameter without a check in CHECKS"
+    tree = parse(cell.source)
+    chapter = chapter_of(path).__name__.rpartition(".")[2]
+    imports = [(n.module, a.name, a.asname) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               for a in n.names]
+    assert ("ssmkit.workbook.chapters", chapter, "chapter") in imports, \
+        f"import this notebook's chapter: from ssmkit.workbook.chapters import {chapter} as chapter"
+    calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "check"]
+    assert calls == ["chapter.PARAMETERS.check(globals())"], calls
     stated = nb.metadata.get("ssmkit", {}).get("cpu_seconds")
     assert isinstance(stated, (int, float)) and stated > 0, \
         "state the CPU time with params/cpu.yaml in metadata.ssmkit.cpu_seconds"
@@ -118,7 +125,7 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert not DEVICE_STRING.fullmatch(node.value), \
-                    f"{where}: hard-coded device {node.value!r}; use workbook.check_params(device=...)"
+                    f"{where}: hard-coded device {node.value!r}; use the `device` parameter"
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 raise AssertionError(f"{where}: defines {node.name!r}; "
                                      "helpers belong in ssmkit, not in a notebook")
@@ -131,8 +138,11 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
             for module, names in modules:
                 if module.split(".")[0] == "ssmkit":
                     parts = module.split(".")
-                    assert len(parts) <= 2 and not any(p.startswith("_") for p in parts + names), \
-                        f"{where}: import the public API (ssmkit or ssmkit.<module>), not {module} {names}"
+                    public = len(parts) <= 2 or module == "ssmkit.workbook.chapters"
+                    assert public and not any(p.startswith("_") for p in parts + names), \
+                        f"{where}: import the public API (ssmkit, ssmkit.<module>, the notebook's " \
+                        "chapter), " \
+                        f"not {module} {names}"
         assert not re.search(r"\bssmkit(\.\w+)*\._\w", cell.source), f"{where}: uses a private ssmkit name"
         logic = [ln for ln in cell.source.splitlines() if ln.strip() and not ln.strip().startswith("#")]
         assert len(logic) <= MAX_CELL_LINES, f"{where} has {len(logic)} lines; move the logic into ssmkit"
@@ -160,15 +170,15 @@ def test_runs_under_papermill(path, tmp_path):
             assert {k: saved[k] for k in recipe} == recipe, config
 
 
-TRAINING = [p for p in NOTEBOOKS if p.stem[:2] != "00"]      # the stages: each builds models from `preset`
+TRAINING = [p for p in NOTEBOOKS if p.stem[:2] != "00"]      # the stages: each builds models from `config`
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TRAINING, ids=[p.stem for p in TRAINING])
 def test_runs_with_mamba3_blocks(path, tmp_path):
-    """Every stage takes a Mamba-3 model as its preset (issue 16): CI parameters, preset cpu-tiny-mamba3."""
+    """Every stage takes a Mamba-3 model as its run config: CI parameters, config cpu-tiny-mamba3."""
     ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
-    summary = workbook.run_workbook([path], parameters={"preset": "cpu-tiny-mamba3"}, out=tmp_path / "run",
+    summary = workbook.run_workbook([path], parameters={"config": "cpu-tiny-mamba3"}, out=tmp_path / "run",
                                     shared=ci, cell_timeout=600)
     (entry,) = summary["notebooks"]
     assert entry["status"] == "ok", (f"{path.name} with Mamba-3 failed at cell {entry.get('cell')}:\n"

@@ -59,7 +59,7 @@ def test_plain_papermill_from_the_repo_root(tmp_path):
         assert (config["micro_batch"], config["eval_batches"]) == (ci["micro_batch"], ci["eval_batches"])
         assert (config["lr"], config["warmup_steps"]) == (1e-3, 1)
         nb = nbformat.read(executed, as_version=4)
-        text = "".join(o.get("text", "") for o in outputs(nb, "p = workbook.check_params("))
+        text = "".join(o.get("text", "") for o in outputs(nb, "p = chapter.PARAMETERS.check("))
         assert ("overrides from papermill's parameters: micro_batch=4, eval_batches=2, lr=0.001, "
                 "warmup_steps=1") in text
         training = outputs(nb, "history = trainer.fit()")
@@ -75,9 +75,9 @@ def test_plain_papermill_stops_on_a_misspelled_parameter(tmp_path):
     assert "Passed unknown parameter: max_tokenz" in res.stderr           # all papermill itself does: warn
     assert res.returncode != 0
     nb = nbformat.read(executed, as_version=4)
-    (error,) = [o for o in outputs(nb, "p = workbook.check_params(") if o.output_type == "error"]
+    (error,) = [o for o in outputs(nb, "p = chapter.PARAMETERS.check(") if o.output_type == "error"]
     assert error.ename == "WorkbookError"
     assert error.evalue.startswith("papermill passed parameter(s) max_tokenz that this notebook does not "
                                    "declare")
-    assert "its parameters: preset, data, tokenizer, max_tokens, " in error.evalue
+    assert "its parameters: config, data, tokenizer, max_tokens, " in error.evalue
     assert not (tmp_path / "o").exists()                           # stopped before anything was written

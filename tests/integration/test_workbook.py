@@ -1,4 +1,4 @@
-"""ssmkit.workbook (the headless runner, parameter checks) and ssmkit.plots, on small throwaway notebooks.
+"""ssmkit.workbook's headless runner (``ssmkit workbook run``), on small throwaway notebooks.
 
 The runner is exercised as a user would: ``python -m ssmkit.cli workbook run ...`` in a subprocess.
 The oracles are the notebooks themselves: each writes the parameter values and interpreter it saw to
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,9 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
-from helpers import ROOT, make_notebook  # noqa: E402
+from helpers import make_notebook  # noqa: E402
 
 from ssmkit import workbook  # noqa: E402
-from ssmkit.plots import LivePlot, plot_curves  # noqa: E402
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}   # offline: tests/conftest.py sets HF_HUB_OFFLINE=1
 REPORT = ("import json, pathlib, sys\n"
@@ -277,227 +275,10 @@ def test_declared_parameters(tmp_path):
                                                 "out_dir": "unused"}
 
 
-def test_parse_value():
-    assert ([workbook.parse_value(v) for v in ["3", "3e-3", "2_000", "true", "False", "none", "cpu", "1.5"]]
-            == [3, 0.003, 2000, True, False, None, "cpu", 1.5])
-
-
-# --- notebook helpers -----------------------------------------------------------------------------
-
-def test_check_params_resolves_and_rejects(tmp_path):
-    # values as papermill and YAML hand them over: -p baseline false is the string "false", 2e5 a float
-    p = workbook.check_params(preset="tiny", data="stdlib-docs", tokenizer="bpe-300", max_tokens=2e5,
-                              device="auto", precision="bf16", evals=3.0, baseline="false",
-                              overrides="{micro_batch: 4, lr: 1.0e-3}", out_dir=tmp_path / "o", seed=0)
-    assert (p["device"] in ("cpu", "cuda", "mps") and p["max_tokens"] == 200_000
-            and isinstance(p["max_tokens"], int))
-    assert p["baseline"] is False and p["precision"] == "bf16" and p["tokenizer"] == "bpe-300"
-    assert p["overrides"] == {"micro_batch": 4, "lr": 1e-3} and p["out_dir"].is_dir()
-    assert workbook.check_params(baseline=True, evals=6, overrides={})["baseline"] is True
-    assert workbook.check_params(tokenizer=str(tmp_path))["tokenizer"] == str(tmp_path)   # a directory
-    bad = {"preset": ("nope", "unknown preset 'nope'; valid: .*mamba-130m"),
-           "device": ("gpu", "device='gpu' is not valid; valid: auto, cpu, cuda"),
-           "max_tokens": (0, "max_tokens must be an integer >= 1; got 0"),
-           "seed": (1.5, "seed must be an integer >= 0"),
-           "data": ("no/such/dir", "data='no/such/dir' is not valid; valid: 'stdlib-docs', .*slimpajama"),
-           "out_dir": ("", "out_dir must be a non-empty path"),
-           "evals": ("six", "evals must be an integer >= 1; got 'six'"),
-           "baseline": ("flase", "baseline must be true or false; got 'flase'"),
-           "precision": ("fp8", "precision='fp8' is not valid; valid: fp32, bf16, fp16"),
-           "tokenizer": ("gtp2", "tokenizer='gtp2' is not valid; valid: 'gpt2', 'byte', 'bpe-<N>'"),
-           "overrides": ({"micro_bach": 4}, "overrides: unknown TrainConfig key\\(s\\) micro_bach; valid: ")}
-    for key, (value, message) in bad.items():
-        with pytest.raises(workbook.WorkbookError, match=message):
-            workbook.check_params(**{key: value})
-    with pytest.raises(workbook.WorkbookError, match="a byte-level BPE needs at least 257 tokens"):
-        workbook.check_params(tokenizer="bpe-100")
-    with pytest.raises(workbook.WorkbookError, match="hub is offline .* its cache does not hold it"):
-        workbook.check_params(tokenizer="no-such-org/no-such-tokenizer")       # offline: conftest
-    # a name without a check is refused: a new parameter cannot slip through unchecked
-    with pytest.raises(workbook.WorkbookError, match="check_params: no check for parameter 'extra' \\(known"):
-        workbook.check_params(seed=0, extra="kept")
-    # overrides may not repeat a parameter of the notebook, nor a key the notebook derives from one
-    with pytest.raises(workbook.WorkbookError, match="overrides: seed is a parameter of this notebook"):
-        workbook.check_params(seed=0, overrides={"seed": 1})
-    with pytest.raises(workbook.WorkbookError, match="sets eval_every from its parameter evals"):
-        workbook.check_params(evals=2, overrides={"eval_every": 1})
-
-
-def test_relative_out_dir_starts_at_the_notebooks_folder(tmp_path, monkeypatch):
-    """Whatever the working directory (papermill from the repository root, a cluster job elsewhere)."""
-    root = ROOT
-    name = f"pytest-out-dir-{os.getpid()}"
-    try:
-        for cwd in (root, tmp_path):
-            monkeypatch.chdir(cwd)
-            p = workbook.check_params(out_dir=f"../runs/{name}/x")
-            assert p["out_dir"] == root / "runs" / name / "x" and p["out_dir"].is_dir()
-        assert not (tmp_path.parent / "runs" / name).exists() and not (root.parent / "runs" / name).exists()
-        assert workbook.resolve_out_dir("~/r") == Path.home() / "r"
-        assert workbook.resolve_out_dir(tmp_path / "abs") == tmp_path / "abs"
-    finally:
-        shutil.rmtree(root / "runs" / name, ignore_errors=True)
-
-
-class FakeShell:
-    """What check_params reads of IPython: the input history (``In``) and the namespace."""
-
-    def __init__(self, *sources):
-        self.user_ns = {"In": ["", *sources]}
-
-
-def test_check_params_catches_what_papermill_injected(monkeypatch, capsys):
-    import IPython
-
-    monkeypatch.setenv("SSMKIT_PROGRESS", "unset below")        # restored after the test
-    monkeypatch.delenv("SSMKIT_PROGRESS")
-    parameters = "seed = 0\nevals = 6\noverrides = {}"
-    injected = "# Parameters\nseed = 1\nmax_tokenz = 1000\nlr = 0.001\n"
-    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(parameters, injected, "p = check(...)"))
-    message = r"papermill passed parameter\(s\) max_tokenz that this notebook does not declare .*: seed"
-    with pytest.raises(workbook.WorkbookError, match=message):
-        workbook.check_params(seed=1, evals=6, overrides={})
-    assert os.environ["SSMKIT_PROGRESS"] == "text"               # a papermill run: text progress bars
-    # TrainConfig keys (a recipe file's) join overrides; a notebook without overrides notes them
-    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nlr = 0.003\noverrides = {'warmup_steps': 5}\n"
-    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(parameters, injected))
-    p = workbook.check_params(seed=1, evals=6, overrides={"warmup_steps": 5})
-    assert p["overrides"] == {"warmup_steps": 5, "micro_batch": 8, "lr": 0.003}
-    assert "overrides from papermill's parameters: micro_batch=8, lr=0.003" in capsys.readouterr().out
-    # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the parameters of
-    # the workbook's other notebooks (evals: 01's) are noted as not used
-    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\n"
-    monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))
-    assert workbook.check_params(seed=1) == {"seed": 1}
-    assert "not used by this notebook (parameters of other notebooks, or TrainConfig keys for those that " \
-           "train): micro_batch=8, evals=2" in capsys.readouterr().out
-    # no injected cell (JupyterLab), or a cell that only looks like one: nothing to compare
-    for history in [(parameters, "p = check(...)"), (parameters, "# Parameters\nprint(max_tokenz)")]:
-        monkeypatch.setattr(IPython, "get_ipython", lambda h=history: FakeShell(*h))
-        assert workbook.check_params(seed=2) == {"seed": 2}
-    monkeypatch.setattr(IPython, "get_ipython", lambda: None)    # outside IPython
-    assert workbook.check_params(seed=3) == {"seed": 3}
-
-
-def test_train_config_evals_and_overrides():
-    cfg = workbook.train_config("cpu-tiny", max_tokens=40960, evals=3, micro_batch=4, lr=1e-3)
-    assert (cfg.total_steps(), cfg.eval_every, cfg.micro_batch, cfg.lr) == (10, 3, 4, 1e-3)
-    assert workbook.train_config("cpu-tiny", max_tokens=4096, evals=6).eval_every == 1
-    with pytest.raises(workbook.WorkbookError, match="give evals or eval_every, not both"):
-        workbook.train_config("cpu-tiny", evals=3, eval_every=2)
-    with pytest.raises(workbook.WorkbookError, match="micro_batch must be a positive integer"):
-        workbook.train_config("cpu-tiny", micro_batch=0)
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU error")
-def test_pick_device_without_gpu():
-    assert workbook.pick_device("auto") in ("cpu", "mps") and workbook.pick_device("cpu") == "cpu"
-    with pytest.raises(workbook.WorkbookError, match="CUDA is not available"):
-        workbook.pick_device("cuda:0")
-
-
-def test_preset_info_counts_like_a_built_model():
-    import ssmkit
-
-    info = workbook.preset_info("tiny", max_tokens=1000)        # what train_config("tiny") would train
-    assert (info["params"]
-            == ssmkit.build_model(workbook.train_config("tiny", max_steps=1).model_config()).num_parameters())
-    assert info["vocab_size"] == len(ssmkit.data.get_tokenizer("gpt2")) == 50257
-    assert info["train_flops"] == 6 * info["params"] * 1000
-    assert info["train_state_gb"] == round(16 * info["params"] / 2**30, 3)
-
-
-def test_write_metrics_and_format_duration(tmp_path):
-    path = workbook.write_metrics(tmp_path / "m", {"loss": 1.5, "where": Path("/x")})
-    assert (json.loads(path.read_text()) == {"loss": 1.5, "where": "/x"}
-            and list(path.parent.iterdir()) == [path])
-    assert ([workbook.format_duration(s) for s in (42, 300, 25200, 3e5)]
-            == ["42 s", "5 min", "7 h", "3.5 days"])
-
-
 def test_library_imports_without_matplotlib_and_papermill():
     code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['papermill'] = None\n"
             "import ssmkit, ssmkit.plots, ssmkit.workbook\n"
-            "print(ssmkit.workbook.check_params(seed=1)['seed'])")
+            "from ssmkit.workbook import Param, Parameters\n"
+            "print(Parameters(Param('seed', 0, ssmkit.checks.integer, 'seed')).check({'seed': 1})['seed'])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "1", res.stderr
-
-
-# --- plots ----------------------------------------------------------------------------------------
-
-def train_records(n=5, scale=1.0):
-    return [{"step": i, "tokens": 1000 * (i + 1), "loss": scale * (5.0 - i * 0.5), "lr": 1e-3}
-            for i in range(n)]
-
-
-def test_liveplot_records_and_saves(tmp_path):
-    live = LivePlot(tmp_path / "fig" / "loss.png", display=False)
-    for r in train_records():
-        live.on_log(None, r)
-    live.on_eval(None, {"step": 4, "tokens": 5000, "val_loss": 3.2, "val_ppl": 24.5})
-    path = live.on_end(None)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and list(path.parent.iterdir()) == [path]
-    train_line, val_line = live.figure().axes[0].lines
-    assert list(train_line.get_xdata()) == [1000, 2000, 3000, 4000, 5000]
-    assert list(train_line.get_ydata()) == [5.0, 4.5, 4.0, 3.5, 3.0]
-    assert list(val_line.get_xdata()) == [5000] and list(val_line.get_ydata()) == [3.2]
-    assert live.draws == 1                                   # no display: drawn once, at the end
-
-
-def test_liveplot_updates_one_display_in_place(tmp_path, monkeypatch):
-    import IPython.display
-
-    shown = []
-
-    class Handle:
-        def update(self, obj):
-            shown.append(("update", obj))
-
-    def fake_display(obj, display_id=None):
-        shown.append(("display", obj))
-        return Handle()
-
-    monkeypatch.setattr(IPython.display, "display", fake_display)
-    live = LivePlot(tmp_path / "loss.png", display=True, interval=0.0)
-    for r in train_records(3):
-        live.on_log(None, r)
-    live.on_end(None)
-    assert [kind for kind, _ in shown] == ["display", "update", "update", "update"]
-    assert all(obj.data[:4] == b"\x89PNG" for _, obj in shown)
-    shown.clear()
-    # throttled: first update, then only the end
-    slow = LivePlot(None, display=True, interval=1e9, save_every=2)
-    slow.path = tmp_path / "slow.png"
-    for r in train_records(4):
-        slow.on_log(None, r)
-    assert [kind for kind, _ in shown] == ["display"] and slow.path.exists()   # save_every=2 saved mid-run
-    slow.on_end(None)
-    assert [kind for kind, _ in shown] == ["display", "update"]
-
-
-def test_plot_curves_several_runs(tmp_path):
-    mamba, llama = train_records(4), train_records(3, scale=1.2)
-    # an eval record among train records: skipped
-    mamba.insert(2, {"step": 2, "tokens": 2500, "val_loss": 4.1})
-    fig = plot_curves({"mamba": mamba, "llama": llama}, tmp_path / "cmp.png", x="tokens", y="loss",
-                      show=False)
-    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
-    lines = fig.axes[0].lines
-    assert [ln.get_label() for ln in lines] == ["mamba", "llama"]
-    assert list(lines[0].get_xdata()) == [1000, 2000, 3000, 4000]
-    assert list(lines[1].get_ydata()) == pytest.approx([6.0, 5.4, 4.8])
-    val = plot_curves({"mamba": mamba}, None, y="val_loss", show=False)
-    assert list(val.axes[0].lines[0].get_ydata()) == [4.1]
-    with pytest.raises(ValueError, match="run 'llama' has no records with keys 'tokens' and 'val_loss'"):
-        plot_curves({"mamba": mamba, "llama": llama}, None, y="val_loss", show=False)
-
-
-def test_summarize_run():
-    records = [{"kind": "eval", "step": 0, "tokens": 0, "val_loss": 10.0, "val_ppl": 22026.47},
-               {"kind": "train", "step": 1, "tokens": 8, "loss": 9.0, "tokens_per_s": 300.0},
-               {"kind": "train", "step": 2, "tokens": 16, "loss": 8.0, "tokens_per_s": 100.0},
-               {"kind": "train", "step": 3, "tokens": 24, "loss": 7.0, "tokens_per_s": 200.0},
-               {"kind": "eval", "step": 3, "tokens": 24, "val_loss": 7.123456, "val_ppl": 1239.4567}]
-    assert workbook.summarize_run(records) == {"tokens": 24, "first_val_loss": 10.0, "val_loss": 7.1235,
-                                               "val_ppl": 1239.46, "train_tok_s": 200}
-    assert workbook.summarize_run([])["val_loss"] is None

@@ -250,16 +250,6 @@ def test_peak_flops_and_mfu(monkeypatch):
     assert ev.mfu(1e9, 1e3, None) is None
 
 
-def test_old_names_still_import_from_their_old_places():
-    import ssmkit.train.optim as optim
-    import ssmkit.train.trainer as trainer
-
-    assert ssmkit.train.lm_loss is trainer.lm_loss is ev.lm_loss
-    assert ssmkit.train.flops_per_token is optim.flops_per_token is ev.flops_per_token
-    assert optim.peak_flops is ev.peak_flops and optim.PEAK_BF16_FLOPS is ev.PEAK_BF16_FLOPS
-    assert callable(ssmkit.models.parameter_report) and callable(ssmkit.data.accuracy)
-
-
 # --- timing and memory -----------------------------------------------------------------------------
 
 def test_time_round_robin_and_throughput_on_a_fake_clock(monkeypatch):
@@ -322,3 +312,23 @@ def test_on_cuda_perplexity_autocast_allocator_peak_and_synchronized_timing(mode
     del block
     x = pairs[0][0].to(cuda)
     assert ev.throughput(lambda: gpu_model(x), SEQ * BATCH, steps=3, device=cuda) > 0
+
+
+def test_summarize_run_is_the_one_summary_of_a_history():
+    """Worked by hand: the median of an even count is the higher middle one; per-rank and fp16 numbers come
+    from the last training record; nothing is rounded."""
+    records = [{"kind": "eval", "step": 0, "tokens": 0, "val_loss": 10.0, "val_ppl": 22026.47},
+               {"kind": "train", "step": 1, "tokens": 8, "loss": 9.0, "tokens_per_s": 300.0,
+                "peak_mem_mb": 5.0},
+               {"kind": "train", "step": 2, "tokens": 16, "loss": 8.0, "tokens_per_s": 100.0,
+                "peak_mem_mb": 7.0},
+               {"kind": "train", "step": 3, "tokens": 24, "loss": 7.0, "tokens_per_s": 200.0},
+               {"kind": "train", "step": 4, "tokens": 32, "loss": 6.5, "tokens_per_s": 150.0,
+                "grad_scale": 1024.0, "scaler_skipped": 1, "rank_peak_mem_mb": [7.0, 6.0]},
+               {"kind": "eval", "step": 4, "tokens": 32, "val_loss": 7.123456, "val_ppl": 1239.4567}]
+    assert ev.summarize_run(records) == {
+        "steps": 4, "tokens": 32, "final_loss": 6.5, "first_val_loss": 10.0, "val_loss": 7.123456,
+        "val_ppl": 1239.4567, "train_tok_s": 200, "peak_mem_mb": 7.0, "grad_scale": 1024.0,
+        "scaler_skipped": 1, "rank_peak_mem_mb": [7.0, 6.0]}
+    empty = ev.summarize_run([])
+    assert empty["val_loss"] is None and empty["train_tok_s"] is None and empty["steps"] == 0

@@ -255,14 +255,24 @@ def test_planner_matches_measured_peak_memory_on_cpu():
 
 
 def test_scale_up_table_on_8_a100():
-    plans = scale_up_plans()
-    assert list(plans) == [f"{n}{s}" for n in planner.SCALE_UP_PRESETS for s in ("", " +ckpt")]
+    plans = scale_up_plans(ways=("fsdp", "fsdp+ckpt"))
+    assert list(plans) == [f"{n} {s}" for n in planner.SCALE_UP_PRESETS for s in ("fsdp", "fsdp+ckpt")]
     table = memory_table(plans)
-    assert table.count("\n") == 2 + len(planner.ROWS) + 2 - 1 and "mamba-1.4b +ckpt" in table
-    big, ckpt = plans["mamba-1.4b"], plans["mamba-1.4b +ckpt"]
+    assert table.count("\n") == 2 + len(planner.ROWS) + 2 - 1 and "mamba-1.4b fsdp+ckpt" in table
+    big, ckpt = plans["mamba-1.4b fsdp"], plans["mamba-1.4b fsdp+ckpt"]
     assert (big.n_gpus, big.strategy, big.precision, big.seq_len) == (8, "fsdp", "bf16", 2048)
     assert big.fits and ckpt.max_micro_batch > big.max_micro_batch >= big.micro_batch == 8
     assert big.as_dict()["total"] == big.total and "max micro_batch" in big.table()
+
+
+def test_scale_up_plans_cover_each_way():
+    plans = scale_up_plans(["mamba-370m"])
+    assert list(plans) == ["mamba-370m ddp", "mamba-370m fsdp", "mamba-370m fsdp+ckpt"]
+    ddp, fsdp, ckpt = plans.values()
+    assert fsdp.optimizer * 8 == pytest.approx(ddp.optimizer, rel=0.01)       # sharded over 8 GPUs
+    assert ckpt.activations < fsdp.activations and ddp.n_gpus == 8
+    with pytest.raises(ValueError, match="ways=.*valid: a non-empty list of ddp, fsdp, fsdp\\+ckpt"):
+        scale_up_plans(ways=("zero3",))
 
 
 def test_cli(capsys):

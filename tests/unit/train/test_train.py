@@ -14,7 +14,8 @@ import torch
 from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
-from ssmkit.train import TrainConfig, Trainer, TrainingError, flops_per_token, lr_at, split_parameters
+from ssmkit.eval import flops_per_token
+from ssmkit.train import TrainConfig, Trainer, TrainingError, lr_at, split_parameters
 
 
 # --- configuration ------------------------------------------------------------------------------

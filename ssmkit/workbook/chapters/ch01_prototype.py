@@ -1,0 +1,195 @@
+"""Chapter 01, the prototype: what notebooks/01_prototype_130m.ipynb calls beyond the Trainer: Mamba-1,
+Mamba-2 and Mamba-3 side by side (section 1.6): the same width, depth, recipe and tokens, only the mixer
+differs.
+
+    p = PARAMETERS.check(globals())
+    rows, runs = compare_mixers(cfg, train_dir, val_dir, out_dir)   # cfg: the notebook's TrainConfig
+    markdown_table(rows)                                             # params, val loss, tokens/s per mixer
+    plots.plot_curves(runs, y="loss")                                # the training losses, token by token
+
+Each mixer keeps its own state size, as its paper and mamba_ssm do (Mamba-1 16; Mamba-2 and Mamba-3 64 below
+d_model 512, else mamba_ssm's 128), with heads of 32 channels (64 from d_inner 1024) and chunks of 64; the
+blocks then hold about the same number of parameters (each row says how many).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ... import checks
+from ...models import SSM_MIXERS
+from ...train.config import CHOICES
+from ..params import (
+    Param,
+    Parameters,
+    check_data,
+    check_device,
+    check_out_dir,
+    check_overrides,
+    check_run_config,
+    check_tokenizer,
+)
+
+__all__ = ["PARAMETERS", "compare_mixers", "comparison_tokens", "mixer_fields"]
+
+PARAMETERS = Parameters(
+    Param(
+        "config",
+        "cpu-tiny",
+        check_run_config,
+        'run config (configs/<config>.yaml) or a model preset: "cpu-tiny-mamba2", "cpu-tiny-mamba3" for '
+        'Mamba-2 / Mamba-3 blocks; GPU node: "mamba-130m"',
+    ),
+    Param(
+        "data",
+        "stdlib-docs",
+        check_data,
+        'training text: the embedded corpus (offline); GPU node: "slimpajama"',
+    ),
+    Param(
+        "tokenizer",
+        "gpt2",
+        check_tokenizer,
+        '"gpt2" (the plan\'s), or "bpe-8192": a byte-level BPE trained on `data`',
+    ),
+    Param(
+        "max_tokens",
+        250_000,
+        checks.integer,
+        "training tokens for each model; the plan: 10_000_000_000",
+        minimum=1,
+        whole_floats=True,
+    ),
+    Param(
+        "device",
+        "auto",
+        check_device,
+        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
+    ),
+    Param(
+        "precision",
+        "fp32",
+        checks.choice,
+        '"fp32" on CPU; "bf16" on A100/H100 (autocast, fp32 master weights)',
+        valid=CHOICES["precision"],
+    ),
+    Param(
+        "evals",
+        6,
+        checks.integer,
+        "validation points per run: the resolution of the loss curves",
+        minimum=1,
+        whole_floats=True,
+    ),
+    Param(
+        "baseline",
+        True,
+        checks.boolean,
+        "also train the matched Transformer++ (Llama) on the same tokens",
+    ),
+    Param(
+        "overrides",
+        {},
+        check_overrides,
+        'more TrainConfig keys for the run, e.g. {"micro_batch": 4, "lr": 1e-3}; a recipe\'s keys '
+        "(-f params/gpu-a100.yaml) arrive here",
+    ),
+    Param(
+        "out_dir",
+        "../runs/lab/01_prototype_130m",
+        check_out_dir,
+        "figures, metrics.json, checkpoints (relative: from notebooks/)",
+    ),
+    Param(
+        "seed",
+        0,
+        checks.integer,
+        "model initialisation and data order",
+        minimum=0,
+        whole_floats=True,
+    ),
+)
+
+NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
+_RESET = {
+    "d_state": None,
+    "headdim": 64,
+    "chunk_size": None,
+}  # a preset's own mixer fields, cleared
+
+
+def mixer_fields(mixer: str, d_inner: int) -> dict:
+    """The ModelConfig fields that make a model of width d_inner a ``mixer`` model of comparable size."""
+    if mixer not in SSM_MIXERS:
+        raise ValueError(f"mixer={mixer!r} is not one of {', '.join(SSM_MIXERS)}")
+    if mixer == "mamba1":
+        return dict(mixer="mamba1", d_state=16)
+    big = d_inner >= 1024
+    return dict(mixer=mixer, d_state=128 if big else 64, headdim=64 if big else 32, chunk_size=64)
+
+
+def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
+    """The tokens each mixer trains on: a ``share``-th of the run's, at most ``cap``, whole batches (at least
+    one): 6 steps of the CPU recipe, one on CI's."""
+    total = cfg.total_steps() * cfg.batch_tokens
+    return max(1, min(cap, total // share) // cfg.batch_tokens) * cfg.batch_tokens
+
+
+def compare_mixers(
+    cfg, data, val_data, out_dir, tokens: int | None = None, mixers=SSM_MIXERS, callbacks=()
+) -> tuple[list[dict], dict]:
+    """Train one model per mixer (seeded alike, same tokens in the same order, ``cfg``'s recipe, evaluated at
+    the end) for ``tokens`` tokens each (default :func:`comparison_tokens`); their Trainer runs go to
+    ``out_dir/<mixer>``. Returns rows (``model``, ``mixer``, ``d_state``, ``params``, ``non_embedding``,
+    ``val_loss``, ``val_ppl``, ``train_tok_s``, ``seconds``) and each run's records, keyed by name."""
+    import torch
+
+    from ...data import TokenLoader
+    from ...eval import summarize_run
+    from ...models import build_model, parameter_report
+    from ...train import Trainer
+
+    tokens = comparison_tokens(cfg) if tokens is None else tokens
+    steps = max(1, tokens // cfg.batch_tokens)
+    vocab = TokenLoader(data, cfg.seq_len, 1).index["vocab_size"]
+    d_inner = cfg.model_config(vocab_size=vocab).d_inner
+    rows, runs = [], {}
+    for mixer in mixers:
+        over = {**cfg.model_overrides, **_RESET, **mixer_fields(mixer, d_inner)}
+        run = dataclasses.replace(
+            cfg,
+            model_overrides=over,
+            max_steps=steps,
+            max_tokens=None,
+            eval_every=0,
+            log_every=1,
+            warmup_steps=min(cfg.warmup_steps, steps // 10),
+            ckpt_every=0,
+            out_dir=str(Path(out_dir) / mixer),
+            overwrite=True,
+        )
+        torch.manual_seed(cfg.seed)
+        model = build_model(run.model_config(vocab_size=vocab))
+        start = time.perf_counter()
+        trainer = Trainer(
+            model, run, data=data, val_data=val_data, callbacks=list(callbacks), name=NAMES[mixer]
+        )
+        runs[NAMES[mixer]] = history = trainer.fit()
+        size = parameter_report({NAMES[mixer]: model})[0]
+        summary = summarize_run(history)
+        rows.append(
+            {
+                "model": NAMES[mixer],
+                "mixer": mixer,
+                "d_state": model.config.d_state,
+                "params": size["params"],
+                "non_embedding": size["non_embedding"],
+                "val_loss": summary["val_loss"],
+                "val_ppl": summary["val_ppl"],
+                "train_tok_s": summary["train_tok_s"],
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+    return rows, runs

@@ -1,0 +1,35 @@
+"""ssmkit.checks: the one grammar of values typed on a command line, and the validators every layer uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssmkit import checks
+
+
+def test_parse_value():
+    assert [
+        checks.parse_value(v) for v in ["3", "3e-3", "2_000", "true", "False", "none", "cpu", "1.5"]
+    ] == [3, 0.003, 2000, True, False, None, "cpu", 1.5]
+
+
+def test_integers_reads_lists_and_their_text():
+    assert checks.integers("[256, 1024]", "lengths", minimum=2, ascending=True) == [256, 1024]
+    assert checks.integers([2e3, 16], "widths") == [2000, 16]
+    for bad, words in (
+        ([], "non-empty list of integers >= 2"),
+        ("[4, 2]", "ascending and distinct"),
+        ([8, 8], "ascending and distinct"),
+        ([1], ">= 2"),
+        ([True], "integers"),
+        ("x", "e.g. \\[16, 64\\]; got 'x'"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            checks.integers(bad, "lengths", minimum=2, ascending=True)
+
+
+def test_integer_refuses_bools_and_fractions():
+    assert checks.integer(5e8, "max_tokens", whole_floats=True) == 500_000_000
+    for bad in (True, 1.5, "3", None):
+        with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+            checks.integer(bad, "seed", minimum=0)
