@@ -394,10 +394,10 @@ def strategy_metrics(runs: dict[str, dict], mem: list[dict], reference: str = ON
 
 
 def slurm_command(name: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=()) -> str:
-"""The commands that run the run config ``configs/<name>.yaml`` for real: on one node with
-    ``ssmkit train --nproc`` (torchrun's standalone launcher), and on ``nodes`` nodes through Slurm (scripts/slurm/train.sbatch: one
-    torchrun per node, joined by torchrun's c10d rendezvous on the first node; requeue-safe with
-    ``--resume``). ``sets``: ``key=value`` overrides (``--set``)."""
+    """The commands that run the run config ``configs/<name>.yaml`` for real: on one node with
+    ``ssmkit train --nproc`` (torchrun's standalone launcher), and on ``nodes`` nodes through Slurm
+    (scripts/slurm/train.sbatch: one torchrun per node, joined by torchrun's c10d rendezvous on the
+    first node; requeue-safe with ``--resume``). ``sets``: ``key=value`` overrides (``--set``)."""
     nodes = checks.integer(nodes, "nodes", minimum=1)
     gpus_per_node = checks.integer(gpus_per_node, "gpus_per_node", minimum=1)
     config = f"configs/{name}.yaml"
@@ -666,14 +666,15 @@ def mixer_throughput(
     seed: int = 0,
     mixers=("mamba1", "mamba2"),
 ) -> list[dict]:
-"""Training tokens/s (forward + backward, no optimizer: :func:`ssmkit.eval.long_context.make_train_step`)
-    of LMs of the same width and depth, one per mixer of ``mixers`` (default Mamba-1 and Mamba-2; any of
-    :data:`ssmkit.models.SSM_MIXERS`, e.g. with "mamba3": Mamba-3 SISO), for each sequence length and
-    state size N. The models are timed round-robin (:func:`ssmkit.eval.time_round_robin`), so a busy machine slows all
-    alike; ``warmup`` untimed rounds, then the median of ``steps``. Mamba-2 and Mamba-3: ``headdim`` P,
-    chunk ``chunk_size`` Q. Rows: ``seq_len``, ``d_state``, ``<mixer>_tok_s`` and ``<mixer>_params`` for
-    each mixer, ``ratio`` (Mamba-2 / Mamba-1, when both run) and ``mamba3_ratio`` (Mamba-3 / Mamba-2, when
-    both run)."""
+    """Training tokens/s (forward + backward, no optimizer:
+    :func:`ssmkit.eval.long_context.make_train_step`) of LMs of the same width and depth, one per
+    mixer of ``mixers`` (default Mamba-1 and Mamba-2; any of :data:`ssmkit.models.SSM_MIXERS`, e.g.
+    with "mamba3": Mamba-3 SISO), for each sequence length and state size N. The models are timed
+    round-robin (:func:`ssmkit.eval.time_round_robin`), so a busy machine slows all alike;
+    ``warmup`` untimed rounds, then the median of ``steps``. Mamba-2 and Mamba-3: ``headdim`` P,
+    chunk ``chunk_size`` Q. Rows: ``seq_len``, ``d_state``, ``<mixer>_tok_s`` and ``<mixer>_params``
+    for each mixer, ``ratio`` (Mamba-2 / Mamba-1, when both run) and ``mamba3_ratio`` (Mamba-3 /
+    Mamba-2, when both run)."""
     import torch
 
     from ...eval import time_round_robin

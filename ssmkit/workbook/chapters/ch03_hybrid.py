@@ -327,9 +327,10 @@ def ratio_sweep(
     out_dir=None,
     **model_overrides,
 ) -> list[dict]:
-"""One row per ``attn_every`` (default :data:`SWEEP`: pure SSM, 8, 4, 2, pure attention), every model of
-    the same width and depth (``width`` / ``depth``: d_model / n_layer; default the run config's),
-    attention at offset ``attn_every // 2`` (:func:`hybrid_config`; ``mixer`` and ``model_overrides`` go there too).
+    """One row per ``attn_every`` (default :data:`SWEEP`: pure SSM, 8, 4, 2, pure attention), every
+    model of the same width and depth (``width`` / ``depth``: d_model / n_layer; default the run
+    config's), attention at offset ``attn_every // 2`` (:func:`hybrid_config`; ``mixer`` and
+    ``model_overrides`` go there too).
 
     With ``task``: each model (with the task's vocabulary, seeded by ``cfg.seed``) trains on it,
     :func:`ssmkit.train.train_on_task` (``steps``, ``batch``, ``lr``: default ``cfg.lr``), giving
