@@ -85,10 +85,10 @@ def reuse_freed_memory() -> bool:
 
     glibc serves blocks above a threshold (at most 32 MiB by default) with ``mmap`` and returns
     them with ``munmap`` when freed, so every training step maps its large activations (the
-    logits of a 50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in: measured here,
-    40% of a CPU step's time in the kernel and 1.7x fewer tokens/s. Raising the mmap and trim
-    thresholds lets freed blocks be reused. The price is memory the process keeps: configs/cpu-tiny
-    peaks at 3.8 GB RSS instead of 2.1 GB. Process-wide; applied again at every call, so it also ends
+    logits of a 50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in, which can take a
+    large share of a CPU step in the kernel (``benchmarks/profile_train_step.py`` counts the page faults
+    per step). Raising the mmap and trim thresholds lets freed blocks be reused. The price is memory the
+    process keeps: a higher peak RSS. Process-wide; applied again at every call, so it also ends
     :func:`measure_freed_memory`. ``SSMKIT_REUSE_MEMORY=0`` turns it off (less memory, slower steps).
     Returns whether it is in effect.
     """

@@ -2,13 +2,13 @@ r"""Opt-in: the torch backend's scans through ``torch.compile`` (inductor's gene
 
 Why: :class:`ssmkit.ops.s6.SelectiveScanFn` runs the S6 recurrence one time step per PyTorch op and
 everything else in (T, batch, dim, dstate) passes over memory, about twenty of them per chunk in forward
-and backward; a profile of a 4-layer, d_model 128 Mamba-1 train step on CPU (batch 8 x 256,
-benchmarks/train_step_cpu.py) puts about 60% of the step there. Here each chunk of ``CHUNK`` steps is
+and backward; on a CPU the profile of a small Mamba-1 train step puts most of the step there
+(``benchmarks/profile_train_step.py`` measures it on this machine). Here each chunk of ``CHUNK`` steps is
 one function with its loops unrolled, which inductor fuses: in forward Ā_t = exp2(Δ_t A log2 e) is
-computed where it is used and h_t stays in registers (0.5-0.6 ns per state element on this 2-core CPU,
-against ~1.8 ns eagerly); backward recomputes the chunk's states, runs the adjoint and writes each
-(T, b, d, n) value once (~1.6-1.9 ns). Mamba-2's :func:`~ssmkit.ops.ssd.ssd_chunked` is compiled whole
-(forward and backward through AOTAutograd; ~1.6x on one layer at 8 x 256).
+computed where it is used and h_t stays in registers; backward recomputes the chunk's states, runs the
+adjoint and writes each (T, b, d, n) value once. Mamba-2's :func:`~ssmkit.ops.ssd.ssd_chunked` is
+compiled whole (forward and backward through AOTAutograd). What each saves is measured, as a ratio to
+the eager path, by ``benchmarks/train_step_cpu.py --compile-scan``.
 
 The S6 math is :class:`~ssmkit.ops.s6.SelectiveScanFn`'s (its comments derive the backward); the loop
 over chunks, D, the gate and softplus stay in eager PyTorch, and only the state entering each chunk is
