@@ -1,6 +1,6 @@
 """Every notebook in notebooks/: committed clean and well-formed, and it runs top to bottom under papermill.
 
-Structure (DESIGN.md, "Conventions"): no outputs or execution counts; exactly one cell tagged
+Structure (the conventions in docs/workbook.md): no outputs or execution counts; exactly one cell tagged
 ``parameters`` holding plain values with a comment each, including config, data, max_tokens,
 device ("auto"), out_dir and seed (written from its chapter's declaration: tests/unit/workbook/
 test_params.py); the first code cell after it imports the notebook's own chapter and checks every
