@@ -1,18 +1,65 @@
-"""The ``ssmkit`` command line. Subcommands: ``env`` (the environment report), ``demo`` (the CPU
-training demo), ``generate`` (text from a checkpoint), ``eval`` (lm-evaluation-harness tasks), ``convert``
-(checkpoint layouts), ``data prepare`` (token shards), ``train`` (ssmkit.train.cli), ``plan`` (the memory
-planner, ssmkit.train.planner) and ``workbook`` (ssmkit.workbook); demo, train, plan and workbook parse
-their own options.
+"""The ``ssmkit`` command: one table, :data:`COMMANDS`, from each command to the line that
+``ssmkit --help`` shows, the function that declares its options and the function that runs it.
 
+    ssmkit --help                  every command, one line each
+    ssmkit CMD --help              that command's options (data prepare, workbook run: two words)
     ssmkit generate runs/cpu-tiny/checkpoints/latest --prompt "The for statement" --max-new-tokens 64
-    ssmkit eval --model runs/cpu-tiny --tasks ssmkit_docstring_cloze,ssmkit_lastword --out runs/cpu-tiny/eval
+    ssmkit eval --model runs/cpu-tiny --tasks ssmkit_docstring_cloze,ssmkit_lastword \
+        --out runs/cpu-tiny/eval
+
+Each command's options are declared once, by one function that adds them to an ``argparse``
+parser: env, generate, eval, convert and data prepare here; train, plan, demo and the workbook's
+run and strip in their own modules, whose ``main`` builds its parser from the same function
+(``python -m ssmkit.train``, what torchrun starts on each rank; ``python -m ssmkit.demo``;
+``python -m ssmkit.workbook``). A run function takes the parsed options and returns the exit
+status (0 or None: success); a user's mistake is one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    """One ``ssmkit`` command. Its functions are named ``"module:function"`` and imported only when
+    the command runs, so ``ssmkit --help`` imports none of them (``ssmkit.train`` alone brings in
+    torch.distributed, ``ssmkit.workbook`` the whole workbook)."""
+
+    help: str              # its line in `ssmkit --help`, its description in `ssmkit CMD --help`
+    options: str | None    # function(parser) adding the command's options; None: it takes none
+    run: str               # function(parsed options) -> exit status (0 or None: success)
+
+
+COMMANDS = {
+    "env": Command("torch, device, kernels and the backend of every op",
+                   None, "ssmkit.cli:run_env"),
+    "demo": Command("train a tiny model (--mixer mamba1, mamba2, mamba3 or hybrid) on CPU for a "
+                    "few hundred steps, then sample",
+                    "ssmkit.demo:add_arguments", "ssmkit.demo:run"),
+    "data prepare": Command("tokenize a source into packed token shards (resumable)",
+                            "ssmkit.cli:data_prepare_options", "ssmkit.cli:run_data_prepare"),
+    "train": Command("train a model from a YAML config (see configs/)",
+                     "ssmkit.train.cli:add_arguments", "ssmkit.train.cli:run"),
+    "plan": Command("per-GPU memory of a training step and the largest micro-batch that fits",
+                    "ssmkit.train.planner:add_arguments", "ssmkit.train.planner:run"),
+    "generate": Command("continue a prompt with a trained model (checkpoint or model dir)",
+                        "ssmkit.cli:generate_options", "ssmkit.cli:run_generate"),
+    "eval": Command("score a model on lm-evaluation-harness tasks (offline ones included)",
+                    "ssmkit.cli:eval_options", "ssmkit.cli:run_eval"),
+    "convert": Command("rewrite a checkpoint in the transformers (Mamba / Mamba2, Jamba, Zamba2) "
+                       "or mamba_ssm layout (hybrids included)",
+                       "ssmkit.cli:convert_options", "ssmkit.cli:run_convert"),
+    "workbook run": Command("run the notebooks headless with papermill into runs/NAME/, and write "
+                            "summary.md",
+                            "ssmkit.workbook.cli:add_run_arguments", "ssmkit.workbook.cli:run"),
+    "workbook strip": Command("clear the notebooks' outputs and execution counts in place",
+                              "ssmkit.workbook.cli:add_strip_arguments",
+                              "ssmkit.workbook.cli:strip"),
+}
 
 # ssmkit.hub.layouts.FORMATS, spelled out so `ssmkit --help` needs no torch import (a test keeps them equal)
 CONVERT_FORMATS = ["hf", "mamba_ssm", "jamba", "zamba2"]
@@ -36,9 +83,9 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def _generate_parser(sub) -> argparse.ArgumentParser:
-    gen = sub.add_parser("generate", help="continue a prompt with a trained model (checkpoint or model dir)",
-                         description="Print the prompt and its continuation, decoded.")
+def generate_options(gen: argparse.ArgumentParser) -> None:
+    """The options of ``ssmkit generate``."""
+    gen.description = "Print the prompt and its continuation, decoded."
     gen.add_argument("checkpoint", metavar="CHECKPOINT",
                      help="a model directory (config.json), a Trainer checkpoint step_N/, a checkpoints/ "
                           "directory or its latest file, a run's out_dir, or a hub id")
@@ -55,7 +102,6 @@ def _generate_parser(sub) -> argparse.ArgumentParser:
                      help="gpt2, byte, bpe-<N>, a hub id or a directory (default: the checkpoint's files)")
     gen.add_argument("--device", default="auto", help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N")
     gen.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: as saved)")
-    return gen
 
 
 def load_with_tokenizer(source: str, tokenizer: str | None, dtype=None, device=None):
@@ -111,13 +157,12 @@ def generate_text(args) -> str:
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
-def _eval_parser(sub) -> argparse.ArgumentParser:
-    ev = sub.add_parser("eval", help="score a model on lm-evaluation-harness tasks (offline ones included)",
-                        description="Run lm-eval tasks on a model through the `ssmkit` lm-eval model; print "
-                                    "the results as a markdown table. Offline tasks: ssmkit_docstring_cloze, "
-                                    "ssmkit_lastword; lm-eval's own (hellaswag, piqa, arc_easy, "
-                                    "arc_challenge, winogrande, lambada_openai, ...) need the hub or its "
-                                    "datasets cache.")
+def eval_options(ev: argparse.ArgumentParser) -> None:
+    """The options of ``ssmkit eval``."""
+    ev.description = ("Run lm-eval tasks on a model through the `ssmkit` lm-eval model; print "
+                      "the results as a markdown table. Offline tasks: ssmkit_docstring_cloze, "
+                      "ssmkit_lastword; lm-eval's own (hellaswag, piqa, arc_easy, arc_challenge, "
+                      "winogrande, lambada_openai, ...) need the hub or its datasets cache.")
     ev.add_argument("--model", required=True, metavar="PATH",
                     help="a model directory (config.json), a Trainer checkpoint step_N/, a checkpoints/ "
                          "directory or its latest file, a run's out_dir, or a hub id")
@@ -130,7 +175,6 @@ def _eval_parser(sub) -> argparse.ArgumentParser:
     ev.add_argument("--tokenizer", default=None, metavar="NAME",
                     help="gpt2, byte, bpe-<N>, a hub id or a directory (default: the checkpoint's files)")
     ev.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
-    return ev
 
 
 def eval_table(args) -> str:
@@ -149,136 +193,185 @@ def eval_table(args) -> str:
     return lm_eval_table(results)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="ssmkit", description="train state-space language models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("env", help="torch, device, kernels and the backend of every op")
-    sub.add_parser("demo", help="train a tiny model (--mixer mamba1, mamba2, mamba3 or hybrid) on CPU for a "
-                                "few hundred steps, then sample; --help for options", add_help=False)
-    _generate_parser(sub)
-    _eval_parser(sub)
-    sub.add_parser("train", help="train a model from a YAML config (see configs/); --help for options",
-                   add_help=False)
-    sub.add_parser("plan", help="per-GPU memory of a training step and the largest micro-batch that fits; "
-                                "--help for options", add_help=False)
-    sub.add_parser("workbook", help="run the notebooks headless with papermill; --help for options",
-                   add_help=False)
-    conv = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (Mamba / Mamba2, Jamba, "
-                                          "Zamba2) or mamba_ssm layout (hybrids included)")
-    conv.add_argument("src", help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
+def run_generate(args) -> int:
+    """``ssmkit generate``: print :func:`generate_text`; a user's mistake is one line, status 1."""
+    from .io import describe_os_error
+
+    try:
+        text = generate_text(args)
+    except ValueError as exc:       # no checkpoint, no tokenizer, a corrupt file, a bad value
+        return _fail("generate", str(exc))
+    except OSError as exc:
+        return _fail("generate", describe_os_error(exc))
+    print(text)
+    return 0
+
+
+def run_eval(args) -> int:
+    """``ssmkit eval``: print :func:`eval_table` (and where ``--out`` put the results); a user's
+    mistake is one line, status 1."""
+    from .io import describe_os_error
+
+    try:
+        table = eval_table(args)
+    except (ValueError, RuntimeError) as exc:  # no checkpoint/tokenizer, unknown task, offline data
+        return _fail("eval", " ".join(str(exc).split()))
+    except OSError as exc:
+        return _fail("eval", describe_os_error(exc))
+    print(table, end="")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'results.json'} and results.md")
+    return 0
+
+
+def convert_options(conv: argparse.ArgumentParser) -> None:
+    """The options of ``ssmkit convert``."""
+    conv.add_argument("src",
+                      help="checkpoint directory (transformers or mamba_ssm layout) or hub id")
     conv.add_argument("dst", help="output directory: new, empty, or a checkpoint ssmkit wrote "
                                   "(replaced atomically)")
     conv.add_argument("--to", required=True, choices=CONVERT_FORMATS,
-                      help="layout to write: hf (transformers' Mamba / FalconMamba / Mamba2), mamba_ssm "
-                           "(MambaLMHeadModel, attention hybrids too), jamba, zamba2")
+                      help="layout to write: hf (transformers' Mamba / FalconMamba / Mamba2), "
+                           "mamba_ssm (MambaLMHeadModel, attention hybrids too), jamba, zamba2")
     conv.add_argument("--overwrite", action="store_true",
                       help="DST holds other files too: replace only the checkpoint's files in it, "
                            "keep the rest")
-    data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
-    prep = data.add_parser("prepare", help="tokenize a source into packed token shards (resumable)")
+
+
+def run_convert(args) -> int:
+    """``ssmkit convert``: the model behind SRC (a LoRA run: its base with the adapter merged)
+    saved in DST in the ``--to`` layout; a user's mistake is one line, status 1."""
+    from .io import describe_os_error, overlapping
+
+    if Path(args.src).exists() and overlapping(args.src, args.dst):  # writing DST destroys SRC
+        return _fail("convert", f"source {args.src} and target {args.dst} overlap (the same "
+                                "directory, or one inside the other); choose a target outside the "
+                                "source")
+    try:
+        from .train.model_setup import load_model
+
+        model, tok_dir, _ = load_model(args.src)          # a LoRA run: base + adapter, merged
+        out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=str(tok_dir),
+                                    overwrite=args.overwrite)
+    except ValueError as exc:       # CheckpointError, a refused target, an unsupported layout
+        return _fail("convert", str(exc))
+    except OSError as exc:                  # disk full, read-only, permission denied
+        return _fail("convert", describe_os_error(exc))
+    print(f"wrote {out} ({args.to} layout, {model.num_parameters():,} parameters)")
+    return 0
+
+
+def data_prepare_options(prep: argparse.ArgumentParser) -> None:
+    """The options of ``ssmkit data prepare``."""
     prep.add_argument("--source", default="stdlib-docs",
                       help="stdlib-docs, a remote corpus name, or a local path")
-    prep.add_argument("--tokenizer", default="gpt2", help="gpt2, byte, bpe-<N>, a hub id or a directory")
+    prep.add_argument("--tokenizer", default="gpt2",
+                      help="gpt2, byte, bpe-<N>, a hub id or a directory")
     prep.add_argument("--out", required=True, help="output directory (re-running resumes)")
     prep.add_argument("--split", default="train", choices=["train", "validation", "all"])
-    prep.add_argument("--max-tokens", type=_count, default=None, help="stop after this many tokens")
+    prep.add_argument("--max-tokens", type=_count, default=None,
+                      help="stop after this many tokens")
     prep.add_argument("--shard-tokens", type=_count, default=1 << 24, help="tokens per shard")
     prep.add_argument("--workers", type=_count, default=1, help="tokenizer processes")
     prep.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
-                      help="wait this long for another prepare into --out to finish (default: fail at once)")
+                      help="wait this long for another prepare into --out to finish "
+                           "(default: fail at once)")
     prep.add_argument("--mds-seq-len", type=_count, default=None, metavar="N",
-                      help="also write a MosaicML streaming (MDS) copy of N+1-token windows into OUT/mds")
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "env":
-        if rest:
-            parser.error(f"unrecognized arguments for env: {' '.join(rest)}")
-        from .env import env_report
+                      help="also write a MosaicML streaming (MDS) copy of N+1-token windows "
+                           "into OUT/mds")
 
-        print(env_report())
-    elif args.command == "convert":
-        if rest:
-            parser.error(f"unrecognized arguments for convert: {' '.join(rest)}")
-        from .io import describe_os_error, overlapping
 
-        if Path(args.src).exists() and overlapping(args.src, args.dst):   # writing DST would destroy SRC
-            parser.exit(1, f"ssmkit convert: source {args.src} and target {args.dst} overlap "
-                           "(the same directory, or one inside the other); "
-                           "choose a target outside the source\n")
-        try:
-            from .train.model_setup import load_model
+def run_data_prepare(args) -> int:
+    """``ssmkit data prepare``: :func:`ssmkit.data.prepare`, then what it wrote. The user's
+    mistakes (bad source, corrupt file, busy directory, full disk, the offline GPT-2 files missing)
+    are one line, status 1."""
+    from .data import prepare
+    from .io import describe_os_error
 
-            model, tok_dir, _ = load_model(args.src)                  # a LoRA run: base + adapter, merged
-            out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=str(tok_dir),
-                                        overwrite=args.overwrite)
-        except ValueError as exc:               # CheckpointError, a refused target, an unsupported layout
-            parser.exit(1, f"ssmkit convert: {exc}\n")
-        except OSError as exc:                  # disk full, read-only, permission denied
-            parser.exit(1, f"ssmkit convert: {describe_os_error(exc)}\n")
-        print(f"wrote {out} ({args.to} layout, {model.num_parameters():,} parameters)")
-    elif args.command == "data":
-        if rest:
-            parser.error(f"unrecognized arguments for data prepare: {' '.join(rest)}")
-        from .data import prepare
-        from .io import describe_os_error
+    try:
+        index = prepare(args.source, args.tokenizer, args.out, split=args.split,
+                        max_tokens=args.max_tokens, shard_tokens=args.shard_tokens,
+                        workers=args.workers, mds_seq_len=args.mds_seq_len,
+                        lock_wait=args.lock_wait)
+    except (ValueError, RuntimeError, OSError) as exc:
+        message = (describe_os_error(exc) if isinstance(exc, OSError)
+                   else " ".join(str(exc).split("\n")))
+        return _fail("data prepare", message)
+    empty = (f" ({index['empty_documents']:,} blank ones skipped)"
+             if index.get("empty_documents") else "")
+    print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents{empty}, "
+          f"dtype {index['dtype']}")
+    if args.mds_seq_len is not None:
+        print(f"MDS: {args.out}/mds, samples of {args.mds_seq_len + 1} tokens "
+              "(streaming.StreamingDataset)")
+    return 0
 
-        # the user's mistakes (bad source, corrupt file, busy directory, full disk): one line, status 1
-        try:
-            index = prepare(args.source, args.tokenizer, args.out, split=args.split,
-                            max_tokens=args.max_tokens, shard_tokens=args.shard_tokens,
-                            workers=args.workers, mds_seq_len=args.mds_seq_len, lock_wait=args.lock_wait)
-        except (ValueError, RuntimeError, OSError) as exc:
-            # RuntimeError: the offline GPT-2 files are missing
-            message = describe_os_error(exc) if isinstance(exc, OSError) else " ".join(str(exc).split("\n"))
-            parser.exit(1, f"ssmkit data prepare: {message}\n")
-        empty = f" ({index['empty_documents']:,} blank ones skipped)" if index.get("empty_documents") else ""
-        print(f"{index['total_tokens']:,} tokens from {index['documents']:,} documents{empty}, "
-              f"dtype {index['dtype']}")
-        if args.mds_seq_len is not None:
-            print(f"MDS: {args.out}/mds, samples of {args.mds_seq_len + 1} tokens "
-                  "(streaming.StreamingDataset)")
-    elif args.command == "generate":
-        if rest:
-            parser.error(f"unrecognized arguments for generate: {' '.join(rest)}")
-        from .io import describe_os_error
 
-        try:
-            text = generate_text(args)
-        except ValueError as exc:               # no checkpoint, no tokenizer, a corrupt file, a bad value
-            parser.exit(1, f"ssmkit generate: {exc}\n")
-        except OSError as exc:
-            parser.exit(1, f"ssmkit generate: {describe_os_error(exc)}\n")
-        print(text)
-    elif args.command == "eval":
-        if rest:
-            parser.error(f"unrecognized arguments for eval: {' '.join(rest)}")
-        from .io import describe_os_error
+def run_env(args) -> int:
+    """``ssmkit env``: print :func:`ssmkit.env.env_report`."""
+    from .env import env_report
 
-        try:
-            table = eval_table(args)
-        except (ValueError, RuntimeError) as exc:   # no checkpoint/tokenizer, unknown task, dataset offline
-            parser.exit(1, f"ssmkit eval: {' '.join(str(exc).split())}\n")
-        except OSError as exc:
-            parser.exit(1, f"ssmkit eval: {describe_os_error(exc)}\n")
-        print(table, end="")
-        if args.out:
-            print(f"wrote {Path(args.out) / 'results.json'} and results.md")
-    elif args.command == "demo":
-        from .demo import main as demo_main
+    print(env_report())
+    return 0
 
-        demo_main(rest, prog="ssmkit demo")
-    elif args.command == "train":
-        from .train.cli import main as train_main
 
-        train_main(rest)
-    elif args.command == "plan":
-        from .train.planner import main as plan_main
+def _fail(command: str, message: str) -> int:
+    """A user's mistake: ``ssmkit COMMAND: message`` on stderr, exit status 1."""
+    print(f"ssmkit {command}: {message}", file=sys.stderr)
+    return 1
 
-        sys.exit(plan_main(rest))
-    elif args.command == "workbook":
-        from .workbook import main as workbook_main
 
-        workbook_main(rest)
+# --- dispatch -------------------------------------------------------------------------------------
+
+
+def _load(target: str):
+    """The function a ``"module:function"`` of :data:`COMMANDS` names (imported now)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _listing(group: str = "") -> argparse.ArgumentParser:
+    """The parser of ``ssmkit`` (or of ``ssmkit GROUP``, e.g. ``ssmkit data``) that lists the
+    commands with their lines: what ``--help``, a missing command or an unknown one show. Each
+    command is a stub, so nothing is imported."""
+    prefix = f"{group} " if group else ""
+    parser = argparse.ArgumentParser(
+        prog=f"ssmkit {prefix}".strip(),
+        description=None if group else "train state-space language models",
+        epilog=f"ssmkit {prefix}COMMAND --help shows a command's options")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                title="commands")
+    for name, command in COMMANDS.items():
+        if name.startswith(prefix):
+            sub.add_parser(name.removeprefix(prefix), help=command.help, add_help=False)
+    return parser
+
+
+def _command(argv: list[str]) -> tuple[str, list[str]]:
+    """(the name in :data:`COMMANDS` that ``argv`` starts with, the arguments after it). ``--help``,
+    no command or an unknown one: argparse prints the list (or the error, status 2) and exits."""
+    for name in COMMANDS:
+        words = name.split()
+        if argv[:len(words)] == words:
+            return name, argv[len(words):]
+    groups = {name.split()[0] for name in COMMANDS if " " in name}
+    group = argv[0] if argv and argv[0] in groups else ""
+    args, rest = _listing(group).parse_known_args(argv[1:] if group else argv)
+    return f"{group} {args.command}".strip(), rest     # a two-word name given as one argument
+
+
+def main(argv=None) -> None:
+    """``ssmkit ARGS``: the command ARGS names, with its options parsed; exits with the command's
+    status when it is not 0 (2: bad options, as argparse)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name, rest = _command(argv)
+    command = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"ssmkit {name}", description=command.help)
+    if command.options:
+        _load(command.options)(parser)
+    status = _load(command.run)(parser.parse_args(rest))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -49,9 +49,8 @@ def evaluate(model, data, seq_len=128, n=16, seed=1234) -> float:
 DEMO_PRESETS = {"mamba1": "tiny", "mamba2": "tiny-mamba2", "mamba3": "tiny-mamba3", "hybrid": "tiny-hybrid"}
 
 
-def main(argv=None, prog: str | None = None):
-    """``python -m ssmkit.demo`` / ``ssmkit demo`` (``prog`` names the command in --help and errors)."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``ssmkit demo`` / ``python -m ssmkit.demo``."""
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     p.add_argument("--mixer", default="mamba1", choices=list(DEMO_PRESETS),
                    help="the tiny model: mamba1 (S6), mamba2 (SSD), mamba3 (exponential-trapezoidal scan "
@@ -61,8 +60,12 @@ def main(argv=None, prog: str | None = None):
     p.add_argument("--seq-len", type=int, default=128, help="bytes per window (default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the sample")
-    args = p.parse_args(argv)
+    return p
 
+
+def run(args):
+    """Train the tiny model ``args.mixer`` names, print the losses and a sample; exits with a
+    message if the validation loss did not fall."""
     torch.manual_seed(args.seed)
     data = builtin_bytes()
     split = int(0.95 * len(data))
@@ -100,6 +103,13 @@ def main(argv=None, prog: str | None = None):
     print("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"))
     if not last_val < first_val:
         raise SystemExit("the loss did not fall: something is wrong")
+
+
+def main(argv=None, prog: str | None = None):
+    """``python -m ssmkit.demo``: parse ``argv`` and :func:`run` (``prog`` names the command in
+    --help and errors)."""
+    run(add_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+        .parse_args(argv))
 
 
 if __name__ == "__main__":

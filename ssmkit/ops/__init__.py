@@ -15,6 +15,8 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:
   :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
 * :func:`compile_scan` -- opt-in: the torch backend's S6 and SSD scans through ``torch.compile``
   (:mod:`ssmkit.ops.compiled`; also ``SSMKIT_COMPILE_SCAN=1``)
+* :mod:`ssmkit.ops.tolerances` -- the official kernels' test tolerances per dtype (and the fp32
+  bound) that the tests and scripts/gpu_check hold the torch backend to
 """
 
 from .backend import BACKENDS, BackendError

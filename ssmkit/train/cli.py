@@ -3,8 +3,10 @@
 ``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc_per_node N``) in this process;
 under torchrun already (or on several nodes, with torchrun's own ``--nnodes``/``--rdzv-endpoint``), run
 ``python -m ssmkit.train`` directly. A user's error (bad config, a locked or foreign out_dir, a corrupt
-checkpoint, a full disk) is one line on stderr: exit status 2 for a bad config, 1 otherwise. Under
-``--nproc`` each rank's line is collected and printed once at the end, instead of torchrun's traceback.
+checkpoint, a full disk) is one line on stderr: exit status 2 for a bad config or ``--nproc``, 1
+otherwise. Under ``--nproc`` each rank's line is collected and printed once at the end, instead of
+torchrun's traceback. The options are declared once, in :func:`add_arguments` (``ssmkit train``
+takes them from there too).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _launch(nproc: int, rest: list[str]) -> int:
         shutil.rmtree(errors, ignore_errors=True)
 
 
-def _fail(parser: argparse.ArgumentParser, status: int, message: str):
+def _fail(status: int, message: str):
     """Exit with one line; under the launcher also leave it where the launcher collects it."""
     rank = os.environ.get("RANK")
     if rank is not None and os.environ.get(RANK_ERRORS):
@@ -59,24 +61,29 @@ def _fail(parser: argparse.ArgumentParser, status: int, message: str):
         except OSError:
             pass
     where = f" (rank {rank})" if rank is not None else ""
-    parser.exit(status, f"ssmkit train{where}: {message}\n")
+    print(f"ssmkit train{where}: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="ssmkit train", description="train a model from a YAML config")
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``ssmkit train`` / ``python -m ssmkit.train``."""
     p.add_argument("--config", required=True, help="YAML file of TrainConfig keys (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. --set max_steps=100 --set model_overrides.d_model=128")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args) -> int:
+    """Train as ``args`` says (under ``--nproc N``: launch N processes that do); returns the exit
+    status. A user's error is one line on stderr (:func:`_fail`)."""
     if args.nproc < 1:
-        p.error(f"--nproc must be >= 1 (processes on this machine); got {args.nproc}")
+        _fail(2, f"--nproc must be >= 1 (processes on this machine); got {args.nproc}")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
-                and not a.startswith("--nproc=")]
-        sys.exit(_launch(args.nproc, rest))
+        sets = [word for item in args.overrides for word in ("--set", item)]
+        resume = ["--resume"] if args.resume else []
+        return _launch(args.nproc, ["--config", args.config, *sets, *resume])
 
     from .config import TrainConfig
     from .distributed import teardown
@@ -85,7 +92,7 @@ def main(argv=None):
     try:
         cfg = TrainConfig.from_yaml(args.config, overrides=args.overrides)
     except ValueError as exc:
-        _fail(p, 2, str(exc))
+        _fail(2, str(exc))
     try:
         trainer = Trainer(config=cfg, resume=args.resume)
         history = trainer.fit()
@@ -93,7 +100,7 @@ def main(argv=None):
         from ..io import describe_os_error
 
         teardown()
-        _fail(p, 1, describe_os_error(exc) if isinstance(exc, OSError) else str(exc))
+        _fail(1, describe_os_error(exc) if isinstance(exc, OSError) else str(exc))
     evals = [r for r in history if r["kind"] == "eval"]
     last = f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
     done = f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}"
@@ -105,6 +112,16 @@ def main(argv=None):
     teardown(sync=True)
     if is_main:
         print(done)
+    return 0
+
+
+def main(argv=None):
+    """``python -m ssmkit.train ARGS`` (what torchrun starts on each rank): parse, :func:`run`."""
+    parser = argparse.ArgumentParser(prog="ssmkit train",
+                                     description="train a model from a YAML config")
+    status = run(add_arguments(parser).parse_args(sys.argv[1:] if argv is None else argv))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ code cell as it ends (``--quiet``: per notebook only). ``-p`` values are read wi
 grammar of ``ssmkit train --set`` (:func:`ssmkit.checks.parse_value`: ``none``, ``true``, ``1e3``,
 ``[1, 2]``, ``"text"``); ``-f`` is a YAML params file. Exit status: 0 all ok, 1 a notebook failed
 (or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing),
-128 + signal number when interrupted (130, 143).
+128 + signal number when interrupted (130, 143). The options are declared once, in
+:func:`add_run_arguments` and :func:`add_strip_arguments`; the ``ssmkit`` command's table names them.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..checks import parse_value
@@ -23,14 +25,11 @@ from .notebooks import WorkbookError, load_params_file, strip_notebook
 from .runner import DEFAULT_CELL_TIMEOUT, run_workbook, timeout_seconds
 from .signals import Interrupted
 
-__all__ = ["main"]
+__all__ = ["add_run_arguments", "add_strip_arguments", "main", "run", "strip"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssmkit workbook",
-                                     description="run the notebooks headless with papermill")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
+def add_run_arguments(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``ssmkit workbook run``."""
     run.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)")
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                      help="a parameter for the notebooks that declare it (repeatable); a TrainConfig key "
@@ -49,28 +48,40 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="one line per notebook, none per cell")
     run.add_argument("--progress", action="store_true", help="papermill's progress bar over the cells")
     run.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
-    strip = sub.add_parser("strip", help="clear outputs and execution counts in place")
+    return run
+
+
+def add_strip_arguments(strip: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``ssmkit workbook strip``."""
     strip.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/*.ipynb)")
-    return parser
+    return strip
 
 
-def _strip(notebooks: list[str]) -> None:
-    for p in notebooks or sorted(Path("notebooks").glob("*.ipynb")):
-        if not Path(p).is_file():
-            raise WorkbookError(f"notebook {p} does not exist")
-        print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")
+def _fail(status: int, message: str) -> int:
+    """A user's error (or an interrupted run): ``ssmkit workbook: message`` on stderr."""
+    print(f"ssmkit workbook: {message}", file=sys.stderr)
+    return status
 
 
-def main(argv=None) -> None:
-    """``ssmkit workbook run|strip ...``; exits 1 if a notebook failed (or a file could not be written), 2 on
-    bad arguments or inputs (a refused run touches nothing), 128 + signal number when interrupted
-    (130, 143)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def strip(args) -> int:
+    """``ssmkit workbook strip``: clear each notebook's outputs in place (a missing one: 2)."""
     try:
-        if args.command == "strip":
-            _strip(args.notebooks)
-            return
+        for p in args.notebooks or sorted(Path("notebooks").glob("*.ipynb")):
+            if not Path(p).is_file():
+                raise WorkbookError(f"notebook {p} does not exist")
+            print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")
+    except WorkbookError as exc:
+        return _fail(2, str(exc))
+    except OSError as exc:
+        return _fail(1, describe_os_error(exc))
+    return 0
+
+
+def run(args) -> int:
+    """``ssmkit workbook run``: the notebooks under papermill; returns 1 if a notebook failed (or a
+    file could not be written), 2 on bad arguments or inputs (a refused run touches nothing),
+    128 + signal number when interrupted (130, 143)."""
+    try:
         if args.cell_timeout is not None:
             timeout_seconds(args.cell_timeout, "--cell-timeout")   # checked here to name the option
         shared = load_params_file(args.params_file) if args.params_file else {}
@@ -87,13 +98,28 @@ def main(argv=None) -> None:
                                overwrite=args.overwrite, progress=args.progress, log_output=args.log_output,
                                quiet=args.quiet)
     except WorkbookError as exc:
-        parser.exit(2, f"ssmkit workbook: {exc}\n")
+        return _fail(2, str(exc))
     except Interrupted as exc:
-        parser.exit(128 + exc.signum, f"ssmkit workbook: interrupted by {exc}; summary: "
-                                      f"{Path(exc.summary['run']) / 'summary.md'}\n")
+        return _fail(128 + exc.signum, f"interrupted by {exc}; summary: "
+                                       f"{Path(exc.summary['run']) / 'summary.md'}")
     except OSError as exc:                              # disk full, read-only or vanished directory
-        parser.exit(1, f"ssmkit workbook: {describe_os_error(exc)}\n")
+        return _fail(1, describe_os_error(exc))
     print(f"summary: {Path(summary['run']) / 'summary.md'}")
     if summary["failed"]:
-        parser.exit(1, f"ssmkit workbook: {summary['failed']} of {len(summary['notebooks'])} "
-                       "notebook(s) failed\n")
+        return _fail(1, f"{summary['failed']} of {len(summary['notebooks'])} notebook(s) failed")
+    return 0
+
+
+def main(argv=None) -> None:
+    """``python -m ssmkit.workbook run|strip ...`` (and ``ssmkit.workbook.main``): parse, then
+    :func:`run` or :func:`strip`; exits with their status when it is not 0."""
+    parser = argparse.ArgumentParser(prog="ssmkit workbook",
+                                     description="run the notebooks headless with papermill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_run_arguments(sub.add_parser("run",
+                                     help="execute notebooks into runs/NAME/ and write summary.md"))
+    add_strip_arguments(sub.add_parser("strip", help="clear outputs and execution counts in place"))
+    args = parser.parse_args(argv)
+    status = strip(args) if args.command == "strip" else run(args)
+    if status:
+        sys.exit(status)

@@ -1,14 +1,15 @@
 """scripts/gpu_check.py on a CPU: the script a lent GPU runs, exercised with its GPU parts skipped.
 
 One subprocess runs ``--quick --device cpu`` end to end (the command line, the JSON last line, --out); the
-flags and a deliberately failing section are checked by calling the script's ``main`` in this process.
+flags and a deliberately failing section are checked by calling the check's ``main`` (the package
+scripts/gpu_check/, one module per section) in this process.
 The oracles: parity's own reference backend, transformers' models loaded from ssmkit's weights (equal
 logits), and tensors perturbed on purpose (the parity check must then fail).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -18,19 +19,22 @@ import pytest
 import torch
 from helpers import ROOT
 
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SCRIPT = ROOT / "scripts" / "gpu_check.py"            # the command; the check is scripts/gpu_check/
 SECTIONS = ["env", "parity", "kernels", "train_step", "generation", "notebook"]
 NO_CUDA = "skipped: no CUDA device"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    """The script as a module (it sets HF_HUB_OFFLINE=1 when imported: restored afterwards)."""
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """The package scripts/gpu_check/, imported as the command imports it (it sets HF_HUB_OFFLINE=1
+    when imported: restored afterwards)."""
+    saved, path = os.environ.get("HF_HUB_OFFLINE"), list(sys.path)
+    sys.path.insert(0, str(SCRIPT.parent))
+    module = importlib.import_module("gpu_check")
+    for section in ("context", "parity", "kernels", "notebook"):
+        importlib.import_module(f"gpu_check.{section}")
     yield module
+    sys.path[:] = path
     if saved is None:
         os.environ.pop("HF_HUB_OFFLINE", None)
     else:
@@ -213,7 +217,7 @@ def test_out_file_holds_the_sections_done_when_the_run_is_stopped(gpu_check, cap
 def test_parity_check_fails_on_a_wrong_result(gpu_check, one_thread):
     """The checker must catch an output off by 1% (fp32; 10% in bf16, whose tolerance is 1% + 0.05) and a
     weight gradient off by 2% (a test that cannot fail is a defect); the same case passes unperturbed."""
-    make, call, tol = gpu_check._conv_case(False)
+    make, call, tol = gpu_check.parity._conv_case(False)
     factor = {}
 
     def wrong_output(t, backend):
@@ -236,10 +240,11 @@ def test_parity_check_fails_on_a_wrong_result(gpu_check, one_thread):
 
     for dtype in (torch.float32, torch.bfloat16):
         factor["y"] = 1.01 if dtype == torch.float32 else 1.1
-        assert gpu_check.run_parity_case(make, call, tol, False, dtype, "cpu")["pass"] is True
-        bad = gpu_check.run_parity_case(make, wrong_output, tol, False, dtype, "cpu")
+        run_case = gpu_check.parity.run_parity_case
+        assert run_case(make, call, tol, False, dtype, "cpu")["pass"] is True
+        bad = run_case(make, wrong_output, tol, False, dtype, "cpu")
         assert bad["pass"] is False and bad["tensors"]["y"]["ratio"] > 1
-        bad = gpu_check.run_parity_case(make, wrong_weight_grad, tol, False, dtype, "cpu")
+        bad = run_case(make, wrong_weight_grad, tol, False, dtype, "cpu")
         assert bad["pass"] is False and bad["worst"] == "dweight" and bad["tensors"]["y"]["ratio"] <= 1
 
 
@@ -308,10 +313,10 @@ def test_kernels_section_code_with_fake_kernels(gpu_check, monkeypatch, conv_sca
             setattr(fake, name, fn)
         monkeypatch.setitem(sys.modules, module, fake)
     monkeypatch.setattr(backend, "select", lambda op, *t, backend=None: backend or "cuda")
-    ctx = gpu_check.Context(torch.device("cpu"), True, 60, "fp32", lambda *a: None)
+    ctx = gpu_check.context.Context(torch.device("cpu"), True, 60, "fp32", lambda *a: None)
     usable = {"selective_scan", "ssd_scan", "causal_conv1d", "causal_conv1d_update", "rms_norm",
               "rms_norm_gated", "selective_state_update"}
-    result = gpu_check.kernel_rows(ctx, usable, {})
+    result = gpu_check.kernels.kernel_rows(ctx, usable, {})
     rows = result["ops"]
     assert {r.get("status") for r in rows.values()} == {"ok"}, rows
     for name, row in rows.items():
@@ -325,7 +330,8 @@ def test_kernels_section_code_with_fake_kernels(gpu_check, monkeypatch, conv_sca
         assert result["pass"] is True and all(r["parity"]["pass"] for r in rows.values())
     else:
         assert result["pass"] is False and sorted(result["failed"]) == sorted(conv)
-    skipped = gpu_check.kernel_rows(ctx, usable - {"ssd_scan"}, {"ssd_scan": "import failed: no triton"})
+    skipped = gpu_check.kernels.kernel_rows(ctx, usable - {"ssd_scan"},
+                                            {"ssd_scan": "import failed: no triton"})
     assert skipped["ops"]["ssd_scan"] == {"status": "skipped: import failed: no triton"}
 
 
@@ -351,10 +357,11 @@ def test_notebook_command_is_accepted_offline_and_short(gpu_check, tmp_path):
     from ssmkit.workbook.notebooks import declared_parameters, load_params_file
     from ssmkit.workbook.params import route_parameters, workbook_parameters
 
-    cmd, params = gpu_check.notebook_command("cpu", tmp_path / "run", quick=False, cell_timeout=600)
+    section = gpu_check.notebook
+    cmd, params = section.notebook_command("cpu", tmp_path / "run", quick=False, cell_timeout=600)
     assert cmd[1:5] == ["-m", "ssmkit.cli", "workbook", "run"] and "--out" in cmd
-    notebook = ROOT / gpu_check.NOTEBOOK
-    shared = load_params_file(ROOT / gpu_check.PARAMS_FILE)
+    notebook = ROOT / section.NOTEBOOK
+    shared = load_params_file(ROOT / section.PARAMS_FILE)
     assert shared["data"] != "stdlib-docs" and params["data"] == "stdlib-docs"   # the file's needs the hub
     explicit = {k: parse_value(str(v)) for k, v in params.items()}
     declared = declared_parameters(notebook)

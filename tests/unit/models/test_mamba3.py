@@ -19,9 +19,10 @@ import ssmkit
 from ssmkit import ops
 from ssmkit.models import ModelConfig
 from ssmkit.models.config import ConfigError
+from ssmkit.ops.tolerances import FP32_REL
 from ssmkit.train import Trainer
 
-TOL = 1e-4
+TOL = FP32_REL          # ssmkit's fp32 bound (1e-4)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
