@@ -38,16 +38,15 @@ def base_checkpoint(p: dict) -> tuple[str, list[dict] | None]:
     pretraining of ``p["preset"]`` on ``p["data"]`` for ``p["max_tokens"]`` tokens into
     ``out_dir/pretrain`` (its final model directory, and the run's history)."""
     from ..train import Trainer
-    from ..train.checkpoint import find_model
+    from ..train.resolve import resolve
 
     if p["base"]:
-        local = Path(p["base"]).expanduser()
-        return (str(find_model(local)[0]) if local.exists() else p["base"]), None
+        return resolve(p["base"]).model_source(), None
     cfg = train_config(p["preset"], data=p["data"], tokenizer=p["tokenizer"], max_tokens=p["max_tokens"],
                        device=p["device"], seed=p["seed"], evals=2, out_dir=str(p["out_dir"] / "pretrain"),
                        overwrite=True, **_recipe(p["overrides"]))
     history = Trainer(config=cfg, name="pretrain").fit()
-    return str(find_model(cfg.out_dir)[0]), history
+    return resolve(cfg.out_dir).model_source(), history
 
 
 def _recipe(overrides: dict) -> dict:

@@ -22,8 +22,8 @@ import torch
 from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
-from ssmkit.train import TrainConfig, Trainer, checkpoint
-from ssmkit.train.checkpoint import CheckpointCorrupt
+from ssmkit.train import TrainConfig, Trainer, checkpoint, safe_load
+from ssmkit.train.manifest import CheckpointCorrupt, write_manifest
 from ssmkit.train.rundir import PREVIOUS
 
 POINTS = ["written", "old moved aside", "renamed", "latest written"]
@@ -236,7 +236,7 @@ def test_a_pickle_payload_in_dcp_metadata_never_runs(tmp_path, shards):
     cfg, ckpt = _committed(tmp_path, shards)
     marker = tmp_path / "pwned"
     (ckpt / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    checkpoint.write_manifest(ckpt)                                      # a forger updates the manifest too
+    write_manifest(ckpt)                                 # a forger updates the manifest too
     with pytest.raises(CheckpointCorrupt, match=r"refers to pathlib.Path.touch|refers to pathlib"):
         Trainer(config=cfg, resume=True)
     assert not marker.exists()
@@ -246,7 +246,8 @@ def test_a_pickle_payload_in_a_dcp_value_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
     with pytest.raises(CheckpointCorrupt, match="optim.param_groups.0.lr is not a plain value"):
-        checkpoint._SafePlanner().load_bytes(item, io.BytesIO(pickle.dumps(Payload(marker), protocol=2)))
+        payload = io.BytesIO(pickle.dumps(Payload(marker), protocol=2))
+        safe_load.SafePlanner().load_bytes(item, payload)
     assert not marker.exists()
 
 
