@@ -37,9 +37,11 @@ path names (a run, a checkpoint, its ``latest`` file) is :mod:`.resolve`'s busin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -71,6 +73,28 @@ def _quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():     # "torch.distributed ... uninitialized ... single process": intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
         return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_hf_bars():
+    """transformers' progress bars off for the duration, then as they were: ``save_pretrained`` of
+    a transformers model (the Llama baseline) draws a "Writing model shards" bar inside the training
+    cell."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_off:
+            disable_progress_bars()
 
 
 def is_complete(folder: Path) -> bool:
@@ -117,7 +141,9 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
                 save_adapter(model, tmp / "adapter")
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "adapter", model)
             elif hasattr(model, "save_pretrained"):
-                model.save_pretrained(tmp / "model", **({"state_dict": full} if sharded else {}))
+                with _no_hf_bars():                           # no "Writing model shards" bar
+                    model.save_pretrained(tmp / "model",
+                                          **({"state_dict": full} if sharded else {}))
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "model", model)
             write_json(tmp / "trainer.json", trainer_state)
         d.barrier()

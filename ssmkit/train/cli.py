@@ -87,7 +87,9 @@ def main(argv=None):
     except ValueError as exc:
         _fail(p, 2, str(exc))
     try:
-        trainer = Trainer(config=cfg, resume=args.resume)
+        trainer = Trainer(config=cfg)
+        if args.resume:                  # every rank: the checks and the load are collectives
+            trainer.resume()
         history = trainer.fit()
     except (ValueError, TrainingError, OSError) as exc:
         from ..io import describe_os_error

@@ -48,6 +48,16 @@ def _freeze_embedding(model: nn.Module):
     weight.requires_grad_(False)
 
 
+def long_context(model: nn.Module, cfg: TrainConfig):
+    """Switch on activation checkpointing and the chunked loss, which only ssmkit models have."""
+    backbone = getattr(model, "backbone", None)
+    if not hasattr(backbone, "gradient_checkpointing") or not hasattr(model, "loss_chunk_size"):
+        raise ValueError(f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
+                         f"{type(model).__name__} has neither (set them to false / 0)")
+    backbone.gradient_checkpointing = cfg.activation_checkpointing
+    model.loss_chunk_size = cfg.loss_chunk_size
+
+
 def lora_kwargs(lora: dict) -> dict:
     """``config.lora`` as :func:`ssmkit.finetune.apply_lora`'s arguments (missing keys: its defaults)."""
     return {k: v for k, v in lora.items() if v is not None or k == "target_modules"}

@@ -132,7 +132,8 @@ def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
     uninterrupted = losses(whole.fit())
     cfg = run_config(tmp_path, base_dir, sft_dirs, name="parts", ckpt_every=2)
     first = losses(Trainer(config=cfg).fit(until=2))
-    resumed = Trainer(config=cfg, resume=True)
+    resumed = Trainer(config=cfg)
+    assert resumed.resume()
     assert resumed.step == 2
     second = losses(resumed.fit())
     assert first + second == uninterrupted                                  # bitwise, dropout included
@@ -143,7 +144,7 @@ def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
     other = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8))
     other_dir = other.save_pretrained(tmp_path / "other-base")
     with pytest.raises(ValueError, match="trained on another base model"):
-        Trainer(config=dataclasses.replace(cfg, base=str(other_dir), max_steps=6), resume=True)
+        Trainer(config=dataclasses.replace(cfg, base=str(other_dir), max_steps=6)).resume()
 
 
 # --- full fine-tuning, frozen embedding, bf16 weights ---------------------------------------------------
