@@ -107,18 +107,19 @@ def generate_options(gen: argparse.ArgumentParser) -> None:
 def load_with_tokenizer(source: str, tokenizer: str | None, dtype=None, device=None):
     """(model, tokenizer name) behind a path a user gave ``ssmkit generate`` / ``eval``: a model directory,
     a checkpoint, a run's out_dir (a LoRA run: its base with the adapter merged in) or a hub id
-    (:func:`ssmkit.train.model_setup.load_model`). The tokenizer: ``tokenizer``, else the files saved with
+    (:func:`ssmkit.train.load.load_model`). The tokenizer: ``tokenizer``, else the files saved with
     the model; none there is a ValueError naming the one trainer.json recorded."""
     from .data.tokenizers import TOKENIZER_FILES
     from .io import read_json
-    from .train.model_setup import load_model
+    from .train.load import load_model
 
-    model, tok_dir, step = load_model(source, dtype=dtype, device=device)
-    if tokenizer is None and Path(source).exists() and \
+    model, where = load_model(source, dtype=dtype, device=device)
+    tok_dir = where.tokenizer_dir
+    if tokenizer is None and where.kind != "hub" and \
             not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         trained = None
-        if step is not None:
-            state = read_json(step / "trainer.json", "checkpoint state")
+        if where.step_dir is not None:
+            state = read_json(where.step_dir / "trainer.json", "checkpoint state")
             trained = state.get("tokenizer") or (state.get("config") or {}).get("tokenizer")
         hint = f" (trainer.json says it was trained with {trained!r}: --tokenizer {trained})" if trained \
             else ""
@@ -248,10 +249,11 @@ def run_convert(args) -> int:
                                 "directory, or one inside the other); choose a target outside the "
                                 "source")
     try:
-        from .train.model_setup import load_model
+        from .train.load import load_model
 
-        model, tok_dir, _ = load_model(args.src)          # a LoRA run: base + adapter, merged
-        out = model.save_pretrained(args.dst, format=args.to, tokenizer_from=str(tok_dir),
+        model, where = load_model(args.src)               # a LoRA run: base + adapter, merged
+        out = model.save_pretrained(args.dst, format=args.to,
+                                    tokenizer_from=str(where.tokenizer_dir),
                                     overwrite=args.overwrite)
     except ValueError as exc:       # CheckpointError, a refused target, an unsupported layout
         return _fail("convert", str(exc))

@@ -131,6 +131,15 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def sha256_files(paths: list[Path]) -> list[str]:
+    """:func:`sha256_file` of each path, in order, several at a time: hashlib releases the GIL, so
+    threads use every core (up to 8)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 # --- names and paths ------------------------------------------------------------------------------
 
 def plain_name(name, what: str, pattern: str | None = None) -> str:

@@ -53,7 +53,7 @@ from tqdm import tqdm
 from ..data import get_tokenizer
 from ..data.tokenizers import TOKENIZER_FILES
 from ..env import pick_device
-from ..hub import DTYPES, from_pretrained
+from ..hub import from_pretrained, parse_dtype
 from ..models import generate
 
 DEFAULT_MAX_LENGTH = 2048
@@ -71,16 +71,6 @@ def _int(value, name: str, minimum: int = 1) -> int:
     if not ok:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
     return number
-
-
-def _dtype(dtype) -> torch.dtype | None:
-    """None, a torch.dtype, or a name in :data:`ssmkit.hub.DTYPES` ("fp32", "bfloat16", "torch.float16")."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).lower().removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; valid: {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def resolve_tokenizer(tokenizer, model: nn.Module, source=None):
@@ -141,7 +131,8 @@ class SsmkitLM(TemplateLM):
         if isinstance(pretrained, nn.Module):
             model = pretrained
             if device is not None or dtype is not None:
-                model.to(device=pick_device(str(device)) if device is not None else None, dtype=_dtype(dtype))
+                model.to(device=pick_device(str(device)) if device is not None else None,
+                         dtype=parse_dtype(dtype))
         else:
             source = str(pretrained)
             model = from_pretrained(source, dtype=dtype or "float32", device=device)

@@ -17,9 +17,10 @@ a :class:`CheckpointError` naming the file. ``save_pretrained`` writes only its 
 anything else is refused unless ``overwrite=True``, and then only our files in it are replaced.
 
 The package, one module per job: :mod:`~ssmkit.hub.layouts` (the file names, :class:`CheckpointError`,
-the config tables both ways), :mod:`~ssmkit.hub.load` (``from_pretrained``) and :mod:`~ssmkit.hub.save`
-(``save_pretrained``, and the ``MambaLM.save_pretrained`` method it attaches: the hub builds on models,
-so models never import the hub).
+the config tables both ways), :mod:`~ssmkit.hub.load` (``from_pretrained``, and what every loader
+reads the same way: ``parse_dtype``, ``is_hub_id``) and :mod:`~ssmkit.hub.save`
+(``save_pretrained``, which ``MambaLM.save_pretrained`` delegates to through a hook the hub fills:
+the hub builds on models, so models never import the hub; ``save_tokenizer``).
 """
 
 from .layouts import (
@@ -34,9 +35,10 @@ from .layouts import (
                       config_to_hf,
                       config_to_mamba_ssm,
 )
-from .load import DTYPES, from_pretrained
-from .save import save_pretrained
+from .load import DTYPES, from_pretrained, is_hub_id, parse_dtype
+from .save import save_pretrained, save_tokenizer
 
 __all__ = ["DTYPES", "FORMATS", "OUR_FILES", "SHARD_INDEXES", "TOKENIZER_FILES", "WEIGHT_FILES",
            "CheckpointError", "config_from_hf", "config_from_mamba_ssm", "config_to_hf",
-           "config_to_mamba_ssm", "from_pretrained", "save_pretrained"]
+           "config_to_mamba_ssm", "from_pretrained", "is_hub_id", "parse_dtype", "save_pretrained",
+           "save_tokenizer"]

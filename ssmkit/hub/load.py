@@ -22,10 +22,9 @@ from ..models import MambaLM, ModelConfig
 from . import jamba, zamba2
 from .layouts import CheckpointError, config_from_hf, config_from_mamba_ssm
 
+# the dtype names every loader accepts (parse_dtype)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
 
 
 def _from_hf_names(state: dict, cfg: ModelConfig) -> dict:
@@ -114,11 +113,22 @@ def _load_into(model: MambaLM, state: dict[str, torch.Tensor], source: str):
     model.load_state_dict(state, strict=not model.config.tie_embeddings)
 
 
+def is_hub_id(text: str | os.PathLike) -> bool:
+    """Whether ``text`` that names no local file reads as a Hugging Face hub id ``owner/name``: one
+    slash, no leading ".", "/" or "~", and no local directory ``owner`` (with a ``runs/`` here,
+    ``runs/nope`` is a mistyped local path, not a hub id)."""
+    text = str(text)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return False
+    owner, name = text.split("/")
+    return bool(owner and name) and not Path(owner).exists()
+
+
 def _resolve(path_or_id: str | os.PathLike) -> Path:
     path = Path(path_or_id)
     if path.is_dir():
         return path
-    if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") != 1:
+    if path.exists() or not is_hub_id(path_or_id):
         raise CheckpointError(f"{path_or_id!r} is neither a checkpoint directory nor a hub id "
                               "like 'state-spaces/mamba-130m'")
     try:
@@ -128,8 +138,9 @@ def _resolve(path_or_id: str | os.PathLike) -> Path:
                                                                         "*.txt", "*.model"]))
     except Exception as exc:
         raise CheckpointError(
-            f"cannot fetch {path_or_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). Offline "
-            "(HF_HUB_OFFLINE=1 or no network) only cached snapshots load; pass a local directory instead."
+            f"{path_or_id!r} is no local directory, and cannot be fetched from the Hugging Face "
+            f"hub ({type(exc).__name__}: {exc}). Offline (HF_HUB_OFFLINE=1 or no network) only "
+            "cached snapshots load; pass a local directory instead."
         ) from None
 
 
@@ -160,8 +171,11 @@ def _read_config(folder: Path) -> tuple[ModelConfig, Callable[[dict, ModelConfig
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _dtype(dtype) -> torch.dtype | None:
-    """None, a floating torch.dtype, or one of the names in :data:`DTYPES` ("bf16", "torch.float16", ...)."""
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The torch.dtype a user's ``dtype`` names: None (keep the weights' own), a floating
+    torch.dtype, or one of the names in :data:`DTYPES` ("bf16", "float16", "torch.float32", ...; any
+    case). Anything else is a ValueError listing the valid names. Every loader of ssmkit reads
+    ``dtype=`` with this."""
     if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
@@ -178,7 +192,7 @@ def from_pretrained(path_or_id: str | os.PathLike, dtype: torch.dtype | str | No
     dtype: a torch.dtype or a name (float32/fp32, bfloat16/bf16, float16/fp16/half); device: "cpu",
     "cuda", "cuda:N", "mps", "auto" or a torch.device. Both are checked before anything is read.
     """
-    dtype = _dtype(dtype)
+    dtype = parse_dtype(dtype)
     if device is not None:
         device = pick_device(str(device) if isinstance(device, torch.device) else device)
     folder = _resolve(path_or_id)

@@ -7,8 +7,10 @@ Only our files are written (:data:`~ssmkit.hub.layouts.OUR_FILES`), whole or not
 of ours is rebuilt beside and swapped in, a directory holding anything else is refused unless
 ``overwrite=True``, and then only our files in it are replaced.
 
-This module also gives :class:`~ssmkit.models.MambaLM` its ``save_pretrained`` method: models sit below
-the hub and do not import it, so the method is attached here (``import ssmkit`` imports the hub).
+:meth:`ssmkit.models.MambaLM.save_pretrained` delegates to :func:`save_pretrained`, which this
+module registers with :func:`ssmkit.models.lm.register_save_pretrained` (models sit below the hub
+and never import it; ``import ssmkit`` imports the hub). :func:`save_tokenizer` writes a tokenizer
+by name into a model directory (a Trainer checkpoint's ``model/``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from .. import io
 from ..models import MambaLM, ModelConfig
+from ..models.lm import register_save_pretrained
 from . import jamba, zamba2
 from .layouts import (
     FORMATS,
@@ -217,19 +220,31 @@ def save_pretrained(model: MambaLM, directory: str | os.PathLike, format: str | 
     return given
 
 
-def _save_pretrained_method(self: MambaLM, directory: str | os.PathLike, format: str | None = None,
-                            tokenizer_from: str | os.PathLike | None = None, state_dict: dict | None = None,
-                            overwrite: bool = False) -> Path:
-    """Write a checkpoint transformers ("hf", "jamba", "zamba2") or mamba_ssm ("mamba_ssm") loads (None: the
-    model's natural format, "hf" for pure Mamba); see :func:`ssmkit.hub.save_pretrained` (a directory
-    holding other files is refused unless ``overwrite=True``, which keeps those files)."""
-    return save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
-                           state_dict=state_dict, overwrite=overwrite)
+def save_tokenizer(name: str | None, folder: Path, model) -> bool:
+    """Write the files of tokenizer ``name`` (e.g. the training data's ``index.json`` "tokenizer")
+    into the model directory ``folder``, so the model loads with its tokenizer (``ssmkit generate``,
+    ``ssmkit.data.get_tokenizer(folder)``). False, with a warning, when there is no name, it cannot
+    be loaded, or it does not fit ``model.config.vocab_size`` (a checkpoint is never lost for want
+    of its tokenizer); errors writing the files (disk full) propagate."""
+    import warnings
+
+    from ..data.tokenizers import loaded_tokenizer
+
+    if not name:
+        return False
+    try:
+        tok = loaded_tokenizer(name)
+    except (ValueError, RuntimeError, OSError) as exc:
+        warnings.warn(f"the checkpoint is saved without its tokenizer {name!r}, which cannot be "
+                      f"loaded ({exc}); pass --tokenizer to `ssmkit generate`", stacklevel=3)
+        return False
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        warnings.warn(f"the checkpoint is saved without the tokenizer {name!r}: its {len(tok)} "
+                      f"tokens do not fit the model's vocabulary of {vocab}", stacklevel=3)
+        return False
+    tok.save_pretrained(str(folder))
+    return True
 
 
-# The familiar ``model.save_pretrained(dir)``. Models sit below the hub and never import it, so the method is
-# given to MambaLM from here; ``import ssmkit`` (and any ``import ssmkit.<x>``, which runs ssmkit/__init__.py
-# first) imports the hub, so every MambaLM has it.
-_save_pretrained_method.__name__ = "save_pretrained"
-_save_pretrained_method.__qualname__ = "MambaLM.save_pretrained"
-MambaLM.save_pretrained = _save_pretrained_method
+register_save_pretrained(save_pretrained)          # MambaLM.save_pretrained writes with it

@@ -27,7 +27,10 @@ packed row gives each sample's logits and loss as if it ran alone.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -208,6 +211,19 @@ def check_seq_idx(seq_idx: torch.Tensor, input_ids: torch.Tensor, values: bool =
                          "packed one after another")
 
 
+# What writes MambaLM.save_pretrained's files: ssmkit.hub.save.save_pretrained, registered by the
+# hub at import. A hook, because models sit below the hub and never import it.
+_save_pretrained: Callable[..., Path] | None = None
+
+
+def register_save_pretrained(writer: Callable[..., Path]):
+    """Make ``writer(model, directory, format=, tokenizer_from=, state_dict=, overwrite=)`` the
+    function :meth:`MambaLM.save_pretrained` delegates to; :mod:`ssmkit.hub.save` registers its
+    ``save_pretrained`` when imported."""
+    global _save_pretrained
+    _save_pretrained = writer
+
+
 class MambaLM(nn.Module):
     """A Mamba language model. ``model(input_ids, labels=None)`` -> :class:`LMOutput`."""
 
@@ -318,9 +334,23 @@ class MambaLM(nn.Module):
                                ignore_index=-100)
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    # save_pretrained(directory, format=None | "hf" | "mamba_ssm" | ..., tokenizer_from=None, state_dict=None,
-    # overwrite=False) is attached to this class by ssmkit.hub.save: the hub builds on models, so models
-    # never import the hub. ``import ssmkit`` imports the hub, so every MambaLM has the method.
+    def save_pretrained(self, directory: str | os.PathLike, format: str | None = None,
+                        tokenizer_from: str | os.PathLike | None = None,
+                        state_dict: dict | None = None, overwrite: bool = False) -> Path:
+        """Write this model as a checkpoint directory transformers ("hf": Mamba / Mamba2, "jamba",
+        "zamba2") or mamba_ssm ("mamba_ssm") loads unchanged; ``format=None``: the model's natural
+        format ("hf" for pure Mamba). Returns ``directory``.
+
+        The files are written by :func:`ssmkit.hub.save_pretrained` (the formats, the tokenizer
+        files copied along, the rule that a directory holding other files is refused unless
+        ``overwrite=True``, which keeps them): the hub builds on models, so this module never
+        imports it; the hub hands its writer to :func:`register_save_pretrained` when it is
+        imported, as ``import ssmkit`` does."""
+        if _save_pretrained is None:
+            raise RuntimeError("MambaLM.save_pretrained is written by ssmkit.hub, which is not "
+                               "imported: import ssmkit (or ssmkit.hub) first")
+        return _save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
+                                state_dict=state_dict, overwrite=overwrite)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}          # tied weights counted once

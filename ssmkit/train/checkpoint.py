@@ -28,23 +28,23 @@ loadable; the tests inject a crash at each point):
 sequence, and :func:`latest` falls back to the newest complete ``step_*`` when ``latest`` is
 missing or points at nothing.
 
-Trust. A checkpoint is verified against its manifest before anything is read (a truncated or
-bit-flipped file is refused), RNG states are JSON, the DCP metadata is read by an unpickler that
-accepts only torch.distributed.checkpoint's own record types, and DCP's non-tensor entries with
-``torch.load(weights_only=True)``: nothing in a checkpoint directory can run code on load. The
-manifest detects corruption, not forgery: someone who can rewrite the files can rewrite it too.
+Trust. A checkpoint is verified against its manifest (:mod:`.manifest`) before anything is read (a
+truncated or bit-flipped file is refused), RNG states are JSON, and the DCP state is read through
+:mod:`.safe_load` (DCP's metadata unpickled only as its own record types, non-tensor entries with
+``torch.load(weights_only=True)``): nothing in a checkpoint directory can run code on load. What a
+path names (a run, a checkpoint, its ``latest`` file) is :mod:`.resolve`'s business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import pickle
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -54,16 +54,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..io import plain_name, read_json, sha256_file, write_atomically, write_json
+from ..hub.save import save_tokenizer
+from ..io import plain_name, read_json, write_atomically, write_json
 from .distributed import Dist
+from .manifest import MANIFEST, CheckpointCorrupt, verify, write_manifest
 from .rng import rng_state, set_rng_state
+from .safe_load import SafePlanner, SafeReader
 
-LATEST, MANIFEST = "latest", "manifest.json"
+LATEST = "latest"
 STEP = re.compile(r"step_\d{8}")
-
-
-class CheckpointCorrupt(ValueError):
-    """A checkpoint that fails verification (missing, truncated or altered files) or cannot be read."""
 
 
 def _commit_point(where: str):
@@ -76,106 +75,26 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-# --- reading DCP without running code -------------------------------------------------------------
+@contextlib.contextmanager
+def _no_hf_bars():
+    """transformers' progress bars off for the duration, then as they were: ``save_pretrained`` of
+    a transformers model (the Llama baseline) draws a "Writing model shards" bar inside the training
+    cell."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
 
-_DCP_TYPES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "BytesStorageMetadata",
-                                              "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
-                                              "TensorProperties", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``: its own record types, torch dtypes and sizes, nothing else."""
-
-    def find_class(self, module, name):
-        if name in _DCP_TYPES.get(module, ()) or (module == "torch" and (
-                name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)))):
-            return super().find_class(module, name)
-        raise CheckpointCorrupt(f"the checkpoint's DCP metadata refers to {module}.{name}, which is not "
-                                "one of torch.distributed.checkpoint's record types: refusing to load it")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafePlanner(dcp.DefaultLoadPlanner):
-    """DCP's planner, but a non-tensor entry (an optimizer hyper-parameter) must first load with
-    ``torch.load(weights_only=True)``: plain values only, never an arbitrary pickle."""
-
-    def load_bytes(self, read_item, value):
-        try:
-            torch.load(value, weights_only=True)
-        except Exception as exc:
-            raise CheckpointCorrupt(f"the checkpoint entry {read_item.dest_index.fqn} is not a plain value "
-                                    f"({type(exc).__name__}): refusing to unpickle it") from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
-# --- manifest -------------------------------------------------------------------------------------
-
-def _sha256_all(paths: list[Path]) -> list[str]:
-    """sha256 of each file, several at a time: hashlib releases the GIL, so threads use every core (a
-    22 GB checkpoint of the 1.4B preset hashes at ~1.6 GB/s per core)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(sha256_file, paths))
-
-
-def write_manifest(folder: Path) -> dict:
-    """``folder/manifest.json``: bytes and sha256 of every file under ``folder`` (relative POSIX paths)."""
-    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
-             for p, digest in zip(paths, _sha256_all(paths))}
-    write_json(folder / MANIFEST, {"version": 1, "files": files})
-    return files
-
-
-def verify(folder: Path, prefix: str = ""):
-    """Check every file listed in ``folder/manifest.json`` (present, size, sha256), or only those whose
-    path starts with ``prefix`` (``"model/"``: the weights and tokenizer); CheckpointCorrupt otherwise."""
-    folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
-        raise CheckpointCorrupt(f"{folder} has no {MANIFEST}: it is not a complete ssmkit checkpoint")
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
     try:
-        files = read_json(folder / MANIFEST, "checkpoint manifest")["files"]
-        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()
-                   if name.startswith(prefix)]
-        for name, _, _ in entries:
-            for part in name.split("/"):
-                plain_name(part, f"{folder / MANIFEST}")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorrupt(f"{folder / MANIFEST} is malformed: {exc}") from None
-    for name, size, _ in entries:                   # cheap checks first: a missing or truncated file
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointCorrupt(f"checkpoint {folder} is incomplete: {name} is missing")
-        if path.stat().st_size != size:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: {name} has {path.stat().st_size} "
-                                    f"bytes, the manifest says {size} (truncated?)")
-    digests = _sha256_all([folder / name for name, _, _ in entries])
-    for (name, _, digest), actual in zip(entries, digests):
-        if actual != digest:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: the sha256 of {name} differs from "
-                                    "its manifest")
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_off:
+            disable_progress_bars()
 
 
 def is_complete(folder: Path) -> bool:
@@ -185,33 +104,7 @@ def is_complete(folder: Path) -> bool:
         (folder / "trainer.json").is_file()
 
 
-# --- the tokenizer beside the weights --------------------------------------------------------------
-
-def save_tokenizer(name: str | None, folder: Path, model: nn.Module) -> bool:
-    """Write the files of tokenizer ``name`` (the training data's ``index.json`` "tokenizer") into
-    ``folder`` (a checkpoint's ``model/``), so the checkpoint loads with its tokenizer. False, with a
-    warning, when there is no name, it cannot be loaded, or it does not fit the model's vocabulary (a
-    checkpoint is never lost for want of its tokenizer); errors writing the files (disk full) propagate."""
-    from ..data.tokenizers import loaded_tokenizer
-
-    if not name:
-        return False
-    try:
-        tok = loaded_tokenizer(name)
-    except (ValueError, RuntimeError, OSError) as exc:
-        warnings.warn(f"the checkpoint is saved without its tokenizer {name!r}, which cannot be loaded "
-                      f"({exc}); pass --tokenizer to `ssmkit generate`", stacklevel=3)
-        return False
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and len(tok) > vocab:
-        warnings.warn(f"the checkpoint is saved without the tokenizer {name!r}: its {len(tok)} tokens do not "
-                      f"fit the model's vocabulary of {vocab}", stacklevel=3)
-        return False
-    tok.save_pretrained(str(folder))
-    return True
-
-
-# --- save, recover, find, load --------------------------------------------------------------------
+# --- save, recover, latest, load -----------------------------------------------------------
 
 def _model_state(model: nn.Module, optimizer, adapter_only: bool):
     """DCP's (model, optimizer) state dicts; ``adapter_only``: the trainable tensors only (the frozen base,
@@ -248,7 +141,9 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
                 save_adapter(model, tmp / "adapter")
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "adapter", model)
             elif hasattr(model, "save_pretrained"):
-                model.save_pretrained(tmp / "model", **({"state_dict": full} if sharded else {}))
+                with _no_hf_bars():                           # no "Writing model shards" bar
+                    model.save_pretrained(tmp / "model",
+                                          **({"state_dict": full} if sharded else {}))
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "model", model)
             write_json(tmp / "trainer.json", trainer_state)
         d.barrier()
@@ -329,7 +224,7 @@ def saved_shapes(path: Path) -> dict[str, tuple]:
     """Name -> shape of every model tensor in the checkpoint's DCP state (read safely)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _SafeReader(str(Path(path) / "state")).read_metadata()
+    metadata = SafeReader(str(Path(path) / "state")).read_metadata()
     return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
@@ -378,7 +273,7 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     msd, osd = _model_state(model, optimizer, adapter_only)
     state = {"model": msd, "optim": osd}
-    _quiet(dcp.load, state, storage_reader=_SafeReader(str(path / "state")), planner=_SafePlanner())
+    _quiet(dcp.load, state, storage_reader=SafeReader(str(path / "state")), planner=SafePlanner())
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if adapter_only else None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
@@ -392,59 +287,3 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
         except ValueError as exc:                                  # a malformed state: nothing was set
             raise CheckpointCorrupt(f"{rng}: {exc}") from None
     return state_json
-
-
-def _locate(path: str | os.PathLike) -> tuple[Path | None, Path | None]:
-    """(model_dir, None) for a plain model directory, else (None, the checkpoint step_N/ behind ``path``);
-    ValueError saying what is accepted when it is neither."""
-    given = Path(path)
-    accepted = ("expected a model directory (config.json), a checkpoint step_N/ (with model/), a "
-                "checkpoints/ directory or its latest file, or a run's out_dir (with checkpoints/)")
-    if given.is_file():
-        if given.name != LATEST:
-            raise ValueError(f"{given} is a file: {accepted}")
-        step = latest(given.parent)
-    elif not given.is_dir():
-        raise ValueError(f"{given} does not exist: {accepted}")
-    elif (given / "config.json").is_file():
-        return given, None
-    elif (given / "trainer.json").is_file():
-        step = given
-    else:
-        root = given / "checkpoints" if (given / "checkpoints").is_dir() else given
-        step = latest(root)
-        if step is None:
-            raise ValueError(f"{given} holds no model and no complete checkpoint: {accepted}")
-    if step is None:
-        raise ValueError(f"{given} names no complete checkpoint in {given.parent}: {accepted}")
-    return None, step
-
-
-def find_model(path: str | os.PathLike) -> tuple[Path, Path | None]:
-    """The model directory behind ``path`` and the training checkpoint holding it (None for a plain model
-    directory). ``path`` may be a model directory (``config.json``), a checkpoint ``step_N/`` (its
-    ``model/``), a ``checkpoints/`` directory or its ``latest`` file (the checkpoint it names, as
-    :func:`latest` reads it: plain names only), or a run's ``out_dir`` (its ``checkpoints/``). A path that
-    is none of these is a ValueError saying what is accepted. LoRA checkpoints: :func:`find_adapter`."""
-    model_dir, step = _locate(path)
-    if model_dir is not None:
-        parent = model_dir.parent if model_dir.name == "model" and is_complete(model_dir.parent) else None
-        return model_dir, parent
-    if (step / "adapter").is_dir():
-        raise ValueError(f"checkpoint {step} holds a LoRA adapter (adapter/), not a whole model: load its "
-                         "base and the adapter with ssmkit.finetune.load_adapter(base_model, "
-                         "step/'adapter'), or export the merged model with ssmkit.finetune.export_merged")
-    if not (step / "model" / "config.json").is_file():
-        raise ValueError(f"checkpoint {step} has no model/ (its model has no save_pretrained); "
-                         "load it with Trainer(..., resume=True) instead")
-    return step / "model", step
-
-
-def find_adapter(path: str | os.PathLike) -> Path | None:
-    """The checkpoint step_N/ behind ``path`` (as :func:`find_model` reads it) when it holds a LoRA adapter
-    (``adapter/``: a LoRA run), else None (a plain model, a full checkpoint, or nothing found)."""
-    try:
-        model_dir, step = _locate(path)
-    except ValueError:
-        return None
-    return step if model_dir is None and (step / "adapter").is_dir() else None

@@ -94,7 +94,9 @@ def run(args) -> int:
     except ValueError as exc:
         _fail(2, str(exc))
     try:
-        trainer = Trainer(config=cfg, resume=args.resume)
+        trainer = Trainer(config=cfg)
+        if args.resume:                  # every rank: the checks and the load are collectives
+            trainer.resume()
         history = trainer.fit()
     except (ValueError, TrainingError, OSError) as exc:
         from ..io import describe_os_error

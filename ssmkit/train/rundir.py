@@ -10,10 +10,11 @@
 
 Rules, each with a test that injects the fault:
 
-* Two trainers never write one ``out_dir``: rank 0 holds an exclusive lock while it constructs,
-  fits or checkpoints; the second fails at once, naming the first (pid, host, command).
+* Two trainers never write one ``out_dir``: rank 0 holds an exclusive lock while it claims it
+  (``trainer.resume()`` or the first ``fit()``), fits or checkpoints; the second fails at once,
+  naming the first (pid, host, command).
 * A new run never mixes with an old one: an ``out_dir`` holding a run is resumed
-  (``resume=True``), replaced (``overwrite=True``) or refused.
+  (``trainer.resume()``), replaced (``overwrite=True``) or refused.
 * ``overwrite=True`` moves the old run aside into ``.previous-run/`` and deletes it only after the
   new run's first checkpoint is committed. If the new run fails before that, the old run is put
   back (at once for an exception; at the next start after a kill).
@@ -27,9 +28,10 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
-from ..io import DirLock, LockError, write_json
+from ..io import DirLock, LockError, write_atomically, write_json
 from . import checkpoint
 from .distributed import Dist
 
@@ -95,8 +97,8 @@ class RunDir:
         replace = not resume and bool(old or metrics.exists())
         if replace and not overwrite:
             raise ValueError(f"{self.path} already holds a run ({old} checkpoints, "
-                             f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it (--resume, "
-                             f"Trainer(..., resume=True)), replace it (--set overwrite=true) "
+                             f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it "
+                             "(--resume, trainer.resume()), replace it (--set overwrite=true) "
                              "or pick another out_dir")
         self.path.mkdir(parents=True, exist_ok=True)
         # aside, not deleted: see restore_previous
@@ -125,6 +127,27 @@ class RunDir:
                                    "or this run failed before its first checkpoint and the previous run was "
                                    "restored. Create a new Trainer")
         self._agree(error, f"{self.path} changed hands")
+
+    def truncate_metrics(self, step: int) -> list[dict]:
+        """Drop the metrics lines a resumed run's interrupted predecessor wrote after its checkpoint
+        ``step`` (and a line a kill tore in half, with a warning); returns the records kept (rank
+        0)."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        keep, torn = [], 0
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+                if record["step"] <= step:
+                    keep.append(record)
+            except (ValueError, KeyError, TypeError):
+                torn += 1
+        if torn:
+            warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)",
+                          stacklevel=2)
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
+        return keep
 
     def committed(self):
         """The run's first checkpoint is in: the run it replaced can go (rank 0)."""

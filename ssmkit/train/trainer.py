@@ -1,5 +1,10 @@
 """``Trainer(model, config, data).fit()``: the plan's training loop, on one CPU or many GPUs.
 
+``Trainer(...)`` builds (data, model, optimizer) and touches nothing in ``out_dir``;
+``trainer.resume()`` continues the run ``out_dir`` holds from its latest checkpoint; the first
+``fit()`` (or ``save_checkpoint()``) of a Trainer not resumed starts a new run there (refused when
+``out_dir`` holds one, unless ``overwrite``). Both claim ``out_dir`` first: :mod:`.rundir`.
+
 One optimizer step (global batch B tokens = micro_batch x grad_accum x world_size x seq_len):
 
     for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
@@ -29,7 +34,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -45,7 +49,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import PREPARE_WAIT, loader_index, make_loader, make_val, prepare_data, resume_keys, sft_val_loss
 from .distributed import DTYPES, gather_floats, held_mb, setup, wrap
-from .model_setup import base_module, build_run_model, is_lora
+from .model_setup import base_module, build_run_model, is_lora, long_context
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
 
@@ -56,49 +60,17 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss stayed non-finite for max_bad_steps steps in a row)."""
 
 
-def _long_context(model, cfg: TrainConfig):
-    """Switch on activation checkpointing and the chunked loss, which only ssmkit models have."""
-    backbone = getattr(model, "backbone", None)
-    if not hasattr(backbone, "gradient_checkpointing") or not hasattr(model, "loss_chunk_size"):
-        raise ValueError(f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
-                         f"{type(model).__name__} has neither (set them to false / 0)")
-    backbone.gradient_checkpointing = cfg.activation_checkpointing
-    model.loss_chunk_size = cfg.loss_chunk_size
-
-
-@contextlib.contextmanager
-def _no_hf_bars():
-    """transformers' progress bars off for the duration, then as they were: ``save_pretrained`` of a
-    transformers model (the Llama baseline) draws a "Writing model shards" bar inside the training cell."""
-    if "transformers" not in sys.modules:
-        yield
-        return
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
-    from transformers.utils import logging as hf_logging
-
-    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-        if hub_was_off:
-            disable_progress_bars()
-
-
 class Trainer:
     """Train ``model`` (None: built from ``config.model``, or ``config.base`` fine-tuned, with LoRA when
     ``config.lora``) on ``data``: None (``config.data``, prepared if it is a source), a shard or SFT
     directory, or a :class:`~ssmkit.data.TokenLoader` / :class:`~ssmkit.data.SFTLoader` matching the
     config. ``val_data``: a directory of the same kind (None: ``config.val_data`` or the source's
-    validation split). ``resume=True``
-    continues from the latest checkpoint in ``config.out_dir``. ``name``: the model's name on the progress
-    bar and in messages (default: the preset's name when the model is built from the config, else the
-    model's class name)."""
+    validation split). ``name``: the model's name on the progress bar and in messages (default: the
+    preset's name when the model is built from the config, else the model's class name). It only
+    builds: :meth:`resume` continues the run in ``config.out_dir``, :meth:`fit` trains."""
 
     def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None,
-                 val_data=None, callbacks=(), resume: bool = False, name: str | None = None):
+                 val_data=None, callbacks=(), name: str | None = None):
         cfg = self.config = config or TrainConfig()
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
@@ -137,7 +109,7 @@ class Trainer:
                              f"{index['tokenizer']!r} has {vocab} tokens")
         self.model = model.to(d.device)                              # fp32 master weights (but bf16-pure)
         if cfg.activation_checkpointing or cfg.loss_chunk_size:
-            _long_context(inner, cfg)
+            long_context(inner, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
         if cfg.compile:
             self.module = torch.compile(self.module)
@@ -152,19 +124,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
         self.peak_flops = peak_flops(d.device, cfg.precision)
         self._wandb = None
-        self.run_dir = RunDir(self.out_dir, d)                       # locked, claimed, recovered: see rundir
+        self.run_dir = RunDir(self.out_dir, d)           # claimed by resume() or the first fit()
+        self._started = False                                  # out_dir is claimed for this run
         self._committed = False                                      # this run has a checkpoint on disk
-        with self.run_dir.hold():
-            self.run_dir.claim(resume, cfg.overwrite)
-            try:
-                if resume:
-                    self._committed = self.resume()
-                if d.is_main:                                          # only once the run has (re)started
-                    write_atomically(self.out_dir / "config.yaml", cfg.to_yaml())
-            except Exception:
-                self.run_dir.restore_previous("this run failed to start")
-                raise
-            d.barrier()
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -209,6 +171,7 @@ class Trainer:
         left to take (a finished run resumed) it says so in one line and returns [] at once: no evaluation,
         no checkpoint, no callbacks."""
         cfg, d = self.config, self.dist
+        self._start()
         total = cfg.total_steps()
         stop = total if until is None else min(until, total)
         first_record = len(self.history)
@@ -372,37 +335,88 @@ class Trainer:
                  "world_size": self.dist.world_size, "config": self.config.to_dict(),
                  "tokenizer": loader_index(self.loader).get("tokenizer"),   # its files go into model/
                  "base_fingerprint": self.base_fingerprint}                  # a LoRA run's base
-        with self.run_dir.hold(), _no_hf_bars():                   # no "Writing model shards" bar
+        self._start()
+        with self.run_dir.hold():
             path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
                                    self.config.keep_last, adapter_only=self.lora)
             self._committed = True
             self.run_dir.committed()                                 # an overwritten run can go now
         return path
 
+    # --- starting: a new run, or the one out_dir holds ---------------------------------------
+    @contextlib.contextmanager
+    def _claimed(self, resume: bool):
+        """Make ``out_dir`` this run's for the block, which starts the run (rank 0 holds the lock;
+        :meth:`.RunDir.claim` recovers what a crash left, then resumes, replaces (``overwrite``) or
+        refuses a run ``out_dir`` holds). ``config.yaml`` is written when the block succeeds; when
+        it fails, the run ``out_dir`` held before is put back. Once per Trainer."""
+        if self._started:
+            raise ValueError(f"this Trainer has already started its run in {self.out_dir}: "
+                             "resume() comes before the first fit(); to resume again, create a new "
+                             "Trainer")
+        with self.run_dir.hold():
+            self.run_dir.claim(resume, self.config.overwrite)
+            try:
+                yield
+                if self.dist.is_main:                          # only once the run has (re)started
+                    write_atomically(self.out_dir / "config.yaml", self.config.to_yaml())
+            except Exception:
+                self.run_dir.restore_previous("this run failed to start")
+                raise
+            self._started = True
+            self.dist.barrier()
+
+    def _start(self):
+        """A Trainer not resumed starts a new run in ``out_dir`` when it first trains or saves."""
+        if not self._started:
+            with self._claimed(resume=False):
+                pass                                               # a new run: nothing to load
+
     def resume(self) -> bool:
-        """Continue from the latest checkpoint in ``out_dir``; False (and a fresh start) when there is
-        none."""
-        path = checkpoint.latest(self.ckpt_dir)
-        if path is None:
-            if self.dist.is_main:
-                print(f"nothing to resume in {self.out_dir}: it holds no checkpoint; starting a new run "
-                      "from step 0", flush=True)
-            return False
-        checkpoint.verify_everywhere(path, self.dist)                  # before anything of it is read
-        saved_state = read_json(path / "trainer.json", "checkpoint state")
-        checkpoint.check_model(path, self.model, saved_state.get("config"), self.config.to_dict(),
-                               adapter_only=self.lora)
-        if self.lora and saved_state.get("base_fingerprint") != self.base_fingerprint:
-            raise ValueError(f"cannot resume {path}: its LoRA adapter was trained on another base model "
-                             f"(fingerprint {saved_state.get('base_fingerprint')}, this base "
-                             f"{self.base_fingerprint}); set base to the checkpoint the run started from")
-        state = checkpoint.load(path, self.model, self.optimizer, self.dist, verified=True,
-                                adapter_only=self.lora)
-        self.step, self.tokens, self.skipped = state["step"], state["tokens"], state["skipped"]
-        self.bad_in_row = state["bad_in_row"]
-        self.scaler.load_state_dict(state["scaler"])
-        self.scaler_skipped = state.get("scaler_skipped", 0)       # absent from older checkpoints
-        saved = state["loader"]
+        """Continue the run in ``out_dir`` from its latest checkpoint, before the first :meth:`fit`;
+        returns whether it did (False, said in one line: no checkpoint, so a new run from step 0).
+
+        In order, nothing of this Trainer changed until the checks pass: claim ``out_dir``; find the
+        latest complete checkpoint; verify every file against its manifest (rank 0; every rank
+        agrees); refuse a model whose tensors differ from the saved ones (naming the config keys
+        that changed), a LoRA adapter trained on another base, a data loader over other data; then
+        load the model, optimizer and this rank's RNG state, the counters, the grad scaler and the
+        loader's position, and drop the metrics the interrupted run wrote after the checkpoint."""
+        d = self.dist
+        with self._claimed(resume=True):
+            path = checkpoint.latest(self.ckpt_dir)
+            if path is None:
+                if d.is_main:
+                    print(f"nothing to resume in {self.out_dir}: it holds no checkpoint; "
+                          "starting a new run from step 0", flush=True)
+                return False
+            checkpoint.verify_everywhere(path, d)                # before anything of it is read
+            saved = read_json(path / "trainer.json", "checkpoint state")
+            checkpoint.check_model(path, self.model, saved.get("config"), self.config.to_dict(),
+                                   adapter_only=self.lora)
+            theirs = saved.get("base_fingerprint")
+            if self.lora and theirs != self.base_fingerprint:
+                raise ValueError(f"cannot resume {path}: its LoRA adapter was trained on another "
+                                 f"base model (fingerprint {theirs}, this base "
+                                 f"{self.base_fingerprint}); set base to the checkpoint the run "
+                                 "started from")
+            position = self._loader_position(path, saved["loader"])
+            checkpoint.load(path, self.model, self.optimizer, d, verified=True,
+                            adapter_only=self.lora)
+            self.step, self.tokens, self.skipped = saved["step"], saved["tokens"], saved["skipped"]
+            self.bad_in_row = saved["bad_in_row"]
+            self.scaler.load_state_dict(saved["scaler"])
+            self.scaler_skipped = saved.get("scaler_skipped", 0)   # absent from older checkpoints
+            self.loader.epoch, self.loader.step = position
+            if d.is_main:             # the lines written after the checkpoint, and a torn last line
+                self.history = self.run_dir.truncate_metrics(self.step)
+                print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
+        self._committed = True
+        return True
+
+    def _loader_position(self, path: Path, saved: dict) -> tuple[int, int]:
+        """(epoch, step) of this run's loader that continue the saved loader's position (at any
+        world size); ValueError when the saved loader read other data (seq_len, seed, ...)."""
         mine = self.loader.state_dict()
         for key in resume_keys(self.loader):
             if saved.get(key) != mine[key]:
@@ -413,27 +427,4 @@ class Trainer:
         if windows % per_step:
             raise ValueError(f"cannot resume {path}: {windows} windows consumed is not a multiple of "
                              f"micro_batch x world_size = {per_step}")
-        self.loader.epoch, self.loader.step = saved["epoch"], windows // per_step
-        if self.dist.is_main:
-            self._truncate_metrics(self.step)
-            print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
-        return True
-
-    def _truncate_metrics(self, step: int):
-        """Drop metrics lines written after the checkpoint by the run that was interrupted (and a line a
-        kill tore in half)."""
-        path = self.out_dir / "metrics.jsonl"
-        if path.exists():
-            keep, torn = [], 0
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                    if record["step"] <= step:
-                        keep.append(record)
-                except (ValueError, KeyError, TypeError):
-                    torn += 1
-            if torn:
-                warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)",
-                              stacklevel=2)
-            write_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
-            self.history = keep
+        return saved["epoch"], windows // per_step

@@ -16,8 +16,10 @@ from helpers import jsonl, small
 import ssmkit
 from ssmkit import cli
 from ssmkit.data import get_tokenizer
+from ssmkit.hub import save_tokenizer
 from ssmkit.train import Trainer
-from ssmkit.train.checkpoint import find_model, save_tokenizer, write_manifest
+from ssmkit.train.manifest import write_manifest
+from ssmkit.train.resolve import resolve
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,10 @@ def ssmkit_generate(*args, capsys) -> str:
 
 
 def test_a_checkpoint_carries_its_tokenizer(run):
-    model_dir, step = find_model(run)
-    assert step.name == "step_00000002" and model_dir == step / "model"
+    where = resolve(run)
+    model_dir, step = where.model_dir, where.step_dir
+    assert where.kind == "checkpoint" and step.name == "step_00000002"
+    assert model_dir == step / "model" and where.tokenizer_dir == model_dir
     assert (model_dir / "tokenizer.json").is_file()
     assert "model/tokenizer.json" in (step / "manifest.json").read_text()          # checked like the weights
     tok, byte = get_tokenizer(model_dir), get_tokenizer("byte")
@@ -95,7 +99,8 @@ def test_without_tokenizer_files_it_says_which_to_pass(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("where, message", [
-    ("missing", "does not exist: expected a model directory (config.json), a checkpoint step_N/"),
+    ("missing", "missing: no such directory; expected a model directory (config.json), a "
+                "checkpoint step_N/"),
     ("empty", "holds no model and no complete checkpoint"),
     ("file.txt", "is a file: expected a model directory"),
 ])
@@ -132,7 +137,7 @@ def test_trainer_saves_the_bpe_it_trained_on_local_data(tmp_path):
     cfg = small(tmp_path, tmp_path, data=str(src), val_data=None, tokenizer="bpe-300", max_steps=1)
     trainer = Trainer(config=cfg)
     trainer.fit()
-    model_dir, _ = find_model(cfg.out_dir)
+    model_dir = resolve(cfg.out_dir).model_dir
     saved, trained = get_tokenizer(model_dir), get_tokenizer("bpe-300", corpus=str(src))
     assert trainer.loader.index["tokenizer"] == str(trained.name_or_path)
     sample = " ".join(vocab[:10])

@@ -32,7 +32,7 @@ LAYERS = {
     "ops": 1,         # the math of the mixers (reference, torch, cuda paths): io, checks
     "env": 2,         # the machine report: device, kernels, the backend each op takes
     "models": 3,      # configs, mixers, the LM, cache, generate, the Transformer baseline
-    "hub": 4,         # from_pretrained / save_pretrained (attaches MambaLM.save_pretrained)
+    "hub": 4,         # from_pretrained / save_pretrained (MambaLM.save_pretrained delegates to it)
     "eval": 5,        # perplexity, task accuracy, FLOPs/MFU, throughput and memory, run summaries
     "finetune": 5,    # LoRA with peft, adapters, merged export: models, hub, io, checks, data
     "plots": 6,       # presentation only (matplotlib inside functions): needs nothing above io/checks/eval
@@ -339,8 +339,11 @@ def test_the_hub_names_are_where_they_were():
 
     names = ("DTYPES", "FORMATS", "OUR_FILES", "SHARD_INDEXES", "TOKENIZER_FILES", "WEIGHT_FILES",
              "CheckpointError", "config_from_hf", "config_from_mamba_ssm", "config_to_hf",
-             "config_to_mamba_ssm", "from_pretrained", "save_pretrained")
+             "config_to_mamba_ssm", "from_pretrained", "is_hub_id", "parse_dtype",
+             "save_pretrained", "save_tokenizer")
     assert [name for name in names if not hasattr(hub, name)] == []
     assert sorted(hub.__all__) == sorted(names)
     assert ssmkit.CheckpointError is hub.CheckpointError and ssmkit.from_pretrained is hub.from_pretrained
-    assert ssmkit.MambaLM.save_pretrained.__qualname__ == "MambaLM.save_pretrained"
+    method = ssmkit.MambaLM.save_pretrained                         # defined in the class body
+    assert method.__module__ == "ssmkit.models.lm"
+    assert method.__qualname__ == "MambaLM.save_pretrained"

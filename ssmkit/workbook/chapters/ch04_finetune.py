@@ -68,11 +68,10 @@ def base_checkpoint(p: dict) -> tuple[str, list[dict] | None]:
     pretraining of ``p["config"]`` on ``p["data"]`` for ``p["max_tokens"]`` tokens into
     ``out_dir/pretrain`` (its final model directory, and the run's history)."""
     from ...train import Trainer
-    from ...train.checkpoint import find_model
+    from ...train.resolve import resolve
 
     if p["base"]:
-        local = Path(p["base"]).expanduser()
-        return (str(find_model(local)[0]) if local.exists() else p["base"]), None
+        return resolve(p["base"]).model_source(), None
     cfg = train_config(
         p["config"],
         data=p["data"],
@@ -86,7 +85,7 @@ def base_checkpoint(p: dict) -> tuple[str, list[dict] | None]:
         **_recipe(p["overrides"]),
     )
     history = Trainer(config=cfg, name="pretrain").fit()
-    return str(find_model(cfg.out_dir)[0]), history
+    return resolve(cfg.out_dir).model_source(), history
 
 
 def _recipe(overrides: dict) -> dict:

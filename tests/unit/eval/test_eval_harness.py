@@ -196,7 +196,7 @@ def test_offline_tasks_run_end_to_end_through_ssmkit_eval(checkpoints, tmp_path,
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--model", "{missing}", "--tasks", "ssmkit_lastword"], "does not exist"),
+    (["--model", "{missing}", "--tasks", "ssmkit_lastword"], "missing: no such directory"),
     (["--model", "{folder}", "--tasks", "ssmkit_lastword,no_such_task"],
      "unknown task no_such_task; offline tasks: ssmkit_docstring_cloze"),
     (["--model", "{folder}", "--tasks", "hellaswag,ssmkit_lastword,piqa"],

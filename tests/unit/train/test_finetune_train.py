@@ -19,7 +19,8 @@ from ssmkit.data import vocab_size
 from ssmkit.data.sft import SFTLoader, prepare_sft
 from ssmkit.finetune import load_adapter
 from ssmkit.train import TrainConfig, Trainer
-from ssmkit.train.checkpoint import find_model, saved_shapes
+from ssmkit.train.checkpoint import saved_shapes
+from ssmkit.train.resolve import resolve
 
 pytest.importorskip("peft")
 
@@ -120,8 +121,10 @@ def test_a_lora_run_trains_the_adapter_only_and_checkpoints_only_it(tmp_path, ba
     reloaded = load_adapter(ssmkit.from_pretrained(base_dir), ckpt / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(x).logits, trainer.model.eval()(x).logits, rtol=0, atol=0)
+    where = resolve(trainer.out_dir)
+    assert (where.kind, where.step_dir, where.adapter_dir) == ("lora", ckpt, ckpt / "adapter")
     with pytest.raises(ValueError, match="holds a LoRA adapter \\(adapter/\\).*load_adapter"):
-        find_model(ckpt)
+        where.model_source()
 
 
 def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
@@ -129,7 +132,8 @@ def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
     uninterrupted = losses(whole.fit())
     cfg = run_config(tmp_path, base_dir, sft_dirs, name="parts", ckpt_every=2)
     first = losses(Trainer(config=cfg).fit(until=2))
-    resumed = Trainer(config=cfg, resume=True)
+    resumed = Trainer(config=cfg)
+    assert resumed.resume()
     assert resumed.step == 2
     second = losses(resumed.fit())
     assert first + second == uninterrupted                                  # bitwise, dropout included
@@ -140,7 +144,7 @@ def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
     other = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8))
     other_dir = other.save_pretrained(tmp_path / "other-base")
     with pytest.raises(ValueError, match="trained on another base model"):
-        Trainer(config=dataclasses.replace(cfg, base=str(other_dir), max_steps=6), resume=True)
+        Trainer(config=dataclasses.replace(cfg, base=str(other_dir), max_steps=6)).resume()
 
 
 # --- full fine-tuning, frozen embedding, bf16 weights ---------------------------------------------------
@@ -241,7 +245,7 @@ def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(tmp_path,
     import shutil
 
     from ssmkit.cli import main
-    from ssmkit.train.model_setup import load_model
+    from ssmkit.train.load import load_model
 
     base = shutil.copytree(base_dir, tmp_path / "base")                # this test changes it at the end
     trainer = Trainer(config=run_config(tmp_path, base, sft_dirs, max_steps=2, lora={**LORA, "dropout": 0.0}))
@@ -249,9 +253,9 @@ def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(tmp_path,
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():
         trained = trainer.model.eval()(ids).logits
-        merged, tok_dir, step = load_model(str(tmp_path / "run"))
+        merged, where = load_model(str(tmp_path / "run"))
         torch.testing.assert_close(merged(ids).logits, trained, rtol=0, atol=1e-5)
-    assert not hasattr(merged, "peft_config") and tok_dir == step / "adapter"
+    assert not hasattr(merged, "peft_config") and where.tokenizer_dir == where.step_dir / "adapter"
     main(["generate", str(tmp_path / "run"), "--prompt", "What is 2 + 2?", "--max-new-tokens", "4",
           "--tokenizer", "byte"])
     assert capsys.readouterr().out.startswith("What is 2 + 2?")

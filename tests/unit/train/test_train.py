@@ -137,7 +137,8 @@ def test_resume_is_exact(tmp_path, shards, preset):
     straight = losses(Trainer(config=small(tmp_path / "a", shards, model=preset, max_steps=8)).fit())
     half = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))
     part1 = losses(half.fit(until=4))                                # stops at 4 with a checkpoint
-    resumed = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8), resume=True)
+    resumed = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))
+    assert resumed.resume()
     assert resumed.step == 4 and resumed.loader.step == 4 * resumed.grad_accum
     part2 = losses(resumed.fit())
     assert len(part1) == len(part2) == 4
@@ -203,15 +204,31 @@ def test_nan_guard_skips_and_stops(tmp_path, shards):
 
 def test_a_new_run_never_mixes_with_an_old_one(tmp_path, shards):
     Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
-    with pytest.raises(ValueError,
-                       match=r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"):
-        Trainer(config=small(tmp_path, shards, max_steps=2))
+    refused = r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"
+    for start in ("fit", "save_checkpoint"):             # a Trainer not resumed starts a new run
+        with pytest.raises(ValueError, match=refused):
+            getattr(Trainer(config=small(tmp_path, shards, max_steps=2)), start)()
     again = Trainer(config=small(tmp_path, shards, max_steps=3, overwrite=True))
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
     again.fit()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if json.loads(x)["kind"] == "train"] == [1, 2, 3]
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000003"]
+
+
+def test_the_trainer_builds_and_resume_is_explicit(tmp_path, shards, capsys):
+    """Building touches nothing in out_dir; resume() says whether it resumed, before fit()."""
+    cfg = small(tmp_path, shards, max_steps=4)
+    fresh = Trainer(config=cfg)
+    assert not (tmp_path / "run").exists()
+    assert fresh.resume() is False and fresh.step == 0                   # nothing there: a new run
+    assert "nothing to resume in" in capsys.readouterr().out
+    fresh.fit(until=2)
+    with pytest.raises(ValueError, match=r"resume\(\) comes before the first fit\(\)"):
+        fresh.resume()
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = Trainer(config=cfg)                                # a run there: no refusal yet
+    assert again.step == 0 and (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert again.resume() is True and again.step == 2
 
 
 def test_wandb_missing_only_warns(tmp_path, shards, monkeypatch):

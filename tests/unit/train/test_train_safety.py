@@ -22,8 +22,8 @@ import torch
 from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
-from ssmkit.train import TrainConfig, Trainer, checkpoint
-from ssmkit.train.checkpoint import CheckpointCorrupt
+from ssmkit.train import TrainConfig, Trainer, checkpoint, safe_load
+from ssmkit.train.manifest import CheckpointCorrupt, write_manifest
 from ssmkit.train.rundir import PREVIOUS
 
 POINTS = ["written", "old moved aside", "renamed", "latest written"]
@@ -68,7 +68,8 @@ def test_a_kill_while_saving_a_new_step_resumes_exactly(tmp_path, shards, straig
     monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                   # `latest` is intact: no fallback
-        resumed = Trainer(config=cfg, resume=True)
+        resumed = Trainer(config=cfg)
+        assert resumed.resume()
     expected = 6 if point == "latest written" else 4                     # committed = `latest` names it
     assert resumed.step == expected and leftovers(tmp_path / "run") == []
     resumed.fit()
@@ -88,7 +89,8 @@ def test_a_kill_while_saving_the_same_step_again_keeps_it(tmp_path, shards, stra
     ckpts = tmp_path / "run" / "checkpoints"
     if point == "old moved aside":                                       # the window that lost it before
         assert not (ckpts / "step_00000004").exists() and (ckpts / ".old-step_00000004").is_dir()
-    resumed = Trainer(config=cfg, resume=True)                           # recover() puts it back
+    resumed = Trainer(config=cfg)
+    assert resumed.resume()                                              # recover() puts it back
     assert resumed.step == 4 and leftovers(tmp_path / "run") == []
     resumed.fit()
     assert train_losses(tmp_path / "run") == pytest.approx(straight, abs=1e-6)
@@ -101,11 +103,13 @@ def test_a_missing_or_dangling_latest_falls_back_to_the_newest_complete(tmp_path
     (ckpts / "latest").unlink()
     with pytest.warns(UserWarning, match="no latest pointer; resuming from the newest complete checkpoint "
                                          "step_00000006"):
-        assert Trainer(config=cfg, resume=True).step == 6
+        resumed = Trainer(config=cfg)
+        assert resumed.resume() and resumed.step == 6
     (ckpts / "latest").write_text("step_00000008\n")                    # points at nothing
     (ckpts / "step_00000006" / "manifest.json").unlink()                # and step 6 is incomplete
     with pytest.warns(UserWarning, match="names step_00000008, which is not a complete checkpoint"):
-        assert Trainer(config=cfg, resume=True).step == 4
+        resumed = Trainer(config=cfg)
+        assert resumed.resume() and resumed.step == 4
 
 
 @pytest.mark.parametrize("pointer", ["../..", "../../other/checkpoints/step_00000002", "/etc", "step_2"])
@@ -114,7 +118,7 @@ def test_latest_outside_the_checkpoint_folder_is_refused(tmp_path, shards, point
     Trainer(config=cfg).fit(until=2)
     (tmp_path / "run" / "checkpoints" / "latest").write_text(pointer + "\n")
     with pytest.raises(ValueError, match="expected a name matching step_"):
-        Trainer(config=cfg, resume=True)
+        Trainer(config=cfg).resume()
 
 
 def test_stale_temporaries_are_cleaned_at_start(tmp_path, shards):
@@ -125,7 +129,7 @@ def test_stale_temporaries_are_cleaned_at_start(tmp_path, shards):
     (run / "checkpoints" / ".latest.tmp-999").write_text("step_00000003\n")
     (run / ".metrics.jsonl.tmp-999").write_text("{")
     (run / "notes.txt").write_text("mine")                              # not ours: stays
-    Trainer(config=cfg, resume=True)
+    Trainer(config=cfg).resume()
     assert leftovers(run) == [] and not (run / ".metrics.jsonl.tmp-999").exists()
     assert (run / "notes.txt").read_text() == "mine"
 
@@ -161,10 +165,18 @@ class Boom(torch.nn.Module):
 
 def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, shards):
     before = _old_run(tmp_path, shards)
-    failing = Trainer(Boom(), small(tmp_path, shards, max_steps=4, overwrite=True, micro_batch=8))
-    assert (tmp_path / "run" / PREVIOUS / "checkpoints").is_dir()      # moved aside, not deleted
+    aside = []
+
+    class Probe:                                                # after step 1, before the boom
+        def on_log(self, trainer, record):
+            aside.append((tmp_path / "run" / PREVIOUS / "checkpoints").is_dir())
+
+    failing = Trainer(Boom(), small(tmp_path, shards, max_steps=4, overwrite=True, micro_batch=8),
+                      callbacks=[Probe()])
+    assert _files(tmp_path / "run") == before                 # building touches nothing there
     with pytest.raises(RuntimeError, match="boom"):
         failing.fit()
+    assert aside == [True]                           # moved aside, not deleted, while it ran
     assert _files(tmp_path / "run") == before and not (tmp_path / "run" / PREVIOUS).exists()
     with pytest.raises(ValueError, match="no longer belongs to this Trainer"):
         failing.fit()                                                    # it must not write into the old run
@@ -182,7 +194,8 @@ def test_a_killed_overwrite_gives_the_old_run_back_at_the_next_start(tmp_path, s
         new.fit()                                                        # killed in its first save
     monkeypatch.undo()
     assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()
-    resumed = Trainer(config=small(tmp_path, shards, max_steps=4), resume=True)
+    resumed = Trainer(config=small(tmp_path, shards, max_steps=4))
+    assert resumed.resume()
     after = _files(tmp_path / "run")
     assert resumed.step == 2 and {k: v for k, v in after.items() if k != "config.yaml"} == \
         {k: v for k, v in before.items() if k != "config.yaml"}
@@ -209,7 +222,7 @@ def test_a_bit_flip_in_an_optimizer_shard_is_refused(tmp_path, shards):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt,
                        match=rf"the sha256 of state/{shard.name} differs from its manifest"):
-        Trainer(config=cfg, resume=True)
+        Trainer(config=cfg).resume()
 
 
 @pytest.mark.parametrize("name", ["trainer.json", "model/model.safetensors", "state/.metadata"])
@@ -219,7 +232,7 @@ def test_a_truncated_checkpoint_file_is_refused(tmp_path, shards, name):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(CheckpointCorrupt,
                        match=rf"{name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
-        Trainer(config=cfg, resume=True)
+        Trainer(config=cfg).resume()
 
 
 class Payload:
@@ -236,9 +249,9 @@ def test_a_pickle_payload_in_dcp_metadata_never_runs(tmp_path, shards):
     cfg, ckpt = _committed(tmp_path, shards)
     marker = tmp_path / "pwned"
     (ckpt / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    checkpoint.write_manifest(ckpt)                                      # a forger updates the manifest too
+    write_manifest(ckpt)                                 # a forger updates the manifest too
     with pytest.raises(CheckpointCorrupt, match=r"refers to pathlib.Path.touch|refers to pathlib"):
-        Trainer(config=cfg, resume=True)
+        Trainer(config=cfg).resume()
     assert not marker.exists()
 
 
@@ -246,7 +259,8 @@ def test_a_pickle_payload_in_a_dcp_value_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
     with pytest.raises(CheckpointCorrupt, match="optim.param_groups.0.lr is not a plain value"):
-        checkpoint._SafePlanner().load_bytes(item, io.BytesIO(pickle.dumps(Payload(marker), protocol=2)))
+        payload = io.BytesIO(pickle.dumps(Payload(marker), protocol=2))
+        safe_load.SafePlanner().load_bytes(item, payload)
     assert not marker.exists()
 
 
@@ -256,12 +270,12 @@ def test_resume_after_changing_the_model_names_the_difference(tmp_path, shards):
     changed = small(tmp_path, shards, max_steps=4, model_overrides={"d_model": 48, "n_layer": 2})
     with pytest.raises(ValueError, match=r"its model differs from this run's \(backbone\.embedding\.weight: "
                                          r"\(264, 32\) there, \(264, 48\) here.* after model_overrides="):
-        Trainer(config=changed, resume=True)
+        Trainer(config=changed).resume()
     # written only after a successful resume
     assert (tmp_path / "run" / "config.yaml").read_text() == before
     mixer = small(tmp_path, shards, max_steps=4, model="tiny-mamba2")
     with pytest.raises(ValueError, match="its model differs from this run's"):
-        Trainer(config=mixer, resume=True)
+        Trainer(config=mixer).resume()
 
 
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, shards, straight):
@@ -269,7 +283,8 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, shards, straig
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 3, "lo')                     # killed mid-line
     with pytest.warns(UserWarning, match="dropped 1 unreadable line"):
-        resumed = Trainer(config=cfg, resume=True)
+        resumed = Trainer(config=cfg)
+        assert resumed.resume()
     resumed.fit()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
@@ -284,8 +299,10 @@ def test_a_second_trainer_in_the_same_out_dir_is_refused_naming_the_first(tmp_pa
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(LockError, match=rf"in use by pid {holder.pid} on .*training since"):
-            Trainer(config=small(tmp_path, shards))
+        trainer = Trainer(config=small(tmp_path, shards))                # building needs no lock
+        for start in (trainer.fit, trainer.resume):
+            with pytest.raises(LockError, match=rf"in use by pid {holder.pid} on .*training since"):
+                start()
         assert not (out / "config.yaml").exists()
     finally:
         holder.kill()
@@ -295,6 +312,7 @@ def test_a_second_trainer_in_the_same_out_dir_is_refused_naming_the_first(tmp_pa
 
 def test_a_trainer_whose_out_dir_was_claimed_by_another_stops(tmp_path, shards):
     first = Trainer(config=small(tmp_path, shards, max_steps=2))
+    first.fit(until=1)                                          # out_dir is first's run now
     Trainer(config=small(tmp_path, shards, max_steps=2, overwrite=True)).fit()
     with pytest.raises(ValueError, match="no longer belongs to this Trainer: another run claimed it"):
         first.fit()

@@ -298,7 +298,8 @@ def test_the_trainer_records_the_scale_and_resumes_the_count(shards, tmp_path):
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     history = trainer.fit()
     assert [r["scaler_skipped"] for r in history if r["kind"] == "train"] == [1, 2]
-    resumed = Trainer(config=tiny_cfg(shards, tmp_path, max_steps=3, precision="fp16"), resume=True)
+    resumed = Trainer(config=tiny_cfg(shards, tmp_path, max_steps=3, precision="fp16"))
+    assert resumed.resume()
     assert resumed.scaler_skipped == 2 and resumed.scaler.get_scale() == 2.0**38
 
 
