@@ -44,9 +44,13 @@ MARKER = re.compile(r'<!--\s*readme-test:\s*(?:skip(?:\s+"([^"]+)")?:\s*(\S.*?)|
 LANGUAGES = ("python", "bash", "text")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
+# cpu-tiny's steps cut from 16 windows of 256 tokens to 2 (its 50K-row LM head is most of a step), and
+# one validation batch instead of 8: what a command shows is the same, in seconds instead of minutes
+TINY = "--set batch_tokens=512 --set micro_batch=2 --set eval_batches=1"
+
 # What a `uses PATH` marker may name: the command that makes it, run once per session in a fresh clone
 USES = {
-    "runs/cpu-tiny": "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2",
+    "runs/cpu-tiny": f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY}",
 }
 
 # (page, its text, what the test runs instead, why): plain text replacements inside a block
@@ -57,17 +61,18 @@ SMALL = [
      "(tests/integration/test_notebooks.py runs each notebook through the same runner with "
      "params/ci.yaml); -C: the checkout's Makefile, as the README's reader has it"),
     ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml               #",
-     "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 #",
-     "2 steps instead of 120"),
+     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY} #",
+     "2 small steps (TINY) instead of 120"),
     ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=240 --resume",
-     "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 --resume",
+     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 {TINY} --resume",
      "resumes the 2-step run above and stops at step 4"),
     ("docs/training.md", 'overrides=["max_steps=50", "out_dir=runs/try"]',
-     'overrides=["max_steps=2", "out_dir=runs/try"]',
-     "2 steps instead of 50"),
+     'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+     '"out_dir=runs/try"]',
+     "2 small steps (TINY) instead of 50"),
     ("docs/finetune.md", "ssmkit train --config configs/cpu-tiny-lora.yaml          #",
-     "ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 #",
-     "2 LoRA steps instead of 60 (on the 2-step runs/cpu-tiny of USES)"),
+     f"ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 {TINY} #",
+     "2 small LoRA steps (TINY) instead of 60, on the 2-step runs/cpu-tiny of USES"),
     ("docs/eval.md", "--tasks ssmkit_docstring_cloze,ssmkit_lastword --out",
      "--tasks ssmkit_docstring_cloze,ssmkit_lastword --limit 8 --out",
      "8 items per task instead of 268 and 207"),
@@ -251,8 +256,8 @@ def test_relative_links_resolve(page):
         file = (source.parent / path).resolve() if path else source
         assert file.exists(), f"{page}: link to {target!r}: {file} does not exist"
         if anchor:
-            headings = [_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"),
-                                                        flags=re.M)]
+            prose = re.sub(r"^```.*?^```", "", file.read_text(encoding="utf-8"), flags=re.M | re.S)
+            headings = [_anchor(h) for h in re.findall(r"^#+ (.+)$", prose, flags=re.M)]
             assert anchor in headings, f"{page}: link to {target!r}: no such heading; {headings}"
 
 
