@@ -1,24 +1,26 @@
-"""Every code block of README.md runs as a reader would run it: offline, on a CPU, from a fresh directory.
+"""Every code block of README.md and of docs/*.md runs as a reader would run it: offline, on a CPU.
 
-A block is ```python, ```bash or ```text (not code; any other language is an error). A block that cannot
-run here carries markers on the lines right above it (the reason is required):
+A block is ```python, ```bash or ```text (not code; any other language is an error). Markers on the
+lines right above a block say what it needs (a skip's reason is required):
 
     <!-- readme-test: skip: REASON -->                   the whole block is not run
     <!-- readme-test: skip "COMMAND PREFIX": REASON -->  (bash) the lines starting with that prefix
+    <!-- readme-test: uses runs/cpu-tiny -->             the block reads a trained run at that path
 
 Everything else must run and succeed:
 
-* python blocks run in order in one interpreter per README section (``## ...``): the snippets of a
-  section chain as a reader would chain them; a traceback names the README line.
-* bash blocks run line by line with ``bash -c`` (comments are bash's), this interpreter's ``bin`` first
-  on PATH (``ssmkit``, ``python``, ``papermill`` are this venv's).
+* python blocks run in order in one interpreter per file: the snippets of a page chain as a reader
+  would chain them; a traceback names the file and line.
+* bash blocks run line by line with ``bash -c`` (comments are bash's), this interpreter's ``bin``
+  first on PATH (``ssmkit``, ``python``, ``papermill`` are this venv's).
 
-All of it runs in one scratch directory holding copies of configs/, notebooks/ and params/ (a fresh
-clone, minus the code, which is installed), with a private SSMKIT_CACHE, HF_HUB_OFFLINE=1 and
-MPLBACKEND=Agg. To keep the time small the test substitutes small sizes in a few commands; each
-substitution is listed in SMALL with the reason, and the test fails when its text is no longer in the
-README, so an edited README cannot slip past it. Units that run notebooks or the make targets are
-marked slow (they still run in `make test`).
+Each file runs in a fresh directory of its own holding copies of configs/, notebooks/ and params/ (a
+fresh clone, minus the code, which is installed), with HF_HUB_OFFLINE=1 and MPLBACKEND=Agg; one
+SSMKIT_CACHE serves the whole session, as one reader's machine has one cache. A trained run that
+several pages use (USES) is trained once per session and linked into each page's directory that asks
+for it. To keep the time small the test substitutes small sizes in a few commands; each substitution
+is listed in SMALL with the reason, and the test fails when its text is no longer in its file, so an
+edited page cannot slip past it.
 """
 
 from __future__ import annotations
@@ -35,49 +37,65 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VENV = Path(sys.prefix)
-RUN = f"readme-test-{os.getpid()}"              # `make run` writes runs/$(RUN) in the checkout: removed after
 FENCE = re.compile(r"```(\w*)\s*")
-MARKER = re.compile(r'<!--\s*readme-test:\s*skip(?:\s+"([^"]+)")?:\s*(\S.*?)\s*-->')
+MARKER = re.compile(r'<!--\s*readme-test:\s*(?:skip(?:\s+"([^"]+)")?:\s*(\S.*?)|uses\s+(\S+))\s*-->')
 LANGUAGES = ("python", "bash", "text")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
-# (README text, what the test runs instead, why): plain text replacements inside a block
+# cpu-tiny's steps cut from 16 windows of 256 tokens to 2 (its 50K-row LM head is most of a step), and
+# one validation batch instead of 8: what a command shows is the same, in seconds instead of minutes
+TINY = "--set batch_tokens=512 --set micro_batch=2 --set eval_batches=1"
+
+# What a `uses PATH` marker may name: the command that makes it, run once per session in a fresh clone
+USES = {
+    "runs/cpu-tiny": f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY}",
+}
+
+# (page, its text, what the test runs instead, why): plain text replacements inside a block
 SMALL = [
-    ("make run ",
-     f"make -C {ROOT} -o {VENV}/.ssmkit-installed run VENV={VENV} PARAMS=params/ci.yaml RUN={RUN} ",
-     "the CI parameters (seconds per notebook) instead of the CPU defaults (minutes), with this venv; "
-     "-C: make runs in the checkout, as the README's reader does"),
-    ("ssmkit workbook run                                          #",
-     "ssmkit workbook run -f params/ci.yaml                        #",
-     "every notebook with the CI parameters instead of the CPU defaults"),
-    ("ssmkit train --config configs/cpu-tiny.yaml                       #",
-     "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 #",
-     "2 steps instead of 120"),
-    ("ssmkit train --config configs/cpu-tiny.yaml --set max_steps=240 --resume",
-     "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 --resume",
+    ("README.md", "make run ",
+     f"make -n -C {ROOT} -o {VENV}/.ssmkit-installed run VENV={VENV} PARAMS=params/ci.yaml ",
+     "make's dry run: the target and its command, not the 15 minutes of notebooks it starts "
+     "(tests/integration/test_notebooks.py runs each notebook through the same runner with "
+     "params/ci.yaml); -C: the checkout's Makefile, as the README's reader has it"),
+    ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml               #",
+     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY} #",
+     "2 small steps (TINY) instead of 120"),
+    ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=240 --resume",
+     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 {TINY} --resume",
      "resumes the 2-step run above and stops at step 4"),
-    ('overrides=["max_steps=50", "out_dir=runs/try"]',
-     'overrides=["max_steps=2", "out_dir=runs/try"]',
-     "2 steps instead of 50"),
-    ("ssmkit train --config configs/cpu-tiny-lora.yaml          #",
-     "ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 #",
-     "2 LoRA steps instead of 60 (on the 4-step cpu-tiny run of the Training section)"),
+    ("docs/training.md", 'overrides=["max_steps=50", "out_dir=runs/try"]',
+     'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+     '"out_dir=runs/try"]',
+     "2 small steps (TINY) instead of 50"),
+    ("docs/finetune.md", "ssmkit train --config configs/cpu-tiny-lora.yaml          #",
+     f"ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 {TINY} #",
+     "2 small LoRA steps (TINY) instead of 60, on the 2-step runs/cpu-tiny of USES"),
+    ("docs/eval.md", "--tasks ssmkit_docstring_cloze,ssmkit_lastword --out",
+     "--tasks ssmkit_docstring_cloze,ssmkit_lastword --limit 8 --out",
+     "8 items per task instead of 268 and 207"),
 ]
-SLOW_SECTIONS = ("Two commands", "The workbook")   # notebooks under papermill, `make run`
+
+
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
 
 
 @dataclass
 class Block:
+    page: str                   # "README.md", "docs/data.md"
     section: str
     lang: str
-    line: int                   # README line of the block's first code line
+    line: int                   # the page's line of the block's first code line
     code: str
     skip: str | None = None     # the reason the whole block is not run
     skip_lines: dict[str, str] = field(default_factory=dict)     # command prefix -> reason
+    uses: list[str] = field(default_factory=list)                # USES paths it reads
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, page: str = "README.md") -> list[Block]:
     """The fenced blocks of ``text`` with their section and the markers right above them."""
     lines, blocks, section, i = text.splitlines(), [], "(top)", 0
     while i < len(lines):
@@ -88,14 +106,16 @@ def parse(text: str) -> list[Block]:
             i += 1
             continue
         end = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("```")), None)
-        assert end is not None, f"README.md:{i + 1}: a code block that is never closed"
-        block = Block(section, fence.group(1), i + 2, "\n".join(lines[i + 1:end]))
+        assert end is not None, f"{page}:{i + 1}: a code block that is never closed"
+        block = Block(page, section, fence.group(1), i + 2, "\n".join(lines[i + 1:end]))
         j = i - 1
         while j >= 0 and "readme-test" in lines[j]:
             marker = MARKER.fullmatch(lines[j].strip())
-            assert marker, f"README.md:{j + 1}: malformed marker {lines[j]!r}; expected {MARKER.pattern}"
-            prefix, reason = marker.groups()
-            if prefix is None:
+            assert marker, f"{page}:{j + 1}: malformed marker {lines[j]!r}; expected {MARKER.pattern}"
+            prefix, reason, uses = marker.groups()
+            if uses is not None:
+                block.uses.append(uses)
+            elif prefix is None:
                 block.skip = reason
             else:
                 block.skip_lines[prefix] = reason
@@ -105,58 +125,140 @@ def parse(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = parse(README.read_text(encoding="utf-8"))
+BLOCKS = {_name(p): parse(p.read_text(encoding="utf-8"), _name(p)) for p in PAGES}
 
 
-def small(text: str) -> str:
-    for old, new, _ in SMALL:
-        text = text.replace(old, new)
+def small(page: str, text: str) -> str:
+    for where, old, new, _ in SMALL:
+        if where == page:
+            text = text.replace(old, new)
     return text
 
 
 def units() -> list:
-    """What runs: one unit per section's python blocks (together, in order), one per bash block."""
-    out, python = [], {}
-    for b in BLOCKS:
-        if b.lang == "text":                          # not code (a directory tree): nothing to run
-            continue
-        if b.lang == "python" and b.skip is None:
-            python.setdefault(b.section, []).append(b)
-        else:
-            out.append((f"{b.lang}:{b.line}", [b]))
-        if b.lang == "python" and b.skip is None and len(python[b.section]) == 1:
-            out.append((f"python:{b.section}", python[b.section]))
-    return [pytest.param(blocks, id=name, marks=[pytest.mark.slow] if blocks[0].section in SLOW_SECTIONS
-                         else []) for name, blocks in out]
+    """What runs, page by page in order: one unit for a page's python blocks (together, in order,
+    placed at the first of them), one per bash block."""
+    out = []
+    for page, blocks in BLOCKS.items():
+        python = [b for b in blocks if b.lang == "python" and b.skip is None]
+        for b in blocks:
+            if b.lang == "text":                      # not code (a directory tree): nothing to run
+                continue
+            if b is (python[0] if python else None):
+                out.append(pytest.param(python, id=f"{page}:python"))
+            elif b.lang != "python" or b.skip is not None:
+                out.append(pytest.param([b], id=f"{page}:{b.lang}:{b.line}"))
+    return out
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    """A fresh directory as a reader's clone: configs/, notebooks/, params/; a private cache."""
-    home = tmp_path_factory.mktemp("readme")
+@pytest.fixture(scope="session")
+def session_home(tmp_path_factory):
+    """The environment every page runs in: one cache for the session, offline, this venv first."""
+    cache = tmp_path_factory.mktemp("docs-cache")
+    return {**os.environ, "SSMKIT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _clone(home: Path) -> Path:
+    """A reader's fresh clone at ``home``: configs/, notebooks/, params/."""
+    home.mkdir(parents=True, exist_ok=True)
     for name in ("configs", "notebooks", "params"):
         shutil.copytree(ROOT / name, home / name)
-    env = {**os.environ, "SSMKIT_CACHE": str(home / ".cache"), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    yield home, env
-    shutil.rmtree(ROOT / "runs" / RUN, ignore_errors=True)
+    return home
 
 
-def test_the_readme_has_blocks_and_only_known_languages():
-    assert {b.lang for b in BLOCKS} >= {"python", "bash"}
-    for b in BLOCKS:
-        assert b.lang in LANGUAGES, f"README.md:{b.line - 1}: language {b.lang!r}; use one of {LANGUAGES}"
+def _run(command: str, cwd: Path, env: dict, where: str) -> None:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, text=True, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{where}: {command}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory, session_home):
+    """USES path -> its directory, each made the first time a block asks for it."""
+    made: dict[str, Path] = {}
+
+    def get(path: str) -> Path:
+        if path not in made:
+            home = _clone(tmp_path_factory.mktemp("shared-run"))
+            _run(USES[path], home, session_home, f"USES[{path!r}]")
+            made[path] = home / path
+        return made[path]
+    return get
+
+
+@pytest.fixture(scope="session")
+def workspaces(tmp_path_factory):
+    """Page -> its fresh directory (a clone), made when its first block runs and kept for the
+    page's later blocks."""
+    homes: dict[str, Path] = {}
+
+    def get(page: str) -> Path:
+        if page not in homes:
+            homes[page] = _clone(tmp_path_factory.mktemp(re.sub(r"\W", "-", page)))
+        return homes[page]
+    return get
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Weights and optimizer state hard-linked (ssmkit replaces files, never writes into them);
+    small files (a lock, a pointer, JSON) copied, so a page's run cannot touch the shared one."""
+    if os.path.getsize(src) > 1 << 20:
+        os.link(src, dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+@pytest.mark.parametrize("page", list(BLOCKS))
+def test_blocks_use_known_languages_and_markers(page):
+    blocks = BLOCKS[page]
+    for b in blocks:
+        assert b.lang in LANGUAGES, f"{page}:{b.line - 1}: language {b.lang!r}; use one of {LANGUAGES}"
         if b.skip_lines:
-            assert b.lang == "bash", f"README.md:{b.line - 1}: line markers are for bash blocks"
+            assert b.lang == "bash", f"{page}:{b.line - 1}: line markers are for bash blocks"
             for prefix in b.skip_lines:
                 assert any(ln.startswith(prefix) for ln in b.code.splitlines()), \
-                    f"README.md:{b.line - 1}: no line of the block starts with {prefix!r}"
+                    f"{page}:{b.line - 1}: no line of the block starts with {prefix!r}"
+        for path in b.uses:
+            assert path in USES, f"{page}:{b.line - 1}: uses {path!r}; known: {sorted(USES)}"
+
+
+def test_the_readme_has_blocks_of_both_kinds():
+    assert {b.lang for b in BLOCKS["README.md"]} >= {"python", "bash"}
 
 
 def test_every_substitution_still_applies():
-    text = README.read_text(encoding="utf-8")
-    for old, _, why in SMALL:
-        assert old in text, f"SMALL substitutes {old!r} ({why}) but the README no longer holds it"
+    for page, old, _, why in SMALL:
+        assert page in BLOCKS, f"SMALL names {page}, which does not exist"
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert old in text, f"SMALL substitutes {old!r} ({why}) but {page} no longer holds it"
+
+
+def test_the_readme_links_every_page_of_docs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [p for p in BLOCKS if p.startswith("docs/") and f"]({p})" not in readme]
+    assert not missing, f"README.md does not link {missing}: add them to its Documentation table"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces -> '-'."""
+    return re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", heading.strip().lower()))
+
+
+@pytest.mark.parametrize("page", list(BLOCKS))
+def test_relative_links_resolve(page):
+    """Links to files of the checkout name files that exist, and headings that exist in them."""
+    source = ROOT / page
+    for target in LINK.findall(source.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):            # https:, mailto:: not checked (offline)
+            continue
+        path, _, anchor = target.partition("#")
+        file = (source.parent / path).resolve() if path else source
+        assert file.exists(), f"{page}: link to {target!r}: {file} does not exist"
+        if anchor:
+            prose = re.sub(r"^```.*?^```", "", file.read_text(encoding="utf-8"), flags=re.M | re.S)
+            headings = [_anchor(h) for h in re.findall(r"^#+ (.+)$", prose, flags=re.M)]
+            assert anchor in headings, f"{page}: link to {target!r}: no such heading; {headings}"
 
 
 DRIVER = r"""
@@ -164,36 +266,38 @@ import json, sys
 
 ns = {"__name__": "__main__"}
 for b in json.load(open(sys.argv[1])):
-    print(f"--- README.md:{b['line']}", flush=True)
-    exec(compile("\n" * (b["line"] - 1) + b["code"], "README.md", "exec"), ns)
+    print(f"--- {b['page']}:{b['line']}", flush=True)
+    exec(compile("\n" * (b["line"] - 1) + b["code"], b["page"], "exec"), ns)
 """
 
 
 @pytest.mark.parametrize("blocks", units())
-def test_block_runs(blocks, workspace):
-    home, env = workspace
+def test_block_runs(blocks, workspaces, shared_runs, session_home):
     first = blocks[0]
+    where = f"{first.page}:{first.line - 1}"
     if first.skip is not None:
-        pytest.skip(f"README.md:{first.line - 1}: {first.skip}")
+        pytest.skip(f"{where}: {first.skip}")
+    home = workspaces(first.page)
+    for b in blocks:
+        for path in b.uses:
+            if not (home / path).exists():
+                (home / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(shared_runs(path), home / path, copy_function=_link_or_copy, symlinks=True)
     if first.lang == "python":
         spec = home / f".blocks-{first.line}.json"
-        spec.write_text(json.dumps([{"line": b.line, "code": small(b.code)} for b in blocks]))
-        done = subprocess.run([sys.executable, "-c", DRIVER, str(spec)], cwd=home, env=env, text=True,
-                              capture_output=True, timeout=600)
-        assert done.returncode == 0, \
-            f"section {first.section!r}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        spec.write_text(json.dumps([{"page": b.page, "line": b.line, "code": small(b.page, b.code)}
+                                    for b in blocks]))
+        done = subprocess.run([sys.executable, "-c", DRIVER, str(spec)], cwd=home, env=session_home,
+                              text=True, capture_output=True, timeout=600)
+        assert done.returncode == 0, f"{first.page}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         return
     ran = 0
     for offset, line in enumerate(first.code.splitlines()):
         command = line.strip()
         if not command or command.startswith("#"):
             continue
-        skipped = [p for p in first.skip_lines if command.startswith(p)]
-        if skipped:
+        if any(command.startswith(p) for p in first.skip_lines):
             continue
-        done = subprocess.run(["bash", "-c", small(command + " ")], cwd=home, env=env, text=True,
-                              capture_output=True, timeout=600)
-        assert done.returncode == 0, (f"README.md:{first.line + offset}: {command}\n"
-                                      f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        _run(small(first.page, command + " "), home, session_home, f"{first.page}:{first.line + offset}")
         ran += 1
-    assert ran or first.skip_lines, f"README.md:{first.line}: a bash block without commands"
+    assert ran or first.skip_lines, f"{first.page}:{first.line}: a bash block without commands"
