@@ -70,6 +70,10 @@ SMALL = [
      'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
      '"out_dir=runs/try"]',
      "2 small steps (TINY) instead of 50"),
+    ("docs/training.md", 'overrides=["max_steps=60", "out_dir=runs/try"]',
+     'overrides=["max_steps=4", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+     '"out_dir=runs/try"]',
+     "resumes the 2-step run above and stops at step 4 instead of 60"),
     ("docs/finetune.md", "ssmkit train --config configs/cpu-tiny-lora.yaml          #",
      f"ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 {TINY} #",
      "2 small LoRA steps (TINY) instead of 60, on the 2-step runs/cpu-tiny of USES"),
