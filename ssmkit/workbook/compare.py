@@ -16,7 +16,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-MIXERS = ("mamba1", "mamba2", "mamba3")
+from ..models import SSM_MIXERS as MIXERS
+
 NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
 _RESET = {"d_state": None, "headdim": 64, "chunk_size": None}        # a preset's own mixer fields, cleared
 
@@ -54,7 +55,8 @@ def compare_mixers(cfg, data, val_data, out_dir, tokens: int | None = None, mixe
     tokens = comparison_tokens(cfg) if tokens is None else tokens
     steps = max(1, tokens // cfg.batch_tokens)
     vocab = TokenLoader(data, cfg.seq_len, 1).index["vocab_size"]
-    d_inner = cfg.model_config(vocab_size=vocab).d_inner
+    base = cfg.model_config(vocab_size=vocab)
+    d_inner = base.mixer_cfg(base.ssm_kinds[0]).d_inner(base.d_model)
     rows, runs = [], {}
     for mixer in mixers:
         over = {**cfg.model_overrides, **_RESET, **mixer_fields(mixer, d_inner)}
@@ -69,7 +71,8 @@ def compare_mixers(cfg, data, val_data, out_dir, tokens: int | None = None, mixe
         runs[NAMES[mixer]] = history = trainer.fit()
         size = parameter_report({NAMES[mixer]: model})[0]
         summary = summarize_run(history)
-        rows.append({"model": NAMES[mixer], "mixer": mixer, "d_state": model.config.d_state,
+        rows.append({"model": NAMES[mixer], "mixer": mixer,
+                     "d_state": model.config.mixer_cfg(mixer).d_state,
                      "params": size["params"], "non_embedding": size["non_embedding"],
                      "val_loss": summary["val_loss"], "val_ppl": summary["val_ppl"],
                      "train_tok_s": summary["train_tok_s"], "seconds": round(time.perf_counter() - start, 1)})

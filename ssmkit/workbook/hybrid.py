@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .. import checks
+from ..models import SSM_MIXERS
 from .cells import pick_device
 
 __all__ = ["SWEEP", "attention_share", "build_lm", "context_costs", "context_models", "crossovers",
@@ -29,7 +30,6 @@ __all__ = ["SWEEP", "attention_share", "build_lm", "context_costs", "context_mod
            "plot_panels", "ratio_sweep", "train_on_task"]
 
 SWEEP = (0, 8, 4, 2, 1)        # attn_every of the ratio sweep: pure SSM, 1/8, 1/4, 1/2, pure attention
-SSM_MIXERS = ("mamba1", "mamba2", "mamba3")        # the state-space mixers; every other layer attends
 LETTERS = {"mamba1": "M", "mamba2": "M2", "mamba3": "M3", "attn": "A", "swa": "W"}
 _CLEARED = {"layout": None, "attn_layer_idx": None}     # one rule names the attention layers: attn_every
 
@@ -84,7 +84,8 @@ def hybrid_config(cfg, attn_every: int, attn_offset: int | None = None, *, mixer
             if "d_state" not in model_overrides:
                 over["d_state"] = None
             if mixer in ("mamba2", "mamba3") and "headdim" not in model_overrides:
-                over["headdim"] = math.gcd(base.d_inner, 64)            # 64, or what divides a narrow d_inner
+                d_inner = base.mixer_cfg(mixer).d_inner(base.d_model)
+                over["headdim"] = math.gcd(d_inner, 64)     # 64, or what divides a narrow d_inner
     if attn_every == 0:
         over.update(attn_every=0, attn_offset=0, attn_cfg=None)
     else:

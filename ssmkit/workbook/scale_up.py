@@ -147,7 +147,7 @@ def _kernel_backend(cfg) -> str:
     if pick_device(cfg.device) != "cuda":
         return "torch"
     model = cfg.model_config()
-    ops = {"mamba3_mimo" if m == "mamba3" and model.is_mimo else _SCAN_OPS[m]
+    ops = {"mamba3_mimo" if m == "mamba3" and model.mamba3.is_mimo else _SCAN_OPS[m]
            for m in model.mixers if m in _SCAN_OPS}
     modules = {KERNEL_MODULES[op] for op in ops} or {"mamba_ssm"}
     return "cuda" if all(kernel_import_error(m) is None for m in modules) else "torch"

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from .. import checks
+from ..models import SSM_MIXERS
 
 __all__ = ["evaluate_models", "fit_power_law", "mixer_throughput", "model_compute", "plot_scaling",
            "predict_loss", "scaling_sweep", "score_table"]
@@ -32,7 +33,7 @@ __all__ = ["evaluate_models", "fit_power_law", "mixer_throughput", "model_comput
 
 # --- 2.4 Mamba-2 against Mamba-1 ------------------------------------------------------------------
 
-MIXERS = ("mamba1", "mamba2", "mamba3")      # the SSM mixers mixer_throughput can time
+MIXERS = SSM_MIXERS                          # the SSM mixers mixer_throughput can time
 
 
 def mixer_throughput(seq_lens, d_states, *, d_model: int = 128, n_layer: int = 2, vocab_size: int = 257,

@@ -300,7 +300,7 @@ def test_preset_sizes_and_flops_closed_forms():
 def test_hybrid_layouts_with_mamba3():
     cfg = ModelConfig(d_model=32, n_layer=4, vocab_size=64, layout=["mamba3", "attn", "mamba1", "mamba3"],
                       d_state=16, headdim=8, d_intermediate=48, attn_cfg=dict(num_heads=2))
-    assert cfg.mixers == ["mamba3", "attn", "mamba1", "mamba3"] and cfg.chunk_size == 64
+    assert cfg.mixers == ["mamba3", "attn", "mamba1", "mamba3"] and cfg.mamba3.chunk_size == 64
     model = perturb_(ssmkit.build_model(cfg), 2).eval()
     assert type(model.backbone.layers[0].mixer).__name__ == "Mamba3"
     ids = torch.randint(0, 64, (2, 15), generator=torch.Generator().manual_seed(3))
@@ -322,9 +322,15 @@ def test_hybrid_layouts_with_mamba3():
     ("bias", True, "bias must be false for mamba3"),
 ])
 def test_config_errors_name_the_field_and_the_valid_values(field, value, message):
-    with pytest.raises(ConfigError, match=message) as err:
-        ModelConfig.preset("tiny-mamba3", **{field: value})
-    assert err.value.field == field
+    """Each names the field as the mamba3 group's (bias, which Mamba-3 has not, flat as before),
+    given in the group or flat (the short form)."""
+    path = field if field == "bias" else f"mamba3.{field}"
+    for kwargs in ({field: value}, {"mamba3": {field: value}}):
+        if field == "bias" and "mamba3" in kwargs:
+            continue
+        with pytest.raises(ConfigError, match=message) as err:
+            ModelConfig.preset("tiny-mamba3", **kwargs)
+        assert err.value.field == path
     with pytest.raises(ValueError, match="valid mixers: mamba1, mamba2, mamba3, attn, swa"):
         ModelConfig(mixer="mamba4")
 
