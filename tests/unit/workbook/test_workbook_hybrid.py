@@ -58,7 +58,8 @@ def test_mamba3_is_a_state_space_layer_everywhere(cfg):
     assert workbook.layer_pattern(mixed) == "M3 M2 A M3" and workbook.attention_share(mixed) == 0.25
     m3 = workbook.hybrid_config(cfg, 4, mixer="mamba3", d_model=16, n_layer=4).model_config(257)
     assert workbook.layer_pattern(m3) == "M3 M3 A M3"
-    assert m3.d_state == 128 and m3.d_inner % m3.headdim == 0        # Mamba-3's state; heads fit d_inner 32
+    g3 = m3.mamba3
+    assert g3.d_state == 128 and g3.d_inner(16) % g3.headdim == 0     # its own state; heads fit
     model = build_model(m3)
     split = workbook.parameter_split(model)
     mixers = [layer.mixer for layer in model.backbone.layers]
@@ -78,9 +79,10 @@ def test_mamba3_is_a_state_space_layer_everywhere(cfg):
 def test_hybrid_config_swaps_the_ssm_with_its_own_defaults(cfg):
     m2 = workbook.hybrid_config(cfg, 4, mixer="mamba2", d_model=16, n_layer=4).model_config(257)
     assert workbook.layer_pattern(m2) == "M2 M2 A M2"
-    assert m2.d_state == 128 and m2.d_inner % m2.headdim == 0        # Mamba-2's state; heads fit d_inner 32
+    g2 = m2.mamba2
+    assert g2.d_state == 128 and g2.d_inner(16) % g2.headdim == 0     # its own state; heads fit
     back = workbook.hybrid_config(cfg, 4, mixer="mamba1", d_model=16, n_layer=4).model_config(257)
-    assert back.d_state == 16 and workbook.layer_pattern(back) == "M M A M"
+    assert back.mamba1.d_state == 16 and workbook.layer_pattern(back) == "M M A M"
 
 
 def test_parameter_split_adds_up():
