@@ -152,6 +152,11 @@ def migrate_flat(kwargs: dict) -> dict:
 
 @dataclass
 class ModelConfig:
+    """A language model's configuration: the fields every model shares, then one group per SSM
+    mixer (read only by that mixer's layers). ``ModelConfig(...)`` also takes a group's field flat,
+    the short form (:func:`migrate_flat`); :meth:`to_dict` / :meth:`from_dict` write and read the
+    grouped form (YAML, JSON)."""
+
     # --- the language model ---
     d_model: int = 768                    # residual stream width
     n_layer: int = 24                     # number of blocks
