@@ -47,9 +47,10 @@ D_MODEL, N_LAYER, VOCAB = 256, 4, 1000
 PROMPTS, BATCHES = [512, 2048, 8192], [1, 8]
 QUICK_PROMPTS = [512, 2048]
 CONFIGS = {
-    "mamba1": dict(mixer="mamba1", d_state=16),
-    "mamba2": dict(mixer="mamba2", d_state=64, headdim=32),
-    "hybrid": dict(mixer="mamba1", d_state=16, attn_every=4, attn_offset=2, attn_cfg=dict(num_heads=8)),
+    "mamba1": dict(mixer="mamba1", mamba1=dict(d_state=16)),
+    "mamba2": dict(mixer="mamba2", mamba2=dict(d_state=64, headdim=32)),
+    "hybrid": dict(mixer="mamba1", mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
+                   attn_cfg=dict(num_heads=8)),
 }
 MODELS = [*CONFIGS, "llama"]
 SSMS = ["mamba1", "mamba2"]

@@ -64,6 +64,7 @@ CONFIGS = {
     "base": dict(d_model=128, n_layer=4, vocab=1000, batch=8, seqlen=256),
     "large": dict(d_model=256, n_layer=4, vocab=1000, batch=4, seqlen=512),
 }
+# each mixer's ModelConfig group (mamba1 / mamba2 / mamba3), also written into transformers' configs
 MAMBA1 = dict(d_state=16, expand=2, d_conv=4)
 MAMBA2 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2, d_conv=4)
 MAMBA3 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2)     # Mamba-2's sizes, no conv
@@ -157,14 +158,14 @@ def build(name, c, llama_ffn=None):
     d, L, V = c["d_model"], c["n_layer"], c["vocab"]
     if name == "ssmkit_mamba1":
         return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
-                                                     mixer="mamba1", **MAMBA1))
+                                                     mixer="mamba1", mamba1=MAMBA1))
     if name == "ssmkit_mamba2":
         return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
-                                                     mixer="mamba2", **MAMBA2))
+                                                     mixer="mamba2", mamba2=MAMBA2))
     if name in ("ssmkit_mamba3", "ssmkit_mamba3_mimo"):
         mimo = dict(is_mimo=True, mimo_rank=4) if name.endswith("mimo") else {}
         return ssmkit.build_model(ssmkit.ModelConfig(d_model=d, n_layer=L, vocab_size=V,
-                                                     mixer="mamba3", **MAMBA3, **mimo))
+                                                     mixer="mamba3", mamba3={**MAMBA3, **mimo}))
     common = dict(vocab_size=V, hidden_size=d, num_hidden_layers=L, use_cache=False,
                   tie_word_embeddings=True)
     if name in (SLOW, "hf_mambapy"):

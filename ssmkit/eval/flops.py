@@ -5,8 +5,9 @@ own arithmetic uses, counting no rematerialisation:
 
     MFU = flops_per_token · tokens_per_s / (peak_flops · world_size)
 
-Glossary: ``d_inner`` = E·D (expanded width), ``d_state`` = N, ``headdim`` = P, ``chunk_size`` = Q,
-``ngroups`` = G (heads sharing one B and C), ``nheads`` = H.
+Glossary (fields of the model config's mixer groups, ``cfg.mamba2.d_state`` ...): ``d_inner`` =
+E·D (expanded width), ``d_state`` = N, ``headdim`` = P, ``chunk_size`` = Q, ``ngroups`` = G (heads
+sharing one B and C), ``nheads`` = H.
 """
 
 from __future__ import annotations
@@ -43,15 +44,18 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
                 keys = seq_len if mixer == "attn" else min(seq_len, a["window_size"])
                 flops += 12 * a["num_heads"] * a["head_dim"] * keys
             elif mixer == "mamba1":
-                flops += 3 * 9 * cfg.d_inner * cfg.d_state
+                m = cfg.mamba1
+                flops += 3 * 9 * m.d_inner(cfg.d_model) * m.d_state
             elif mixer == "mamba3":            # per head: (q kᵀ and its product with x, per head) + states
-                q, r = min(cfg.chunk_size, seq_len), cfg.mimo_rank if cfg.is_mimo else 1
-                flops += 3 * cfg.nheads * (2 * q * r * r * (cfg.d_state + cfg.headdim)
-                                           + 4 * r * cfg.d_state * cfg.headdim)
+                m = cfg.mamba3
+                q, r = min(m.chunk_size, seq_len), m.mimo_rank if m.is_mimo else 1
+                flops += 3 * m.nheads(cfg.d_model) * (2 * q * r * r * (m.d_state + m.headdim)
+                                                      + 4 * r * m.d_state * m.headdim)
             else:
-                q = min(cfg.chunk_size, seq_len)
-                flops += 3 * (cfg.ngroups * 2 * q * cfg.d_state
-                              + cfg.nheads * (2 * q * cfg.headdim + 4 * cfg.d_state * cfg.headdim))
+                m = cfg.mamba2
+                q, H = min(m.chunk_size, seq_len), m.nheads(cfg.d_model)
+                flops += 3 * (m.ngroups * 2 * q * m.d_state
+                              + H * (2 * q * m.headdim + 4 * m.d_state * m.headdim))
     elif cfg is not None and hasattr(cfg, "num_attention_heads"):
         flops += 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
     return flops

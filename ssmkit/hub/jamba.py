@@ -2,7 +2,7 @@
 
 Jamba (Lieber et al. 2024) is ssmkit's hybrid block stack exactly: layer i is attention when
 ``i % attn_layer_period == attn_layer_offset``, else Mamba-1 with learnable RMSNorms on Δ, B, C
-(``mixer_rms_weights``), and every layer has a gated MLP after its mixer. Pure functions, as
+(``mamba1.mixer_rms_weights``), and every layer has a gated MLP after its mixer. Pure functions, as
 :mod:`ssmkit.hub.zamba2`: the config both ways (:func:`config_from_jamba`, :func:`config_to_jamba`) and the
 tensors both ways (:func:`state_from_jamba`, :func:`state_to_jamba`). Weights, layer i (``L`` =
 ``model.layers.i``, ``B`` = ``backbone.layers.i``):
@@ -41,15 +41,16 @@ DEFAULTS = dict(intermediate_size=14336, num_attention_heads=32, num_key_value_h
                 expert_layer_period=2, expert_layer_offset=1, attn_layer_period=8, attn_layer_offset=4,
                 mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_conv_bias=True,
                 mamba_proj_bias=False, tie_word_embeddings=False)
-# config.json field -> ModelConfig field
+# config.json field -> ModelConfig field, or the path of a field of its Mamba-1 group
 _FIELDS = {"hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
            "intermediate_size": "d_intermediate", "attn_layer_period": "attn_every",
            "attn_layer_offset": "attn_offset", "rms_norm_eps": "norm_epsilon",
            "initializer_range": "initializer_range", "tie_word_embeddings": "tie_embeddings",
-           "mamba_d_state": "d_state", "mamba_d_conv": "d_conv", "mamba_expand": "expand",
-           "mamba_dt_rank": "dt_rank", "mamba_conv_bias": "conv_bias", "mamba_proj_bias": "bias"}
+           "mamba_d_state": "mamba1.d_state", "mamba_d_conv": "mamba1.d_conv",
+           "mamba_expand": "mamba1.expand", "mamba_dt_rank": "mamba1.dt_rank",
+           "mamba_conv_bias": "mamba1.conv_bias", "mamba_proj_bias": "mamba1.bias"}
 _ATTN_NAMES = {"attn_cfg.num_heads": "num_attention_heads", "attn_cfg.num_heads_kv": "num_key_value_heads",
-               "attn_cfg.head_dim": "head_dim", "mixer_rms_eps": "rms_norm_eps"}
+               "attn_cfg.head_dim": "head_dim", "mamba1.mixer_rms_eps": "rms_norm_eps"}
 
 
 def config_from_jamba(hf: dict) -> ModelConfig:
@@ -81,8 +82,9 @@ def config_from_jamba(hf: dict) -> ModelConfig:
     head_dim = c.get("head_dim", c["hidden_size"] // heads)     # JambaAttention's getattr(config, "head_dim")
     dt_rank = math.ceil(c["hidden_size"] / 16) if c["mamba_dt_rank"] == "auto" else c["mamba_dt_rank"]
     kwargs = {ours: c[theirs] for theirs, ours in _FIELDS.items()}
-    kwargs.update(dt_rank=dt_rank, mixer="mamba1", pad_vocab_size_multiple=1, rms_norm=True,
-                  residual_in_fp32=False, mixer_rms_eps=c["rms_norm_eps"], mixer_rms_weights=True,
+    kwargs.update({"mamba1.dt_rank": dt_rank, "mamba1.mixer_rms_eps": c["rms_norm_eps"],
+                   "mamba1.mixer_rms_weights": True})
+    kwargs.update(mixer="mamba1", pad_vocab_size_multiple=1, rms_norm=True, residual_in_fp32=False,
                   attn_cfg=dict(num_heads=heads, num_heads_kv=kv, head_dim=head_dim, qkv_proj_bias=False,
                                 out_proj_bias=False))
     return _build_config(kwargs, {**{ours: theirs for theirs, ours in _FIELDS.items()}, **_ATTN_NAMES})
@@ -129,14 +131,15 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
     if "swa" in kinds:
         raise CheckpointError("attn_cfg.window_size: Jamba's attention is full causal attention, not a "
                               "sliding window")
-    if not cfg.mixer_rms_weights:
-        raise CheckpointError("mixer_rms_weights is false: Jamba's Mamba layers norm Δ, B and C with "
-                              "learnable RMSNorms (dt_layernorm, b_layernorm, c_layernorm); "
-                              "save format='mamba_ssm' or 'hf'")
-    if not cfg.rms_norm or cfg.norm_epsilon != cfg.mixer_rms_eps:
+    m = cfg.mamba1
+    if not m.mixer_rms_weights:
+        raise CheckpointError("mamba1.mixer_rms_weights is false: Jamba's Mamba layers norm Δ, B "
+                              "and C with learnable RMSNorms (dt_layernorm, b_layernorm, "
+                              "c_layernorm); save format='mamba_ssm' or 'hf'")
+    if not cfg.rms_norm or cfg.norm_epsilon != m.mixer_rms_eps:
         raise CheckpointError(f"rms_norm_eps: Jamba uses RMSNorm with one epsilon everywhere; this model has "
                               f"rms_norm={cfg.rms_norm}, norm_epsilon={cfg.norm_epsilon}, "
-                              f"mixer_rms_eps={cfg.mixer_rms_eps}")
+                              f"mamba1.mixer_rms_eps={m.mixer_rms_eps}")
     if cfg.d_intermediate == 0:
         raise CheckpointError("intermediate_size: every Jamba layer has an MLP, this model has none "
                               "(d_intermediate=0); save format='mamba_ssm'")
@@ -145,8 +148,9 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
               num_hidden_layers=cfg.n_layer, hidden_act="silu", initializer_range=cfg.initializer_range,
               rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0,
               num_experts=1, num_experts_per_tok=1, expert_layer_period=1, expert_layer_offset=0,
-              mamba_d_state=cfg.d_state, mamba_d_conv=cfg.d_conv, mamba_expand=cfg.expand,
-              mamba_dt_rank=cfg.dt_rank_value, mamba_conv_bias=cfg.conv_bias, mamba_proj_bias=cfg.bias)
+              mamba_d_state=m.d_state, mamba_d_conv=m.d_conv, mamba_expand=m.expand,
+              mamba_dt_rank=m.dt_rank_value(cfg.d_model), mamba_conv_bias=m.conv_bias,
+              mamba_proj_bias=m.bias)
     hf["attn_layer_period"], hf["attn_layer_offset"] = _attention_period(cfg)
     a = cfg.attn_cfg
     if a is None:                                       # no attention layers: any heads do

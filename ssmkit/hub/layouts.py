@@ -15,10 +15,12 @@ Loading (:mod:`ssmkit.hub.load`) and saving (:mod:`ssmkit.hub.save`) build on th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..models import ModelConfig
 from ..models.config import SSM_MIXERS, ConfigError
+from ..models.ssm_config import GROUPS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -38,18 +40,47 @@ class CheckpointError(ValueError):
 # configs: transformers / mamba_ssm <-> ModelConfig
 # --------------------------------------------------------------------------------------------
 
-# transformers field -> ModelConfig field, for both Mamba and Mamba2 configs
+# transformers field -> ModelConfig field, for both Mamba and Mamba2 configs: the model's, and its
+# mixer group's (_HF_SSM for both mixers; _HF_MAMBA1 / _HF_MAMBA2 for one). A group's field is
+# written as its path, "mamba2.d_state", by _hf_fields.
 _HF_FIELDS = {
     "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "use_bias": "bias",
-    "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
-    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
-    "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_floor": "dt_init_floor",
+    "layer_norm_epsilon": "norm_epsilon", "residual_in_fp32": "residual_in_fp32",
+    "tie_word_embeddings": "tie_embeddings",
 }
+_HF_SSM = {"state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "use_bias": "bias",
+           "use_conv_bias": "conv_bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
+           "time_step_floor": "dt_init_floor"}
 _HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
               "mixer_rms_eps": "mixer_rms_eps"}
 _HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size",
               "time_step_limit": "dt_limit", "norm_before_gate": "norm_before_gate"}
+
+
+def _hf_fields(mixer: str) -> dict[str, str]:
+    """transformers field -> ModelConfig field or group path ("mamba1.d_state"), Mamba / Mamba2."""
+    group = {**_HF_SSM, **(_HF_MAMBA1 if mixer == "mamba1" else _HF_MAMBA2)}
+    return {**_HF_FIELDS, **{theirs: f"{mixer}.{ours}" for theirs, ours in group.items()}}
+
+
+def _nested(kwargs: dict) -> dict:
+    """ModelConfig kwargs with group paths nested: ``{"mamba2.d_state": 8}`` ->
+    ``{"mamba2": {"d_state": 8}}``."""
+    out = {}
+    for key, value in kwargs.items():
+        group, dot, name = key.partition(".")
+        if dot:
+            out.setdefault(group, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
+def _get(cfg: ModelConfig, path: str):
+    """The value of a ModelConfig field or group path ("mamba2.d_state")."""
+    for name in path.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def _floats(values, field: str) -> tuple[float, ...]:
@@ -62,10 +93,11 @@ def _floats(values, field: str) -> tuple[float, ...]:
 
 
 def _build_config(kwargs: dict, names: dict[str, str]) -> ModelConfig:
-    """ModelConfig(**kwargs); a bad value becomes a CheckpointError naming the field as the file
-    spells it (``names``: ssmkit field -> config.json field)."""
+    """ModelConfig(**kwargs), group fields given as paths ("mamba2.d_state"); a bad value becomes a
+    CheckpointError naming the field as the file spells it (``names``: ssmkit field or path ->
+    config.json field)."""
     try:
-        return ModelConfig(**kwargs)
+        return ModelConfig(**_nested(kwargs))
     except ConfigError as exc:
         raise CheckpointError(f"field {names.get(exc.field, exc.field)!r}: {exc}") from None
     except ValueError as exc:
@@ -95,23 +127,26 @@ def config_from_hf(hf: dict) -> ModelConfig:
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in hf]
     if missing:   # ModelConfig's defaults are a 130M model: never guess the size of someone's checkpoint
         raise CheckpointError(f"fields {missing} are missing; a transformers config states the model's size")
-    fields = {**_HF_FIELDS, **(_HF_MAMBA1 if kind == "mamba" else _HF_MAMBA2)}
+    mixer = "mamba1" if kind == "mamba" else "mamba2"
+    fields = _hf_fields(mixer)
     nulls = [theirs for theirs in fields if theirs in hf and hf[theirs] is None and theirs != "mixer_rms_eps"]
     if nulls:     # null would silently fall back to a default that may not match the weights
         raise CheckpointError(f"fields {nulls} are null; give them values or leave them out for the defaults")
     kwargs = {ours: hf[theirs] for theirs, ours in fields.items() if theirs in hf}
-    kwargs.update(mixer="mamba1" if kind == "mamba" else "mamba2", pad_vocab_size_multiple=1)
+    kwargs.update(mixer=mixer, pad_vocab_size_multiple=1)
     kwargs.setdefault("tie_embeddings", kind == "mamba")        # transformers' defaults differ per model
-    if kwargs.get("dt_limit") is not None:
-        kwargs["dt_limit"] = _floats(kwargs["dt_limit"], "time_step_limit")
+    if kwargs.get("mamba2.dt_limit") is not None:
+        kwargs["mamba2.dt_limit"] = _floats(kwargs["mamba2.dt_limit"], "time_step_limit")
     cfg = _build_config(kwargs, {ours: theirs for theirs, ours in fields.items()})
-    if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != cfg.d_inner:
+    group = cfg.mixer_cfg(mixer)
+    inner = group.d_inner(cfg.d_model)
+    if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != inner:
         raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, "
-                              f"but expand * hidden_size = {cfg.d_inner}; "
+                              f"but expand * hidden_size = {inner}; "
                               "ssmkit needs d_inner = expand * d_model")
-    if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != cfg.nheads:
+    if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != group.nheads(cfg.d_model):
         raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, "
-                              f"but expand * hidden_size / head_dim = {cfg.nheads}")
+                              f"but expand * hidden_size / head_dim = {group.nheads(cfg.d_model)}")
     return cfg
 
 
@@ -121,8 +156,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
     extras = [what for what, has in (("attention layers (attn_layer_idx)", cfg.attn_layer_idx),
                                      ("MLPs (d_intermediate)", cfg.d_intermediate),
-                                     ("Jamba's weighted Δ/B/C norms (mixer_rms_weights)",
-                                      cfg.mixer_rms_weights)) if has]
+                                     ("Jamba's weighted Δ/B/C norms (mamba1.mixer_rms_weights)",
+                                      _jamba_norms(cfg))) if has]
     if extras:
         raise CheckpointError(f"transformers' MambaConfig / Mamba2Config cannot hold {' or '.join(extras)}; "
                               f"{_formats_for(cfg)}")
@@ -131,49 +166,50 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                               "save format='mamba_ssm'")
     if "mamba3" in cfg.mixers:
         raise CheckpointError("transformers has no Mamba-3 model; save format='mamba_ssm'")
-    mamba1 = cfg.mixers[0] == "mamba1"
-    fields = {**_HF_FIELDS, **(_HF_MAMBA1 if mamba1 else _HF_MAMBA2)}
-    hf = {theirs: getattr(cfg, ours) for theirs, ours in fields.items()}
+    mixer = cfg.mixers[0]
+    group = cfg.mixer_cfg(mixer)
+    hf = {theirs: _get(cfg, ours) for theirs, ours in _hf_fields(mixer).items()}
     hf["vocab_size"] = cfg.padded_vocab_size
-    if mamba1:
-        falcon = cfg.mixer_rms_eps is not None
-        hf.update(model_type="falcon_mamba" if falcon else "mamba", time_step_rank=cfg.dt_rank_value,
+    if mixer == "mamba1":
+        falcon = group.mixer_rms_eps is not None
+        hf.update(model_type="falcon_mamba" if falcon else "mamba",
+                  time_step_rank=group.dt_rank_value(cfg.d_model),
                   architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
-                  intermediate_size=cfg.d_inner, hidden_act="silu")
+                  intermediate_size=group.d_inner(cfg.d_model), hidden_act="silu")
         if not falcon:
             del hf["mixer_rms_eps"]
     else:
-        if cfg.D_has_hdim or cfg.norm_before_gate:   # transformers 5's Mamba2 always norms after the gate
+        if group.D_has_hdim or group.norm_before_gate:   # transformers 5: norm after the gate
             raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate=True; "
                                   "save format='mamba_ssm'")
-        hf.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_heads=cfg.nheads,
-                  hidden_act="silu", time_step_limit=[_json_float(v) for v in cfg.dt_limit], rms_norm=True)
+        hf.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"],
+                  num_heads=group.nheads(cfg.d_model), hidden_act="silu",
+                  time_step_limit=[_json_float(v) for v in group.dt_limit], rms_norm=True)
     return hf
 
 
-_SSM_FIELDS = ("d_state", "d_conv", "expand", "dt_min", "dt_max", "dt_init_floor", "conv_bias", "bias")
-_SSM_MAMBA1 = ("dt_rank", "dt_init", "dt_scale")
-_SSM_MAMBA2 = ("headdim", "ngroups", "chunk_size", "A_init_range", "dt_limit", "D_has_hdim",
-               "norm_before_gate")
-# mamba_ssm's Mamba3 arguments (it has no conv and no biases) and ssmkit's a_activation: mamba_ssm's Mamba3
-# always applies the heavy-tail activation (since c69aaab, before it could build LMs) and absorbs unknown keys
-_SSM_MAMBA3 = ("d_state", "expand", "dt_min", "dt_max", "dt_init_floor", "headdim", "ngroups", "chunk_size",
-               "rope_fraction", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "a_activation")
+def _jamba_norms(cfg: ModelConfig) -> bool:
+    """Whether the model's Mamba-1 layers have Jamba's weighted norms on Δ, B, C."""
+    return "mamba1" in cfg.ssm_kinds and cfg.mamba1.mixer_rms_weights
+
+
 _LAYERS = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+# ssmkit's group fields that are no argument of mamba_ssm's class: FalconMamba's / Jamba's norms on
+# Δ, B, C (refused on save). Mamba3's a_activation is written: mamba_ssm's Mamba3 absorbs unknown
+# keys and applies the heavy-tail activation, the group's default.
+_NOT_SSM_CFG = ("mixer_rms_eps", "mixer_rms_weights")
 
 
 def _ssm_fields(mixer: str) -> tuple[str, ...]:
-    """The ssm_cfg keys of a mixer, as ModelConfig fields."""
-    if mixer == "mamba3":
-        return _SSM_MAMBA3
-    return _SSM_FIELDS + (_SSM_MAMBA1 if mixer == "mamba1" else _SSM_MAMBA2)
+    """The ssm_cfg keys of a mixer: its group's fields (mamba_ssm's arguments of that class)."""
+    return tuple(f.name for f in dataclasses.fields(GROUPS[mixer]) if f.name not in _NOT_SSM_CFG)
 
 
 def _formats_for(cfg: ModelConfig) -> str:
     """Which other format can hold a hybrid ``cfg``, as advice for an error message: Jamba's Δ/B/C norms
     (mixer_rms_weights) only format "jamba" holds (ssmkit.hub.jamba, which says why not if it cannot);
     everything else only mamba_ssm's layout."""
-    if cfg.mixer_rms_weights:
+    if _jamba_norms(cfg):
         return "save format='jamba'"
     try:
         config_to_mamba_ssm(cfg)
@@ -228,16 +264,17 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
                               f"known: {sorted(known)}")
     if ssm.get("rmsnorm", True) is False:
         raise CheckpointError("ssm_cfg.rmsnorm=False (gate inside the scan) is not supported")
-    kwargs = {k: ssm[k] for k in known if k in ssm}
+    group = {k: ssm[k] for k in known if k in ssm}
     for k in ("A_init_range", "dt_limit"):
-        if k in kwargs:
-            kwargs[k] = _floats(kwargs[k], f"ssm_cfg.{k}")
+        if k in group:
+            group[k] = _floats(group[k], f"ssm_cfg.{k}")
+    kwargs = {f"{mixer}.{k}": v for k, v in group.items()}
     kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
                   pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8),
                   rms_norm=c.get("rms_norm", True), residual_in_fp32=c.get("residual_in_fp32", True),
                   tie_embeddings=c.get("tie_embeddings", True), norm_epsilon=c.get("norm_epsilon", 1e-5),
                   **_attention_from_mamba_ssm(c))
-    return _build_config(kwargs, {k: f"ssm_cfg.{k}" for k in known})
+    return _build_config(kwargs, {f"{mixer}.{k}": f"ssm_cfg.{k}" for k in known})
 
 
 def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
@@ -252,22 +289,22 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
         raise CheckpointError("attn_cfg.window_size (sliding-window attention, 'swa' layers) is not an "
                               "argument of mamba_ssm's MHA: this model cannot be saved in the mamba_ssm "
                               "layout")
-    if cfg.mixer_rms_eps is not None:
-        raise CheckpointError("mamba_ssm has no norms on Δ, B, C (mixer_rms_eps); save "
-                              + ("format='jamba'" if cfg.mixer_rms_weights else "format='hf' (FalconMamba)"))
+    if "mamba1" in cfg.ssm_kinds and cfg.mamba1.mixer_rms_eps is not None:
+        raise CheckpointError("mamba_ssm has no norms on Δ, B, C (mamba1.mixer_rms_eps); save "
+                              + ("format='jamba'" if _jamba_norms(cfg)
+                                 else "format='hf' (FalconMamba)"))
     if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
         raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; "
                               "save format='hf'")
     mixer = ssm_kinds[0] if ssm_kinds else cfg.mixer if cfg.mixer in SSM_MIXERS else "mamba1"
-    ssm = {k: getattr(cfg, k) for k in _ssm_fields(mixer)}
+    group = cfg.mixer_cfg(mixer).to_dict()
+    ssm = {k: group[k] for k in _ssm_fields(mixer)}
     ssm["layer"] = {v: k for k, v in _LAYERS.items()}[mixer]
     if "dt_limit" in ssm:   # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
-        if ssm["dt_limit"] == (0.0, math.inf):
+        if ssm["dt_limit"] == [0.0, math.inf]:
             del ssm["dt_limit"]
         else:
             ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
-    if "A_init_range" in ssm:
-        ssm["A_init_range"] = list(ssm["A_init_range"])
     # every MHA argument written out, causal=True above all (mamba_ssm's default is False)
     attn = {k: v for k, v in (cfg.attn_cfg or {}).items() if k != "window_size"}
     return dict(d_model=cfg.d_model, d_intermediate=cfg.d_intermediate, n_layer=cfg.n_layer,

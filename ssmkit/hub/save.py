@@ -34,6 +34,7 @@ from .layouts import (
     SHARD_INDEXES,
     TOKENIZER_FILES,
     WEIGHT_FILES,
+    _jamba_norms,
     config_to_hf,
     config_to_mamba_ssm,
 )
@@ -130,7 +131,7 @@ def natural_format(cfg: ModelConfig) -> str:
     Mamba2)."""
     if cfg.zamba2 is not None:
         return "zamba2"
-    if cfg.mixer_rms_weights and "mamba3" not in cfg.mixers:
+    if _jamba_norms(cfg) and "mamba3" not in cfg.mixers:
         return "jamba"
     if cfg.attn_layer_idx or cfg.d_intermediate or "mamba3" in cfg.mixers:
         return "mamba_ssm"

@@ -27,18 +27,19 @@ import torch
 from ..models import MambaLM, ModelConfig
 from ..models.config import ConfigError
 from ..models.zamba2_config import ACTIVATIONS, Zamba2ConfigError
-from .layouts import CheckpointError
+from .layouts import CheckpointError, _nested
 
 # transformers' default layers_block_type (Zamba2-2.7B's 54 layers)
 DEFAULT_BLOCK_TYPES = (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"]
                        + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2)
-# config.json field -> ModelConfig field
-_FIELDS = {"hidden_size": "d_model", "vocab_size": "vocab_size", "mamba_d_state": "d_state",
-           "mamba_d_conv": "d_conv", "mamba_expand": "expand", "mamba_ngroups": "ngroups",
-           "chunk_size": "chunk_size", "time_step_min": "dt_min", "time_step_max": "dt_max",
-           "time_step_floor": "dt_init_floor", "rms_norm_eps": "norm_epsilon",
+# config.json field -> ModelConfig field, or the path of a field of its Mamba-2 group
+_FIELDS = {"hidden_size": "d_model", "vocab_size": "vocab_size", "mamba_d_state": "mamba2.d_state",
+           "mamba_d_conv": "mamba2.d_conv", "mamba_expand": "mamba2.expand",
+           "mamba_ngroups": "mamba2.ngroups", "chunk_size": "mamba2.chunk_size",
+           "time_step_min": "mamba2.dt_min", "time_step_max": "mamba2.dt_max",
+           "time_step_floor": "mamba2.dt_init_floor", "rms_norm_eps": "norm_epsilon",
            "initializer_range": "initializer_range", "tie_word_embeddings": "tie_embeddings",
-           "add_bias_linear": "bias"}
+           "add_bias_linear": "mamba2.bias"}
 # config.json fields that are zamba2 fields of the same name; _Z_NAMES: the others, zamba2 -> config.json
 _Z_FIELDS = ("num_mem_blocks", "num_attention_heads", "num_key_value_heads", "intermediate_size",
              "hidden_act", "add_bias_linear", "adapter_rank", "use_shared_attention_adapter", "use_mem_rope")
@@ -48,9 +49,10 @@ _UNKNOWN = ""                   # _to_ours of a name transformers' Zamba2 does n
 
 def _build(kwargs: dict) -> ModelConfig:
     names = {ours: theirs for theirs, ours in _FIELDS.items()}
-    names.update(headdim="n_mamba_heads", n_layer="num_hidden_layers", dt_limit="time_step_min")
+    names.update({"mamba2.headdim": "n_mamba_heads", "n_layer": "num_hidden_layers",
+                  "mamba2.dt_limit": "time_step_min"})
     try:
-        return ModelConfig(**kwargs)
+        return ModelConfig(**_nested(kwargs))
     except (ConfigError, Zamba2ConfigError) as exc:
         if exc.field.startswith("zamba2."):
             field = exc.field.removeprefix("zamba2.")
@@ -106,10 +108,11 @@ def config_from_zamba2(hf: dict) -> ModelConfig:
              rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if not kwargs["tie_embeddings"]:     # transformers then leaves every hybrid layer's block untied
         z["num_mem_blocks"] = max(1, len(hybrid))
-    dt_min = kwargs.get("dt_min", 0.001)
+    dt_min = kwargs.get("mamba2.dt_min", 0.001)
+    kwargs.update({"mamba2.headdim": expand * hidden // heads, "mamba2.conv_bias": True,
+                   "mamba2.dt_limit": (dt_min, math.inf)})
     kwargs.update(n_layer=n_layer, mixer="mamba2", pad_vocab_size_multiple=1,
-                  headdim=expand * hidden // heads, conv_bias=True, residual_in_fp32=False,
-                  dt_limit=(dt_min, math.inf), zamba2=z)
+                  residual_in_fp32=False, zamba2=z)
     cfg = _build(kwargs)
     zz = cfg.zamba2
     if zz["use_shared_attention_adapter"] and zz["num_key_value_heads"] != zz["num_attention_heads"]:
@@ -123,13 +126,15 @@ def config_to_zamba2(cfg: ModelConfig) -> dict:
     z = cfg.zamba2
     if not z:
         raise CheckpointError("not a Zamba2 model (config.zamba2 is None)")
-    if cfg.D_has_hdim or cfg.norm_before_gate:
-        raise CheckpointError("transformers' Zamba2 has neither D per channel (D_has_hdim) nor "
-                              "norm_before_gate=True")
-    if cfg.dt_limit != (cfg.dt_min, math.inf):
-        raise CheckpointError(f"dt_limit {cfg.dt_limit} cannot be saved: transformers' Zamba2 clamps Δ to "
-                              f"(time_step_min, inf) and initialises it from time_step_min = dt_min; "
-                              f"use dt_limit=(dt_min, inf) = ({cfg.dt_min}, inf)")
+    m = cfg.mamba2
+    if m.D_has_hdim or m.norm_before_gate:
+        raise CheckpointError("transformers' Zamba2 has neither D per channel (mamba2.D_has_hdim) "
+                              "nor mamba2.norm_before_gate=True")
+    if m.dt_limit != (m.dt_min, math.inf):
+        raise CheckpointError(f"mamba2.dt_limit {m.dt_limit} cannot be saved: transformers' Zamba2 "
+                              "clamps Δ to (time_step_min, inf) and initialises it from "
+                              f"time_step_min = dt_min; use dt_limit=(dt_min, inf) = "
+                              f"({m.dt_min}, inf)")
     if z["use_shared_attention_adapter"] and z["num_key_value_heads"] != z["num_attention_heads"]:
         raise CheckpointError("transformers' Zamba2 cannot combine GQA (num_key_value_heads < "
                               "num_attention_heads) with use_shared_attention_adapter")
@@ -138,11 +143,11 @@ def config_to_zamba2(cfg: ModelConfig) -> dict:
         model_type="zamba2", architectures=["Zamba2ForCausalLM"], vocab_size=cfg.padded_vocab_size,
         hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
         layers_block_type=["hybrid" if i in hybrid else "mamba" for i in range(cfg.n_layer)],
-        mamba_d_state=cfg.d_state, mamba_d_conv=cfg.d_conv, mamba_expand=cfg.expand,
-        mamba_ngroups=cfg.ngroups,
-        n_mamba_heads=cfg.nheads, chunk_size=cfg.chunk_size, use_conv_bias=True,
-        time_step_min=cfg.dt_min, time_step_max=cfg.dt_max, time_step_floor=cfg.dt_init_floor,
-        add_bias_linear=cfg.bias or z["add_bias_linear"], intermediate_size=z["intermediate_size"],
+        mamba_d_state=m.d_state, mamba_d_conv=m.d_conv, mamba_expand=m.expand,
+        mamba_ngroups=m.ngroups,
+        n_mamba_heads=m.nheads(cfg.d_model), chunk_size=m.chunk_size, use_conv_bias=True,
+        time_step_min=m.dt_min, time_step_max=m.dt_max, time_step_floor=m.dt_init_floor,
+        add_bias_linear=m.bias or z["add_bias_linear"], intermediate_size=z["intermediate_size"],
         hidden_act=z["hidden_act"], num_attention_heads=z["num_attention_heads"],
         num_key_value_heads=z["num_key_value_heads"], attention_dropout=0.0,
         num_mem_blocks=z["num_mem_blocks"],
@@ -295,13 +300,16 @@ def _zero_fill(out: dict, state: dict, cfg: ModelConfig):
     z, ids = cfg.zamba2, cfg.zamba2["hybrid_layer_ids"]
     like = next(iter(state.values()))
     zeros = lambda *shape: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
-    inner, conv_dim = cfg.d_inner, cfg.d_inner + 2 * cfg.ngroups * cfg.d_state
-    add_bias = cfg.bias or z["add_bias_linear"]
+    m = cfg.mamba2
+    inner = m.d_inner(cfg.d_model)
+    conv_dim = inner + 2 * m.ngroups * m.d_state
+    add_bias = m.bias or z["add_bias_linear"]
     for i in range(cfg.n_layer):
         mamba = _layer_prefix(cfg, i) + "mamba."
         wanted = {"conv1d.bias": conv_dim}
         if add_bias:
-            wanted.update({"in_proj.bias": inner + conv_dim + cfg.nheads, "out_proj.bias": cfg.d_model})
+            wanted.update({"in_proj.bias": inner + conv_dim + m.nheads(cfg.d_model),
+                           "out_proj.bias": cfg.d_model})
         for key, size in wanted.items():
             out.setdefault(mamba + key, zeros(size))
     layers = ids if not cfg.tie_embeddings else ids[:min(len(ids), z["num_mem_blocks"])]

@@ -1,5 +1,6 @@
-"""Model configs and presets, the Mamba-1 / Mamba-2 / Mamba-3 mixers, causal attention and the gated MLP of
-hybrids, the LM, its cache and generation, and a Transformer baseline of matched size."""
+"""Model configs (one group of knobs per SSM mixer) and presets, the Mamba-1 / Mamba-2 / Mamba-3
+mixers, causal attention and the gated MLP of hybrids, the LM, its cache and generation, and a
+Transformer baseline of matched size."""
 
 from .attention import Attention
 from .baseline import matched_transformer, parameter_report
@@ -12,10 +13,11 @@ from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mlp import GatedMLP
 from .norms import RMSNorm, RMSNormGated
+from .ssm_config import ConfigError, Mamba1Config, Mamba2Config, Mamba3Config
 
 __all__ = [
-    "Attention", "GatedMLP", "InferenceCache", "KVState", "LayerState", "MIXERS", "PRESETS", "SSM_MIXERS",
-    "ModelConfig",
+    "Attention", "ConfigError", "GatedMLP", "InferenceCache", "KVState", "LayerState", "MIXERS",
+    "PRESETS", "SSM_MIXERS", "Mamba1Config", "Mamba2Config", "Mamba3Config", "ModelConfig",
     "presets", "generate", "sample_next",
     "Block", "LMOutput", "MambaLM", "build_model", "Mamba1", "Mamba2", "Mamba3", "Mamba3State", "RMSNorm",
     "RMSNormGated",

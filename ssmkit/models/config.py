@@ -1,35 +1,53 @@
-"""Model configuration and the presets of the plan.
+"""Model configuration: :class:`ModelConfig`, the rule that swaps its mixer fairly, the presets.
 
-Field names follow mamba_ssm's ``MambaConfig`` and its ``ssm_cfg`` (d_model, n_layer, vocab_size,
-pad_vocab_size_multiple, d_state, d_conv, expand, headdim, ngroups, chunk_size, ...), so an
-official ``config.json`` maps onto it one to one.
+The top level holds what every model shares, named as mamba_ssm's ``MambaConfig`` (d_model, n_layer,
+vocab_size, pad_vocab_size_multiple, d_intermediate, attn_layer_idx, attn_cfg, rms_norm, ...); each
+SSM mixer's knobs are a group of their own, as mamba_ssm's ``ssm_cfg`` (``mamba1``, ``mamba2``,
+``mamba3``: :mod:`ssmkit.models.ssm_config`), so an official ``config.json`` maps onto it nearly one
+to one:
+
+    ModelConfig(d_model=768, n_layer=24, vocab_size=50277, mixer="mamba2", mamba2=dict(d_state=64))
+    ModelConfig(d_model=768, n_layer=24, vocab_size=50277, mixer="mamba2", d_state=64)  # short
+
+The short form (a group's field given flat, as configs and runs written before the groups have it)
+sets that field in the group of every SSM mixer the model uses (:func:`migrate_flat`).
+
+Glossary (code -> paper symbol): D = ``d_model``; E = ``expand``, ``d_inner`` = E·D;
+N = ``d_state``; W = ``d_conv``; R = ``dt_rank`` (Mamba-1); Δ = dt, initialised in [``dt_min``,
+``dt_max``] and clamped to ``dt_limit`` (Mamba-2); P = ``headdim``; H = ``nheads`` = d_inner / P;
+G = ``ngroups``; Q = ``chunk_size`` (the SSD / Mamba-3 chunk); A = -exp(A_log), A_log's init from
+``A_init_range`` (Mamba-2); A_t = -max(f(a_t), ``A_floor``), f = ``a_activation`` (Mamba-3);
+R = ``mimo_rank`` (Mamba-3 MIMO).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import checks
+from .ssm_config import (
+    GROUP_FIELDS,
+    GROUPS,
+    ConfigError,
+    Mamba1Config,
+    Mamba2Config,
+    Mamba3Config,
+    _field,
+    make_group,
+)
 from .zamba2_config import TINY_ZAMBA2, Zamba2ConfigError, check_zamba2
 
 MIXERS = ("mamba1", "mamba2", "mamba3", "attn", "swa")   # "swa": attention over the last attn_cfg.window_size
-SSM_MIXERS = ("mamba1", "mamba2", "mamba3")
-# mamba_ssm's Mamba / Mamba2 / Mamba3 defaults (d_state; Mamba3's chunk 64, the others' 256)
-DEFAULT_D_STATE = {"mamba1": 16, "mamba2": 128, "mamba3": 128, "attn": 16, "swa": 16}
-ROPE_FRACTIONS = (0.5, 1.0)           # mamba_ssm's Mamba3 asserts one of these
-A_ACTIVATIONS = ("heavy_tail", "softplus")
+SSM_MIXERS = ("mamba1", "mamba2", "mamba3")   # the state-space mixers; the others attend
 # mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's default False
 # trains a model that sees the future) and ssmkit's window_size (Samba's sliding window; None = full).
 ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
                      out_proj_bias=True, softmax_scale=None, causal=True, d_conv=0, rotary_emb_dim=0,
                      rotary_emb_base=10000.0, rotary_emb_interleaved=False, window_size=None)
-INT_FIELDS = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state", "d_conv", "expand",
-              "headdim", "ngroups", "chunk_size")
-BOOL_FIELDS = ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual", "conv_bias",
-               "bias", "D_has_hdim", "norm_before_gate", "mixer_rms_weights", "is_outproj_norm", "is_mimo")
 
 
 def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = False) -> dict:
@@ -77,42 +95,70 @@ def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = Fal
     return cfg
 
 
-class ConfigError(ValueError):
-    """A field of :class:`ModelConfig` with a value it cannot take; ``field`` names it (the hub maps it
-    back to the name in a transformers config.json)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field} {message}")
-        self.field = field
-
-
-def _field(name: str, check, value, **kwargs):
-    """``check(value, name, **kwargs)`` from :mod:`ssmkit.checks`, its error as a ConfigError naming
-    the field."""
-    try:
-        return check(value, name, **kwargs)
-    except ValueError as exc:
-        raise ConfigError(name, str(exc).removeprefix(f"{name} ")) from None
+def fair_sizes(mixer: str, d_inner: int) -> dict:
+    """The state, head and chunk sizes that make a ``mixer`` layer of width ``d_inner``
+    comparable to the other mixers' (the rule of :meth:`ModelConfig.with_mixer`): Mamba-1 N = 16
+    (its paper's); Mamba-2 and Mamba-3 N = 128, P = 64 from d_inner 1024 (mamba_ssm's defaults),
+    else N = 64, P = 32, so a narrow model keeps several heads (P divides d_inner: fewer channels
+    for a width that is no multiple of 32); their chunk Q = 64, which short sequences barely pad."""
+    if mixer not in SSM_MIXERS:
+        raise ValueError(f"mixer={mixer!r} is not an SSM mixer; valid: {', '.join(SSM_MIXERS)}")
+    if mixer == "mamba1":
+        return {"d_state": 16}
+    big = d_inner >= 1024
+    headdim = math.gcd(d_inner, 64 if big else 32)
+    return {"d_state": 128 if big else 64, "headdim": headdim, "chunk_size": 64}
 
 
-def _pair(name: str, value, low_min: float, low_strict: bool,
-          high_may_be_inf: bool = False) -> tuple[float, float]:
-    """``value`` as a (low, high) pair of numbers with low > low_min (or >= with ``low_strict=False``) and
-    low <= high, else ConfigError naming ``name`` and the valid range."""
-    pair = tuple(value) if isinstance(value, (list, tuple)) else ()
-    finite = lambda v: checks.is_number(v) and math.isfinite(v)  # noqa: E731
-    ok = (len(pair) == 2 and finite(pair[0])
-          and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
-          and (pair[0] > low_min if low_strict else pair[0] >= low_min) and pair[0] <= pair[1])
-    if not ok:
-        bound = f"{'>' if low_strict else '>='} {low_min:g}"
-        raise ConfigError(name, f"must be a pair (low, high) of numbers with low {bound} and low <= high"
-                                f"{' (high may be inf)' if high_may_be_inf else ''}; got {value!r}")
-    return float(pair[0]), float(pair[1])
+def _ssm_kinds(mixer, layout) -> list[str]:
+    """The SSM mixers a model's layers use, in SSM_MIXERS' order, from ``mixer`` and ``layout``."""
+    kinds = set(layout) if isinstance(layout, (list, tuple)) else {mixer}
+    return [kind for kind in SSM_MIXERS if kind in kinds]
+
+
+def migrate_flat(kwargs: dict) -> dict:
+    """ModelConfig keyword arguments with the fields of the mixer groups given flat (the short form
+    ``d_state=64``; configs and runs written before the groups) moved into the groups.
+
+    A flat value sets that field in the group of every SSM mixer the model uses (``mixer``, or each
+    one in ``layout``): what one flat field meant before. It wins over the group's own value, as
+    it comes later (a preset's groups, then a run's flat ``model_overrides``). A flat field that
+    none of those mixers takes had no effect and has none: it is checked (as its group checks it),
+    then dropped; but ``bias=True`` with Mamba-3 layers is refused, as before (mamba_ssm's Mamba3
+    has no bias). ``d_state`` and ``chunk_size`` None mean "the mixer's default": dropped."""
+    flat = [key for key in kwargs if key in GROUP_FIELDS]
+    if not flat:
+        return kwargs
+    out = {key: value for key, value in kwargs.items() if key not in GROUP_FIELDS}
+    used = _ssm_kinds(out.get("mixer", "mamba1"), out.get("layout"))
+    for key in flat:
+        value = kwargs[key]
+        if value is None and key in ("d_state", "chunk_size"):
+            continue
+        if key == "bias" and value is True and "mamba3" in used:
+            raise ConfigError("bias", "must be false for mamba3: mamba_ssm's Mamba3 has no "
+                                      "in_proj / out_proj bias; got True")
+        owners = [kind for kind in used if kind in GROUP_FIELDS[key]]
+        if not owners:
+            try:
+                make_group(GROUP_FIELDS[key][0], {key: value})
+            except ConfigError as exc:
+                raise ConfigError(key, str(exc).removeprefix(f"{exc.field} ")) from None
+        for kind in owners:
+            group = out.get(kind)
+            if isinstance(group, tuple(GROUPS.values())):
+                group = group.to_dict()
+            out[kind] = {**(group or {}), key: value}
+    return out
 
 
 @dataclass
 class ModelConfig:
+    """A language model's configuration: the fields every model shares, then one group per SSM
+    mixer (read only by that mixer's layers). ``ModelConfig(...)`` also takes a group's field flat,
+    the short form (:func:`migrate_flat`); :meth:`to_dict` / :meth:`from_dict` write and read the
+    grouped form (YAML, JSON)."""
+
     # --- the language model ---
     d_model: int = 768                    # residual stream width
     n_layer: int = 24                     # number of blocks
@@ -128,108 +174,46 @@ class ModelConfig:
     zamba2: dict | None = None            # Zamba2's shared attention blocks (zamba2_config.py); None = off
     tie_embeddings: bool = True           # LM head shares the embedding matrix
     rms_norm: bool = True                 # RMSNorm (True) or LayerNorm (False) before each mixer
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = 1e-5            # of every norm (and of Mamba-2's gated RMSNorm)
     residual_in_fp32: bool = True         # keep the residual stream in fp32 under bf16/fp16
     initializer_range: float = 0.02       # std of the embedding init
     rescale_prenorm_residual: bool = True  # out_proj init scaled by 1/sqrt(n_layer) (GPT-2 style)
 
-    # --- the SSM mixers (mamba_ssm's ssm_cfg) ---
-    d_state: int | None = None            # N; None -> 16 for mamba1, 128 for mamba2 and mamba3
-    d_conv: int = 4                       # width of the causal depthwise conv
-    expand: int = 2                       # d_inner = expand * d_model
-    dt_rank: int | str = "auto"           # mamba1: rank of the Δ projection; "auto" = ceil(d_model / 16)
-    dt_min: float = 0.001                 # Δ is initialised log-uniform in [dt_min, dt_max]
-    dt_max: float = 0.1
-    dt_init: str = "random"               # mamba1: dt_proj.weight init, "random" | "constant"
-    dt_scale: float = 1.0
-    dt_init_floor: float = 1e-4
-    conv_bias: bool = True
-    bias: bool = False                    # bias of in_proj / out_proj
-    mixer_rms_eps: float | None = None    # mamba1: FalconMamba's weightless RMSNorm on Δ, B, C (None: off)
-    mixer_rms_weights: bool = False       # ... with learnable weights (Jamba's dt/b/c_layernorm)
-    headdim: int = 64                     # mamba2/3: P, channels per head
-    ngroups: int = 1                      # mamba2/3: B/C groups (like GQA's key/value groups)
-    chunk_size: int | None = None         # mamba2/3: Q, the scan's chunk; None: 64 for mamba3 alone, else 256
-    A_init_range: tuple[float, float] = (1.0, 16.0)   # mamba2: A = -U(A_init_range)
-    dt_limit: tuple[float, float] = (0.0, math.inf)   # mamba2: Δ clamped to this range
-    D_has_hdim: bool = False              # mamba2: D per channel (nheads, headdim) instead of per head
-    norm_before_gate: bool = False        # mamba2: gated RMSNorm order (False in the official models)
-    rope_fraction: float = 0.5            # mamba3: share of the state's dimensions rotated (0.5 or 1.0)
-    A_floor: float = 1e-4                 # mamba3: the data-dependent A_t is at most -A_floor
-    a_activation: str = "heavy_tail"      # mamba3: A_t = -f(a_t); "heavy_tail" (mamba_ssm since June 2026,
-                                          # commit c69aaab) or "softplus" (before): different models
-    is_outproj_norm: bool = False         # mamba3: gated RMSNorm per head before out_proj
-    is_mimo: bool = False                 # mamba3: multi-input multi-output state update ...
-    mimo_rank: int = 4                    # ... of this rank (mamba_ssm's default; 1 without is_mimo)
+    # --- each SSM mixer's knobs (mamba_ssm's ssm_cfg), read by the layers of that mixer only ---
+    mamba1: Mamba1Config = field(default_factory=Mamba1Config)   # d_state 16, d_conv 4, expand 2
+    mamba2: Mamba2Config = field(default_factory=Mamba2Config)   # d_state 128, headdim 64, Q 256
+    mamba3: Mamba3Config = field(default_factory=Mamba3Config)   # d_state 128, headdim 64, Q 64
 
     def __post_init__(self):
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}")
-        if self.d_state is None:
-            self.d_state = DEFAULT_D_STATE[self.mixer]
-        if self.chunk_size is None:
-            kinds = set(self.layout) if isinstance(self.layout, (list, tuple)) else {self.mixer}
-            self.chunk_size = 64 if "mamba3" in kinds and "mamba2" not in kinds else 256
-        for name in INT_FIELDS:
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
         for name in ("d_intermediate", "attn_every"):
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=0))
+        for kind in SSM_MIXERS:
+            setattr(self, kind, make_group(kind, getattr(self, kind)))
         self._resolve_attention_layers()
         if self.zamba2 is not None:
             try:
                 self.zamba2 = check_zamba2(dict(self.zamba2), self.d_model, self.n_layer)
             except Zamba2ConfigError as exc:
                 raise ConfigError(exc.field, str(exc).removeprefix(f"{exc.field} ")) from None
-        for name in BOOL_FIELDS:
+        for name in ("tie_embeddings", "rms_norm", "residual_in_fp32", "rescale_prenorm_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
-        if self.dt_rank != "auto":
-            self.dt_rank = _field("dt_rank", checks.integer, self.dt_rank, minimum=1)
-        _field("dt_init", checks.choice, self.dt_init, valid=("random", "constant"))
-        # Float fields a typo can break silently: a zero epsilon or a non-positive A gives NaN logits,
-        # dt_min > dt_max an empty init range. Each is checked against the range it is meaningful in.
-        for name, positive in (("norm_epsilon", True), ("dt_init_floor", True), ("dt_scale", False),
-                               ("initializer_range", False), ("mixer_rms_eps", True)):
-            if name != "mixer_rms_eps" or self.mixer_rms_eps is not None:
-                setattr(self, name, _field(name, checks.number, getattr(self, name),
-                                           low=0, low_open=positive))
-        # Δ init is log-uniform
-        self.dt_min = _field("dt_min", checks.number, self.dt_min, low=0, low_open=True)
-        self.dt_max = _field("dt_max", checks.number, self.dt_max, low=self.dt_min)
-        if self.mixer_rms_weights and self.mixer_rms_eps is None:
-            raise ConfigError("mixer_rms_weights", "needs mixer_rms_eps (the epsilon of the weighted norms)")
-        self.A_init_range = _pair("A_init_range", self.A_init_range, 0, True)      # A = -U(low, high) < 0
-        self.dt_limit = _pair("dt_limit", self.dt_limit, 0, False, high_may_be_inf=True)
+        # a zero epsilon gives NaN logits
+        self.norm_epsilon = _field("norm_epsilon", checks.number, self.norm_epsilon, low=0,
+                                   low_open=True)
+        self.initializer_range = _field("initializer_range", checks.number, self.initializer_range,
+                                        low=0)
+        used = self.ssm_kinds
+        if self.mamba3.chunk_size is None:   # one chunk for a stack with Mamba-2 layers, else 64
+            chunk = self.mamba2.chunk_size if "mamba2" in used else 64
+            self.mamba3 = dataclasses.replace(self.mamba3, chunk_size=chunk)
         for kind in ("mamba2", "mamba3"):
-            if kind in self.mixers or (kind == "mamba2" and self.zamba2 is not None):
-                if self.d_inner % self.headdim:
-                    raise ValueError(f"{kind} needs headdim to divide d_inner = expand * d_model = "
-                                     f"{self.d_inner}; got headdim={self.headdim}")
-                if self.nheads % self.ngroups:
-                    raise ValueError(f"{kind} needs ngroups to divide nheads = {self.nheads}; "
-                                     f"got ngroups={self.ngroups}")
-        self._check_mamba3()
-
-    def _check_mamba3(self):
-        """Mamba-3's fields, checked always (a wrong value is wrong in any layout); its shape rules only when
-        a layer is Mamba-3."""
-        if isinstance(self.rope_fraction, bool) or self.rope_fraction not in ROPE_FRACTIONS:
-            raise ConfigError("rope_fraction", f"must be one of {', '.join(map(str, ROPE_FRACTIONS))} "
-                                               "(mamba_ssm's Mamba3 rotates half or all of the state); "
-                                               f"got {self.rope_fraction!r}")
-        self.rope_fraction = float(self.rope_fraction)
-        self.a_activation = _field("a_activation", checks.choice, self.a_activation, valid=A_ACTIVATIONS)
-        self.A_floor = _field("A_floor", checks.number, self.A_floor, low=0, low_open=True)
-        self.mimo_rank = _field("mimo_rank", checks.integer, self.mimo_rank, minimum=1)
-        if "mamba3" not in self.mixers:
-            return
-        if self.d_state % 2 or int(self.d_state * self.rope_fraction) < 2:
-            raise ConfigError("d_state", f"must be even and at least {int(2 / self.rope_fraction)} for "
-                                         "mamba3 (its rotations turn pairs of state dimensions); "
-                                         f"got {self.d_state}")
-        if self.bias:
-            raise ConfigError("bias", "must be false for mamba3: mamba_ssm's Mamba3 has no in_proj / "
-                                      "out_proj bias; got True")
+            if kind in used:
+                getattr(self, kind).check_width(self.d_model)
 
     def _resolve_attention_layers(self):
         """One answer to "which layers are attention": ``layout`` names them; else ``attn_every`` (Jamba:
@@ -269,7 +253,7 @@ class ModelConfig:
         if found or self.attn_cfg is not None:
             self.attn_cfg = check_attn_cfg(self.attn_cfg, self.d_model, needs_window="swa" in self.mixers)
 
-    # --- derived sizes ---
+    # --- the layers ---
     @property
     def mixers(self) -> list[str]:
         """The mixer of each layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa"
@@ -281,77 +265,144 @@ class ModelConfig:
         return [attn if i in self.attn_layer_idx else base for i in range(self.n_layer)]
 
     @property
-    def d_inner(self) -> int:
-        return self.expand * self.d_model
+    def ssm_kinds(self) -> list[str]:
+        """The SSM mixers the layers use, in :data:`SSM_MIXERS`' order (Zamba2: ["mamba2"])."""
+        return [kind for kind in SSM_MIXERS if kind in self.mixers]
 
-    @property
-    def nheads(self) -> int:
-        return self.d_inner // self.headdim
-
-    @property
-    def dt_rank_value(self) -> int:
-        return math.ceil(self.d_model / 16) if self.dt_rank == "auto" else self.dt_rank
+    def mixer_cfg(self, kind: str | None = None) -> Mamba1Config | Mamba2Config | Mamba3Config:
+        """The group of SSM mixer ``kind`` (``self.mamba1`` / ``mamba2`` / ``mamba3``); without
+        ``kind``, that of the one SSM mixer the layers use (an error for none or several)."""
+        if kind is None:
+            if len(self.ssm_kinds) != 1:
+                raise ValueError(f"the model's SSM layers are {self.ssm_kinds or 'none'}: name the "
+                                 f"mixer, mixer_cfg(kind) with kind one of {', '.join(SSM_MIXERS)}")
+            kind = self.ssm_kinds[0]
+        if kind not in SSM_MIXERS:
+            raise ValueError(f"mixer_cfg({kind!r}): valid SSM mixers: {', '.join(SSM_MIXERS)}")
+        return getattr(self, kind)
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_size_multiple
         return (self.vocab_size + m - 1) // m * m
 
+    def with_mixer(self, mixer: str) -> ModelConfig:
+        """This model with its SSM layers made ``mixer`` layers of comparable size: the one rule for
+        "the same model with another mixer" (notebook 01 compares Mamba-1, -2 and -3 with it).
+
+        Everything else stays: width, depth, vocabulary, attention layers, MLPs, norms, and the
+        knobs the old and the new mixer share (expand, so d_inner too; Δ's init range; conv width
+        and biases; ...). The new mixer's state, head and chunk sizes are :func:`fair_sizes`' for
+        that d_inner, its other knobs mamba_ssm's defaults. Each mixer so keeps the state size its
+        paper pairs it with, and the blocks hold about the same number of parameters (Mamba-1's
+        x_proj and dt_proj against the wider in_proj of Mamba-2 and Mamba-3; within 10%,
+        tests/unit/models/test_config.py). A Zamba2 model's layers stay Mamba-2."""
+        if mixer not in SSM_MIXERS:
+            raise ValueError(f"with_mixer({mixer!r}): valid SSM mixers: {', '.join(SSM_MIXERS)}")
+        if not self.ssm_kinds:
+            raise ValueError(f"the model has no SSM layer to make a {mixer} layer (its layers: "
+                             f"{sorted(set(self.mixers))})")
+        if self.zamba2 is not None and mixer != "mamba2":
+            raise ValueError(f"a Zamba2 model's layers are Mamba-2 (its shared blocks are built "
+                             f"around them); got mixer={mixer!r}")
+        old = self.mixer_cfg(self.ssm_kinds[0]).to_dict()
+        fair = fair_sizes(mixer, old["expand"] * self.d_model)
+        kept = {f.name for f in dataclasses.fields(GROUPS[mixer])} - {"d_state", "headdim",
+                                                                      "chunk_size"}
+        group = GROUPS[mixer](**{k: v for k, v in old.items() if k in kept}, **fair)
+        layout = None
+        if self.layout is not None:
+            layout = [mixer if m in SSM_MIXERS else m for m in self.layout]
+        return dataclasses.replace(self, mixer=mixer if self.mixer in SSM_MIXERS else self.mixer,
+                                   layout=layout, **{mixer: group})
+
     # --- (de)serialisation and presets ---
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["A_init_range"], d["dt_limit"] = list(self.A_init_range), list(self.dt_limit)
-        return copy.deepcopy(d)
+        """The fields as plain values, each group a nested mapping (YAML, JSON)."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+             if f.name not in SSM_MIXERS}
+        return {**d, **{kind: getattr(self, kind).to_dict() for kind in SSM_MIXERS}}
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
+        """A config from :meth:`to_dict`'s mapping, or in the short form (:func:`migrate_flat`)."""
         valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(valid))
+        unknown = sorted(set(d) - set(valid) - set(GROUP_FIELDS))
         if unknown:
-            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {', '.join(valid)}")
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {', '.join(valid)} "
+                             "(and, in the short form, a field of the mixer groups: "
+                             f"{', '.join(sorted(GROUP_FIELDS))})")
         return cls(**d)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> ModelConfig:
-        """A named configuration (see :data:`PRESETS`), with field overrides."""
+        """A named configuration (see :data:`PRESETS`), with field overrides; an override of a group
+        is merged into the preset's group (``mamba2={"d_state": 64}`` keeps its headdim)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        base = PRESETS[name]
+        merged = {**base, **overrides}
+        for kind in SSM_MIXERS:
+            if isinstance(base.get(kind), dict) and isinstance(overrides.get(kind), dict):
+                merged[kind] = {**base[kind], **overrides[kind]}
+        return cls.from_dict(merged)
+
+
+_dataclass_init = ModelConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    """The dataclass's __init__, which also takes the short form (a group's field given flat)."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    given = dict(zip(names, args))
+    twice = sorted(set(given) & set(kwargs))
+    if len(args) > len(names) or twice:
+        raise TypeError(f"ModelConfig() got {len(args)} positional arguments"
+                        f"{f' and {twice} again as keywords' if twice else ''}")
+    _dataclass_init(self, **migrate_flat({**given, **kwargs}))
+
+
+ModelConfig.__init__ = _init
 
 
 def _mamba1(d_model, n_layer):
     # state-spaces/mamba-*: GPT-NeoX vocabulary 50277 padded to a multiple of 8
     return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=8,
-                mixer="mamba1", d_state=16, d_conv=4, expand=2)
+                mixer="mamba1", mamba1=dict(d_state=16, d_conv=4, expand=2))
 
 
 def _mamba2(d_model, n_layer):
     # state-spaces/mamba2-*: config.json has ssm_cfg {"layer": "Mamba2"} and pad_vocab_size_multiple 16
     return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=16,
-                mixer="mamba2", d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256)
+                mixer="mamba2", mamba2=dict(d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1,
+                                            chunk_size=256))
 
 
 def _mamba3(d_model, n_layer):
     # No Mamba-3 checkpoint is published: mamba2-* sizes (GPT-3's widths and depths, GPT-NeoX vocabulary
     # padded to 16) with mamba_ssm's Mamba3 defaults (d_state 128, headdim 64, rope_fraction 0.5, chunk 64)
-    return dict(_mamba2(d_model, n_layer), mixer="mamba3", chunk_size=64, rope_fraction=0.5)
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=16,
+                mixer="mamba3", mamba3=dict(d_state=128, expand=2, headdim=64, ngroups=1,
+                                            chunk_size=64, rope_fraction=0.5))
 
 
 PRESETS: dict[str, dict] = {
     # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
-    "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16),
+    "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", mamba1=dict(d_state=16)),
     # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with adapters
     "tiny-zamba2": TINY_ZAMBA2,
-    "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2", d_state=32, headdim=16,
-                        chunk_size=64),
-    "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3", d_state=32, headdim=16,
-                        chunk_size=64),
+    "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2",
+                        mamba2=dict(d_state=32, headdim=16, chunk_size=64)),
+    "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3",
+                        mamba3=dict(d_state=32, headdim=16, chunk_size=64)),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
     # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 +
     # attention).
     # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them give order.
-    "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", d_state=16, attn_every=4,
-                        attn_offset=2, attn_cfg=dict(num_heads=4)),
+    "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1",
+                        mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
+                        attn_cfg=dict(num_heads=4)),
     # Mamba-1, Gu & Dao 2023, table 12 / the state-spaces/mamba-* checkpoints
     "mamba-130m": _mamba1(768, 24),
     "mamba-370m": _mamba1(1024, 48),
@@ -378,4 +429,5 @@ def presets() -> list[str]:
     return list(PRESETS)
 
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MIXERS", "presets"]
+__all__ = ["ConfigError", "MIXERS", "Mamba1Config", "Mamba2Config", "Mamba3Config", "ModelConfig",
+           "PRESETS", "SSM_MIXERS", "fair_sizes", "migrate_flat", "presets"]

@@ -51,11 +51,11 @@ def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
     """The mixer of one layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa" (a
     sliding window)."""
     if kind == "mamba1":
-        return Mamba1(cfg)
+        return Mamba1(cfg.d_model, cfg.mamba1)
     if kind == "mamba2":
-        return Mamba2(cfg)
+        return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_epsilon)
     if kind == "mamba3":
-        return Mamba3(cfg)
+        return Mamba3(cfg.d_model, cfg.mamba3)
     return Attention(cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None)
 
 

@@ -23,8 +23,8 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .config import ModelConfig
 from .norms import RMSNorm
+from .ssm_config import Mamba1Config, Mamba2Config, Mamba3Config
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
@@ -32,8 +32,8 @@ def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
-def init_dt_bias(n: int, cfg: ModelConfig) -> torch.Tensor:
-    """softplus⁻¹ of Δ drawn log-uniformly in [dt_min, dt_max] (floored at dt_init_floor)."""
+def init_dt_bias(n: int, cfg: Mamba1Config | Mamba2Config | Mamba3Config) -> torch.Tensor:
+    """softplus⁻¹ of Δ drawn log-uniformly in [dt_min, dt_max] (floored at dt_init_floor): (n,)."""
     dt = torch.exp(torch.rand(n) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
     return inverse_softplus(dt.clamp(min=cfg.dt_init_floor))
 
@@ -78,20 +78,21 @@ def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state, activation: str | N
 class Mamba1(nn.Module):
     """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x));
     Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z); out_proj(y).
-    (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+    (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's ``mamba1`` group."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d_model: int, cfg: Mamba1Config):
         super().__init__()
-        self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
-        self.d_conv, self.dt_rank, self.mixer_rms_eps = cfg.d_conv, cfg.dt_rank_value, cfg.mixer_rms_eps
-        self.in_proj = nn.Linear(cfg.d_model, 2 * self.d_inner, bias=cfg.bias)
+        self.d_model, self.d_inner, self.d_state = d_model, cfg.d_inner(d_model), cfg.d_state
+        self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value(d_model)
+        self.mixer_rms_eps = cfg.mixer_rms_eps
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.bias)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, cfg.d_conv, groups=self.d_inner,
                                 padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=cfg.bias)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
         if cfg.mixer_rms_weights:      # Jamba: RMSNorm with weights on Δ, B, C (transformers' names)
             self.dt_layernorm = RMSNorm(self.dt_rank, cfg.mixer_rms_eps)
             self.b_layernorm = RMSNorm(self.d_state, cfg.mixer_rms_eps)
@@ -102,7 +103,7 @@ class Mamba1(nn.Module):
         self.reset_ssm_parameters(cfg)
 
     @torch.no_grad()
-    def reset_ssm_parameters(self, cfg: ModelConfig):
+    def reset_ssm_parameters(self, cfg: Mamba1Config):
         """mamba_ssm's init: dt_proj uniform/constant in ±dt_rank^-0.5 * dt_scale, S4D-real A, D = 1."""
         std = self.dt_rank ** -0.5 * cfg.dt_scale
         if cfg.dt_init == "constant":

@@ -20,37 +20,40 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .config import ModelConfig
 from .mamba1 import check_packed, conv_with_state, init_dt_bias, zero_padding
 from .norms import RMSNormGated
+from .ssm_config import Mamba2Config
 
 
 class Mamba2(nn.Module):
     """The parallel Mamba-2 block of Dao & Gu 2024 (figure 6): z, x, B, C, Δ all from one in_proj;
     x, B, C = SiLU(conv(x, B, C)); y = SSD(x) (section 6); out_proj(RMSNorm(y * SiLU(z))).
-    (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+    (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's ``mamba2`` group;
+    ``norm_epsilon``: of the gated RMSNorm (the model's)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d_model: int, cfg: Mamba2Config, norm_epsilon: float = 1e-5):
         super().__init__()
-        self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
+        self.d_model, self.d_inner, self.d_state = d_model, cfg.d_inner(d_model), cfg.d_state
         self.d_conv, self.headdim, self.ngroups = cfg.d_conv, cfg.headdim, cfg.ngroups
-        self.nheads, self.chunk_size, self.dt_limit = cfg.nheads, cfg.chunk_size, cfg.dt_limit
+        self.nheads, self.chunk_size = cfg.nheads(d_model), cfg.chunk_size
+        self.dt_limit = cfg.dt_limit
         self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
-        self.in_proj = nn.Linear(cfg.d_model, self.d_inner + self.conv_dim + self.nheads, bias=cfg.bias)
+        self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + self.nheads, bias=cfg.bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim,
                                 padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.D = nn.Parameter(torch.empty((self.nheads, self.headdim) if cfg.D_has_hdim else (self.nheads,)))
-        self.norm = RMSNormGated(self.d_inner, eps=cfg.norm_epsilon, group_size=self.d_inner // self.ngroups,
+        self.norm = RMSNormGated(self.d_inner, eps=norm_epsilon,
+                                 group_size=self.d_inner // self.ngroups,
                                  norm_before_gate=cfg.norm_before_gate)
-        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=cfg.bias)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
         for p in (self.dt_bias, self.A_log, self.D):
             p._no_weight_decay = True
         self.reset_ssm_parameters(cfg)
 
     @torch.no_grad()
-    def reset_ssm_parameters(self, cfg: ModelConfig):
+    def reset_ssm_parameters(self, cfg: Mamba2Config):
         """mamba_ssm's init: Δ log-uniform in [dt_min, dt_max], A ~ U(A_init_range), D = 1."""
         self.dt_bias.copy_(init_dt_bias(self.nheads, cfg))
         lo, hi = cfg.A_init_range

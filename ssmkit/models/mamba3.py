@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import Mamba3State
-from .config import ModelConfig
 from .mamba1 import check_packed, init_dt_bias
 from .norms import RMSNorm, RMSNormGated
+from .ssm_config import Mamba3Config
 
 FP32_PARAMS = ("dt_bias", "B_bias", "C_bias", "mimo_x", "mimo_z", "mimo_o", "D")
 
@@ -37,19 +37,23 @@ class Mamba3(nn.Module):
     """Mamba-3: z, x, B, C, Δ, A, λ, angles from one in_proj; B and C normed, biased per head and rotated by
     angles accumulated with Δ; the exponential-trapezoidal scan (:func:`ssmkit.ops.mamba3_scan`), gated by
     silu(z); out_proj. MIMO runs the scan on ``mimo_rank`` projections of x at once.
-    (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+    (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's ``mamba3`` group (its
+    chunk_size given, as ModelConfig fills it in)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d_model: int, cfg: Mamba3Config):
         super().__init__()
-        self.d_model, self.d_inner, self.d_state = cfg.d_model, cfg.d_inner, cfg.d_state
-        self.headdim, self.ngroups, self.nheads = cfg.headdim, cfg.ngroups, cfg.nheads
+        if cfg.chunk_size is None:
+            raise ValueError("Mamba3 needs cfg.chunk_size: take the mamba3 group of a ModelConfig, "
+                             "which fills it in, or give one (mamba_ssm's default: 64)")
+        self.d_model, self.d_inner, self.d_state = d_model, cfg.d_inner(d_model), cfg.d_state
+        self.headdim, self.ngroups, self.nheads = cfg.headdim, cfg.ngroups, cfg.nheads(d_model)
         self.chunk_size, self.A_floor, self.a_activation = cfg.chunk_size, cfg.A_floor, cfg.a_activation
         self.is_mimo, self.is_outproj_norm = cfg.is_mimo, cfg.is_outproj_norm
         self.rank = cfg.mimo_rank if cfg.is_mimo else 1
         self.nangles = ops.rope_angles(cfg.d_state, cfg.rope_fraction)
         bc = self.d_state * self.ngroups * self.rank
         self.sizes = [self.d_inner, self.d_inner, bc, bc, self.nheads, self.nheads, self.nheads, self.nangles]
-        self.in_proj = nn.Linear(cfg.d_model, sum(self.sizes), bias=False)
+        self.in_proj = nn.Linear(d_model, sum(self.sizes), bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.B_bias = nn.Parameter(torch.empty(self.nheads, self.rank, self.d_state))
         self.C_bias = nn.Parameter(torch.empty(self.nheads, self.rank, self.d_state))
@@ -61,7 +65,7 @@ class Mamba3(nn.Module):
         self.D = nn.Parameter(torch.empty(self.nheads))
         if self.is_outproj_norm:
             self.norm = RMSNormGated(self.d_inner, eps=1e-5, group_size=self.headdim, norm_before_gate=True)
-        self.out_proj = nn.Linear(self.d_inner, cfg.d_model, bias=False)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
         # mamba_ssm exempts dt_bias and D from weight decay; ssmkit also the biases and the MIMO scales
         for name in FP32_PARAMS:
             if hasattr(self, name):
@@ -69,7 +73,7 @@ class Mamba3(nn.Module):
         self.reset_ssm_parameters(cfg)
 
     @torch.no_grad()
-    def reset_ssm_parameters(self, cfg: ModelConfig):
+    def reset_ssm_parameters(self, cfg: Mamba3Config):
         """mamba_ssm's init: Δ log-uniform in [dt_min, dt_max], B and C biases 1, D = 1,
         mimo_x = mimo_o = 1/R, mimo_z = 1."""
         self.dt_bias.copy_(init_dt_bias(self.nheads, cfg))

@@ -45,7 +45,7 @@ class Zamba2Layer(nn.Module):
         super().__init__()
         z = cfg.zamba2
         self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)           # transformers: input_layernorm
-        self.mixer = Mamba2(cfg)
+        self.mixer = Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_epsilon)
         self.mixer.norm.eps = MIXER_NORM_EPS
         self.hybrid = hybrid_index is not None
         self.block = None if hybrid_index is None else hybrid_index % z["num_mem_blocks"]

@@ -3,8 +3,9 @@
 Zamba2 (Zyphra; Glorioso et al. 2024, arXiv 2411.15242) is a stack of Mamba-2 layers; before the
 Mamba layers listed in ``hybrid_layer_ids`` a *shared* transformer block (attention + gated MLP, one of
 ``num_mem_blocks`` blocks, used in turn) reads concat(hidden, embeddings), and a per-layer ``linear``
-adds its output to that Mamba layer's input. The Mamba-2 layers themselves take ModelConfig's own
-fields (d_state, headdim, ngroups, expand, d_conv, chunk_size, dt_limit, bias, conv_bias, norm_epsilon).
+adds its output to that Mamba layer's input. The Mamba-2 layers themselves take ModelConfig's
+``mamba2`` group (d_state, headdim, ngroups, expand, d_conv, chunk_size, dt_limit, bias, conv_bias)
+and norm_epsilon.
 
 Names follow transformers' ``Zamba2Config`` where it has them; ``hybrid_layer_ids`` is the list that
 config derives from ``layers_block_type``; ``rope_theta`` is ``rope_parameters["rope_theta"]``;
@@ -105,8 +106,8 @@ def check_zamba2(d: dict, d_model: int, n_layer: int) -> dict:
 # The CPU preset ``tiny-zamba2``: ModelConfig keyword arguments. Δ is clamped at dt_min (dt_limit low =
 # dt_min), as transformers' Zamba2 clamps at time_step_min, so the model saves to that layout exactly.
 TINY_ZAMBA2: dict = dict(
-    d_model=64, n_layer=6, vocab_size=256, mixer="mamba2", d_state=16, headdim=16, chunk_size=64,
-    dt_limit=(0.001, math.inf), residual_in_fp32=False,
+    d_model=64, n_layer=6, vocab_size=256, mixer="mamba2", residual_in_fp32=False,
+    mamba2=dict(d_state=16, headdim=16, chunk_size=64, dt_limit=(0.001, math.inf)),
     zamba2=dict(hybrid_layer_ids=[1, 3, 5], num_mem_blocks=2, num_attention_heads=4, intermediate_size=128,
                 adapter_rank=8, use_shared_attention_adapter=True, use_mem_rope=True),
 )

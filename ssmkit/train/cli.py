@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``ssmkit train`` / ``python -m ssmkit.train``."""
     p.add_argument("--config", required=True, help="YAML file of TrainConfig keys (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key, e.g. --set max_steps=100 --set model_overrides.d_model=128")
+                   help="override a key, e.g. --set max_steps=100 --set model_overrides.d_model=128"
+                        " --set model_overrides.mamba2.d_state=64")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     return p

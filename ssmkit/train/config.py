@@ -36,14 +36,18 @@ CHOICES = {
     "tracking": ("none", "wandb"),
 }
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")   # the `lora:` mapping
-SUB_KEYS = ("model_overrides", "lora")                # keys that take sub-keys in overrides (lora.r=8)
+# keys that take sub-keys in overrides: lora.r=8, model_overrides.d_model=128 and, nested,
+# model_overrides.mamba2.d_state=64
+SUB_KEYS = ("model_overrides", "lora")
 
 
 @dataclass
 class TrainConfig:
     # --- model ---
     model: str = "tiny"                   # a preset name (ssmkit.presets()); vocab_size follows the tokenizer
-    model_overrides: dict = field(default_factory=dict)  # ModelConfig fields, e.g. {d_model: 128, n_layer: 4}
+    # ModelConfig fields, e.g. {d_model: 128, mamba2: {d_state: 64}}; a mixer group's field may also
+    # be flat ({d_state: 64}: in the group of every SSM mixer the model uses)
+    model_overrides: dict = field(default_factory=dict)
     # --- fine-tuning: a pretrained checkpoint instead of `model` (a directory or a hub id) ---
     base: str | None = None
     # LoRA on `base`: {r: 16, alpha: 32, dropout: 0.05, target_modules: [x_proj, in_proj, out_proj]}
@@ -228,8 +232,10 @@ class TrainConfig:
             if sub:
                 if top not in SUB_KEYS:
                     raise ValueError(f"{key!r}: only {' and '.join(SUB_KEYS)} take sub-keys "
-                                     "(model_overrides.d_model=..., lora.r=...)")
-                d[top] = {**(d.get(top) or {}), sub: value}
+                                     "(model_overrides.d_model=..., "
+                                     "model_overrides.mamba2.d_state=..., lora.r=...)")
+                path = sub.split(".") if top == "model_overrides" else [sub]
+                d[top] = _set_nested(d.get(top) or {}, path, value, key)
             else:
                 d[top] = value
         return cls(**d)
@@ -256,6 +262,20 @@ class TrainConfig:
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _set_nested(mapping: dict, path: list[str], value, key: str) -> dict:
+    """A copy of ``mapping`` with ``value`` at ``path`` (["mamba2", "d_state"]), the mappings on the
+    way copied or made; ``key`` (the override as written) names a step that is no mapping."""
+    out = dict(mapping)
+    if len(path) > 1:
+        inner = out.get(path[0])
+        if inner is not None and not isinstance(inner, dict):
+            raise ValueError(f"override {key!r}: {path[0]} is {inner!r}, not a mapping of sub-keys")
+        out[path[0]] = _set_nested(inner or {}, path[1:], value, key)
+    else:
+        out[path[0]] = value
+    return out
 
 
 def _parse_overrides(overrides) -> dict:

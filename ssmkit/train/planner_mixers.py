@@ -83,10 +83,11 @@ def norm_bytes(cfg, backend: str, a: int) -> float:
 
 
 def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
-    E, N, W = cfg.d_inner, cfg.d_state, cfg.d_conv
+    m = cfg.mamba1
+    E, N, W = m.d_inner(cfg.d_model), m.d_state, m.d_conv
     tok = B * L
-    R = cfg.dt_rank_value
-    extra = (2 * (R + 2 * N) + 3) * 4 * tok if cfg.mixer_rms_eps is not None else 0   # norms on Δ, B, C
+    R = m.dt_rank_value(cfg.d_model)
+    extra = (2 * (R + 2 * N) + 3) * 4 * tok if m.mixer_rms_eps is not None else 0  # Δ, B, C norms
     A = E * N * 4                                                  # A = -exp(A_log), fp32
     if backend == "torch":
         T = max(1, min(L, 64, SCAN_CHUNK_ELEMENTS // max(1, B * E * N)))
@@ -98,8 +99,9 @@ def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
 
 
 def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
-    E, N, W = cfg.d_inner, cfg.d_state, cfg.d_conv
-    H, G, Q = cfg.nheads, cfg.ngroups, cfg.chunk_size
+    m = cfg.mamba2
+    E, N, W = m.d_inner(cfg.d_model), m.d_state, m.d_conv
+    H, G, Q = m.nheads(cfg.d_model), m.ngroups, m.chunk_size
     tok = B * L
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
@@ -112,17 +114,18 @@ def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
 
 def _mamba3(cfg, backend: str, B: int, L: int, a: int) -> float:
     """Mamba-3 (ssmkit.models.Mamba3 with ssmkit.ops.mamba3_scan): the module docstring's formulas."""
-    E, N, H, P, G = cfg.d_inner, cfg.d_state, cfg.nheads, cfg.headdim, cfg.ngroups
-    r = cfg.mimo_rank if cfg.is_mimo else 1
-    S = rope_angles(N, cfg.rope_fraction)
-    mimo, normed, half = cfg.is_mimo, cfg.is_outproj_norm, a == 2
+    m = cfg.mamba3
+    E, N, H, P, G = m.d_inner(cfg.d_model), m.d_state, m.nheads(cfg.d_model), m.headdim, m.ngroups
+    r = m.mimo_rank if m.is_mimo else 1
+    S = rope_angles(N, m.rope_fraction)
+    mimo, normed, half = m.is_mimo, m.is_outproj_norm, a == 2
     tok = B * L
     width = 2 * E + 2 * G * N * r + 3 * H + S                  # in_proj's output: z, x, B, C, Δ, A, λ, θ
-    heavy = cfg.a_activation == "heavy_tail"
+    heavy = m.a_activation == "heavy_tail"
     # Δ = softplus(Δ + bias): its input and output; A = -max(f(a), A_floor): f's saved values, A itself
     dt_a = (2 + (2 if heavy else 1) + 1 + half) * H * 4 + (H if heavy else 0)
     if backend == "torch":
-        Q = max(1, min(cfg.chunk_size, MAMBA3_CPU_CHUNK // r))         # the chunk the op takes on a CPU
+        Q = max(1, min(m.chunk_size, MAMBA3_CPU_CHUNK // r))      # the chunk the op takes on a CPU
         chunks = math.ceil(L / Q)
         padded = B * chunks * Q
         if mimo:
@@ -139,7 +142,7 @@ def _mamba3(cfg, backend: str, B: int, L: int, a: int) -> float:
             + a * (4 * r * H * N + xs * r * H * P + 2 * H * Q * r * r)
         return tok * per_tok + padded * per_padded + B * chunks * H * P * N * (4 + a)
     # cuda: mamba_ssm's kernels (ssmkit.ops.mamba3.mamba3_cuda)
-    chunks = math.ceil(L / cfg.chunk_size)
+    chunks = math.ceil(L / m.chunk_size)
     bc = 4 * G * N * r * a + 2 * G * r * 4                             # B, C normed, inputs' copies; rstd
     if mimo:
         per_tok = (width + E + E + (0 if normed else E) + H) * a + 4 * (2 * H + 2 * H * S) + bc + dt_a

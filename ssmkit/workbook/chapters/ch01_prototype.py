@@ -7,9 +7,10 @@ differs.
     markdown_table(rows)                                             # params, val loss, tokens/s per mixer
     plots.plot_curves(runs, y="loss")                                # the training losses, token by token
 
-Each mixer keeps its own state size, as its paper and mamba_ssm do (Mamba-1 16; Mamba-2 and Mamba-3 64 below
-d_model 512, else mamba_ssm's 128), with heads of 32 channels (64 from d_inner 1024) and chunks of 64; the
-blocks then hold about the same number of parameters (each row says how many).
+Each mixer's model is :meth:`ssmkit.ModelConfig.with_mixer` of the run's: the same width, depth and
+everything shared; its own state size, as its paper and mamba_ssm pair them (Mamba-1 16; Mamba-2 and
+Mamba-3 64 below d_inner 1024, else mamba_ssm's 128), heads of 32 channels (64 from d_inner 1024) and
+chunks of 64; the blocks then hold about the same number of parameters (each row says how many).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..params import (
     check_tokenizer,
 )
 
-__all__ = ["PARAMETERS", "compare_mixers", "comparison_tokens", "mixer_fields"]
+__all__ = ["PARAMETERS", "compare_mixers", "comparison_tokens"]
 
 PARAMETERS = Parameters(
     Param(
@@ -113,21 +114,6 @@ PARAMETERS = Parameters(
 )
 
 NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
-_RESET = {
-    "d_state": None,
-    "headdim": 64,
-    "chunk_size": None,
-}  # a preset's own mixer fields, cleared
-
-
-def mixer_fields(mixer: str, d_inner: int) -> dict:
-    """The ModelConfig fields that make a model of width d_inner a ``mixer`` model of comparable size."""
-    if mixer not in SSM_MIXERS:
-        raise ValueError(f"mixer={mixer!r} is not one of {', '.join(SSM_MIXERS)}")
-    if mixer == "mamba1":
-        return dict(mixer="mamba1", d_state=16)
-    big = d_inner >= 1024
-    return dict(mixer=mixer, d_state=128 if big else 64, headdim=64 if big else 32, chunk_size=64)
 
 
 def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
@@ -144,8 +130,6 @@ def compare_mixers(
     the end) for ``tokens`` tokens each (default :func:`comparison_tokens`); their Trainer runs go to
     ``out_dir/<mixer>``. Returns rows (``model``, ``mixer``, ``d_state``, ``params``, ``non_embedding``,
     ``val_loss``, ``val_ppl``, ``train_tok_s``, ``seconds``) and each run's records, keyed by name."""
-    import torch
-
     from ...data import TokenLoader
     from ...eval import summarize_run
     from ...models import build_model, parameter_report
@@ -154,10 +138,12 @@ def compare_mixers(
     tokens = comparison_tokens(cfg) if tokens is None else tokens
     steps = max(1, tokens // cfg.batch_tokens)
     vocab = TokenLoader(data, cfg.seq_len, 1).index["vocab_size"]
-    d_inner = cfg.model_config(vocab_size=vocab).d_inner
+    base = cfg.model_config(vocab_size=vocab)
     rows, runs = [], {}
     for mixer in mixers:
-        over = {**cfg.model_overrides, **_RESET, **mixer_fields(mixer, d_inner)}
+        model_cfg = base.with_mixer(mixer)  # the one rule for "the same model, another mixer"
+        # the run's config says exactly which model it trained (its config.yaml, its checkpoints)
+        over = {k: v for k, v in model_cfg.to_dict().items() if k != "vocab_size"}
         run = dataclasses.replace(
             cfg,
             model_overrides=over,
@@ -170,8 +156,7 @@ def compare_mixers(
             out_dir=str(Path(out_dir) / mixer),
             overwrite=True,
         )
-        torch.manual_seed(cfg.seed)
-        model = build_model(run.model_config(vocab_size=vocab))
+        model = build_model(model_cfg, seed=cfg.seed)
         start = time.perf_counter()
         trainer = Trainer(
             model, run, data=data, val_data=val_data, callbacks=list(callbacks), name=NAMES[mixer]
@@ -183,7 +168,7 @@ def compare_mixers(
             {
                 "model": NAMES[mixer],
                 "mixer": mixer,
-                "d_state": model.config.d_state,
+                "d_state": model_cfg.mixer_cfg(mixer).d_state,
                 "params": size["params"],
                 "non_embedding": size["non_embedding"],
                 "val_loss": summary["val_loss"],

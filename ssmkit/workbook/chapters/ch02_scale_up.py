@@ -366,7 +366,7 @@ def _kernel_backend(cfg) -> str:
         return "torch"
     model = cfg.model_config()
     ops = {
-        "mamba3_mimo" if m == "mamba3" and model.is_mimo else _SCAN_OPS[m]
+        "mamba3_mimo" if m == "mamba3" and model.mamba3.is_mimo else _SCAN_OPS[m]
         for m in model.mixers
         if m in _SCAN_OPS
     }

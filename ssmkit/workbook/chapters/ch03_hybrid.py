@@ -21,12 +21,12 @@ sliding-window attention, T a Transformer block (attention + MLP, transformers' 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 
 from ... import checks
 from ...models import SSM_MIXERS, build_model
+from ...models.config import GROUP_FIELDS
 from ...train import train_on_task
 from ..cells import pick_device, rounded
 from ..params import (
@@ -214,8 +214,9 @@ def hybrid_config(
 ):
     """``cfg`` (a :class:`~ssmkit.train.TrainConfig`) with its model made a Jamba-style hybrid: layer i is
     attention when ``i % attn_every == attn_offset`` (default offset ``attn_every // 2``, Jamba's 4 of 8),
-    the others the SSM ``mixer`` (default: the run config's; another one gets its own default state size, and
-    "mamba2" / "mamba3" heads of 64 channels, fewer when ``d_inner`` is narrower).
+    the others the SSM ``mixer`` (default: the run config's; another one by
+    :meth:`ssmkit.ModelConfig.with_mixer`'s rule, the one notebook 01 compares mixers with: its own
+    state size, heads and chunk for that width, unless ``model_overrides`` gives them).
 
     ``attn_every=0``: no attention (the pure SSM); ``1``: every layer (a pure attention stack, which then
     gets rotary positions on every head dimension, since no SSM layer gives it order; Jamba's attention
@@ -225,12 +226,11 @@ def hybrid_config(
     over = {**cfg.model_overrides, **_CLEARED, **model_overrides}
     if mixer is not None:
         base = dataclasses.replace(cfg, model_overrides=over).model_config(vocab_size=256)
-        if base.mixer != mixer:  # another SSM: its own defaults, unless given
-            over["mixer"] = mixer
-            if "d_state" not in model_overrides:
-                over["d_state"] = None
-            if mixer in ("mamba2", "mamba3") and "headdim" not in model_overrides:
-                over["headdim"] = math.gcd(base.d_inner, 64)  # 64, or what divides a narrow d_inner
+        if base.mixer != mixer:
+            group = base.with_mixer(mixer).mixer_cfg(mixer).to_dict()
+            # the old mixer's knobs given flat go; the caller's own (flat or grouped) win
+            over = {k: v for k, v in over.items() if k not in GROUP_FIELDS or k in model_overrides}
+            over.update(mixer=mixer, **{mixer: {**group, **(model_overrides.get(mixer) or {})}})
     if attn_every == 0:
         over.update(attn_every=0, attn_offset=0, attn_cfg=None)
     else:
@@ -390,9 +390,8 @@ def mixer_comparison(
     """The same hybrid (``attn_every``) with each of ``mixers`` around the attention (default Mamba-1 and
     Mamba-2; add "mamba3" for Mamba-3), one :func:`ratio_sweep` row each, in that order; a row of ``rows``
     with that mixer and ``attn_every`` (a sweep run with the same arguments) is reused instead of trained
-    again. Each mixer keeps its own default state size (Mamba-1 16, Mamba-2 and Mamba-3 128); their chunk
-    is 64 unless ``chunk_size`` is given (the result is the same for any chunk; a 256 chunk pads short
-    sequences)."""
+    again. Each mixer's layers are sized by :meth:`ssmkit.ModelConfig.with_mixer` (its own state size,
+    heads and a chunk of 64 at that width; ``sweep``'s model fields win)."""
     unknown = [m for m in mixers if m not in SSM_MIXERS]
     if unknown or not mixers:
         raise ValueError(
@@ -402,11 +401,10 @@ def mixer_comparison(
     out = []
     for mixer in mixers:
         done = [r for r in rows if r["attn_every"] == attn_every and r.get("mixer") == mixer]
-        extra = {"chunk_size": 64} if mixer != "mamba1" and "chunk_size" not in sweep else {}
         out.append(
             dict(done[0])
             if done
-            else ratio_sweep(cfg, task, attn_every=(attn_every,), mixer=mixer, **extra, **sweep)[0]
+            else ratio_sweep(cfg, task, attn_every=(attn_every,), mixer=mixer, **sweep)[0]
         )
     return out
 

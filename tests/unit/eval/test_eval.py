@@ -219,14 +219,17 @@ def test_flops_per_token_closed_forms():
     cfg = ssmkit.ModelConfig.preset("tiny", vocab_size=257)
     model = ssmkit.build_model(cfg)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
-    assert ev.flops_per_token(model, 128) == 6 * linear + cfg.n_layer * 3 * 9 * cfg.d_inner * cfg.d_state
+    m = cfg.mamba1
+    scan = cfg.n_layer * 3 * 9 * m.d_inner(cfg.d_model) * m.d_state
+    assert ev.flops_per_token(model, 128) == 6 * linear + scan
     cfg2 = ssmkit.ModelConfig(d_model=64, n_layer=2, vocab_size=257, mixer="mamba2", headdim=16, d_state=16,
                               chunk_size=32)
     model2 = ssmkit.build_model(cfg2)
     linear2 = sum(m.weight.numel() for m in model2.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
+    g2 = cfg2.mamba2
     for seq_len, q in ((128, 32), (8, 8)):                     # the chunk is min(chunk_size, seq_len)
-        ssd = (2 * q * cfg2.d_state * cfg2.ngroups                                  # C·Bᵀ per group
-               + cfg2.nheads * (2 * q * cfg2.headdim + 4 * cfg2.d_state * cfg2.headdim))   # mask·X, states
+        ssd = (2 * q * g2.d_state * g2.ngroups                                  # C·Bᵀ per group
+               + g2.nheads(64) * (2 * q * g2.headdim + 4 * g2.d_state * g2.headdim))  # mask·X, h
         assert ev.flops_per_token(model2, seq_len) == 6 * linear2 + cfg2.n_layer * 3 * ssd
     # a hybrid: attention layers cost 12 · H·d · keys (a sliding window caps the keys), Mamba layers as above
     cfg3 = ssmkit.ModelConfig(d_model=64, n_layer=4, vocab_size=257,
@@ -234,7 +237,7 @@ def test_flops_per_token_closed_forms():
                               attn_cfg=dict(num_heads=2, head_dim=16, window_size=32))
     model3 = ssmkit.build_model(cfg3)
     linear3 = sum(m.weight.numel() for m in model3.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
-    s6 = 3 * 9 * cfg3.d_inner * cfg3.d_state
+    s6 = 3 * 9 * cfg3.mamba1.d_inner(64) * cfg3.mamba1.d_state
     assert ev.flops_per_token(model3, 128) == 6 * linear3 + 2 * s6 + 12 * 32 * 128 + 12 * 32 * 32
 
 

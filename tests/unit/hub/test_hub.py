@@ -70,7 +70,7 @@ def test_falcon_mamba_round_trip_and_no_mamba_ssm_layout(tmp_path):
     hf = perturb_(HF_CASES["falcon-mamba"](), 6).eval()
     hf.save_pretrained(tmp_path / "src")
     model = ssmkit.from_pretrained(tmp_path / "src")
-    assert model.config.mixer_rms_eps == 1e-5
+    assert model.config.mamba1.mixer_rms_eps == 1e-5
     model.save_pretrained(tmp_path / "dst")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
     assert type(back).__name__ == "FalconMambaForCausalLM"

@@ -206,7 +206,7 @@ def test_jamba_loads_and_saves_with_transformers_logits(tmp_path, name):
     model = ssmkit.from_pretrained(tmp_path / "hf").eval()
     kinds = {"attention": "attn", "mamba": "mamba1"}
     assert model.config.mixers == [kinds[t] for t in hf.config.layers_block_type]
-    assert not model.config.residual_in_fp32 and model.config.mixer_rms_weights
+    assert not model.config.residual_in_fp32 and model.config.mamba1.mixer_rms_weights
     ids = torch.randint(0, 100, (2, 13))
     ids[:, 2] = 0                                    # pad_token_id: its embedding row is read as any other
     with torch.no_grad():

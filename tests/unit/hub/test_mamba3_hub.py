@@ -96,8 +96,9 @@ def write_mamba3_checkpoint(folder, ssm_cfg: dict, d_intermediate: int = 0) -> d
 def test_mamba_ssm_checkpoint_loads_with_its_defaults(tmp_path, ssm_cfg, d_intermediate):
     state = write_mamba3_checkpoint(tmp_path / "ms", ssm_cfg, d_intermediate)
     model = ssmkit.from_pretrained(tmp_path / "ms")
-    cfg = model.config
-    assert cfg.mixers == ["mamba3", "mamba3"] and cfg.d_intermediate == d_intermediate
+    assert model.config.mixers == ["mamba3", "mamba3"]
+    assert model.config.d_intermediate == d_intermediate
+    cfg = model.config.mamba3
     # what the file leaves out takes mamba_ssm's Mamba3 defaults
     assert cfg.chunk_size == ssm_cfg.get("chunk_size", 64)
     assert cfg.rope_fraction == ssm_cfg.get("rope_fraction", 0.5)
@@ -116,7 +117,7 @@ def test_defaults_of_a_bare_mamba3_config(tmp_path):
                                                     "ssm_cfg": {"layer": "Mamba3"}}))
     from ssmkit.hub import config_from_mamba_ssm
 
-    cfg = config_from_mamba_ssm(json.loads((folder / "config.json").read_text()))
+    cfg = config_from_mamba_ssm(json.loads((folder / "config.json").read_text())).mamba3
     got = (cfg.d_state, cfg.headdim, cfg.ngroups, cfg.chunk_size, cfg.rope_fraction, cfg.is_mimo,
            cfg.mimo_rank, cfg.is_outproj_norm, cfg.dt_init_floor)
     assert got == (128, 64, 1, 64, 0.5, False, 4, False, 1e-4)

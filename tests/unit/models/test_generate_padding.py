@@ -8,6 +8,7 @@ and Mamba-2. The control shows the test can fail: without the mask the padding c
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -168,19 +169,29 @@ def test_forward_does_not_read_ids_under_torch_compile(monkeypatch):
 # --- 8. ModelConfig float fields ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("A_init_range", (0.0, 16.0)), ("A_init_range", (-1.0, 16.0)), ("A_init_range", (16.0, 1.0)),
-    ("A_init_range", (1.0, math.nan)), ("A_init_range", (1.0,)), ("A_init_range", (1.0, math.inf)),
-    ("dt_min", 0.0), ("dt_min", -0.001), ("dt_min", "0.001"), ("dt_max", 1e-5),
-    ("dt_init_floor", 0.0), ("norm_epsilon", 0.0), ("norm_epsilon", -1e-5), ("norm_epsilon", math.nan),
-    ("dt_limit", (-0.1, 1.0)), ("dt_limit", (0.5, 0.1)), ("dt_limit", (math.nan, 1.0)),
-    ("mixer_rms_eps", 0.0), ("dt_scale", -1.0), ("initializer_range", math.inf),
-    ("d_model", True), ("tie_embeddings", "yes"), ("dt_rank", 0),
+    ("mamba2.A_init_range", (0.0, 16.0)), ("mamba2.A_init_range", (-1.0, 16.0)),
+    ("mamba2.A_init_range", (16.0, 1.0)), ("mamba2.A_init_range", (1.0, math.nan)),
+    ("mamba2.A_init_range", (1.0,)), ("mamba2.A_init_range", (1.0, math.inf)),
+    ("mamba2.dt_min", 0.0), ("mamba2.dt_min", -0.001), ("mamba2.dt_min", "0.001"),
+    ("mamba2.dt_max", 1e-5), ("mamba2.dt_init_floor", 0.0), ("norm_epsilon", 0.0),
+    ("norm_epsilon", -1e-5), ("norm_epsilon", math.nan), ("mamba2.dt_limit", (-0.1, 1.0)),
+    ("mamba2.dt_limit", (0.5, 0.1)), ("mamba2.dt_limit", (math.nan, 1.0)),
+    ("mamba1.mixer_rms_eps", 0.0), ("mamba1.dt_scale", -1.0), ("initializer_range", math.inf),
+    ("d_model", True), ("tie_embeddings", "yes"), ("mamba1.dt_rank", 0), ("mamba3.A_floor", 0.0),
 ])
 def test_config_fields_outside_their_range_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"^{field} must be") as info:
-        ModelConfig(**{**dict(d_model=32, n_layer=1, vocab_size=10, mixer="mamba2", headdim=16),
-                       field: value})
-    assert "\n" not in str(info.value)
+    """Each error names the field, a mixer's as its group's path; the short form (the field given
+    flat) names the same path when the model's mixer takes it."""
+    group, _, name = field.rpartition(".")
+    mixer = group or "mamba2"
+    heads = {"headdim": 16} if mixer != "mamba1" else {}
+    grouped = {mixer: {**heads, **({name: value} if group else {})}}
+    base = dict(d_model=32, n_layer=1, vocab_size=10, mixer=mixer)
+    for kwargs in ({**base, **grouped, **({} if group else {field: value})},
+                   {**base, **heads, name: value}):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)} must be") as info:
+            ModelConfig(**kwargs)
+        assert "\n" not in str(info.value)
 
 
 def test_config_boundary_values_give_finite_logits():
@@ -194,6 +205,6 @@ def test_config_boundary_values_give_finite_logits():
         model = ssmkit.build_model(cfg)
         assert torch.isfinite(model(torch.randint(0, 10, (2, 9))).logits).all(), kwargs
     cfg = ModelConfig(d_model=32, n_layer=2, vocab_size=10, mixer="mamba2", headdim=16)
-    cfg.A_init_range = (-2.0, -1.0)              # what the check refuses, slipped past it: NaN logits
+    cfg.mamba2.A_init_range = (-2.0, -1.0)       # what the check refuses, slipped past it: NaN
     torch.manual_seed(0)
     assert torch.isnan(ssmkit.build_model(cfg)(torch.randint(0, 10, (2, 9))).logits).any()

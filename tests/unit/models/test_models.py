@@ -21,19 +21,23 @@ ATOL = 1e-4  # fp32, max abs difference against transformers
 
 
 def hf_mamba1_config(cfg: ModelConfig) -> MambaConfig:
-    return MambaConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model, state_size=cfg.d_state,
-                       num_hidden_layers=cfg.n_layer, expand=cfg.expand, conv_kernel=cfg.d_conv,
-                       time_step_rank=cfg.dt_rank_value, layer_norm_epsilon=cfg.norm_epsilon,
-                       use_bias=cfg.bias, use_conv_bias=cfg.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
+    m = cfg.mamba1
+    return MambaConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model,
+                       state_size=m.d_state, num_hidden_layers=cfg.n_layer, expand=m.expand,
+                       conv_kernel=m.d_conv, time_step_rank=m.dt_rank_value(cfg.d_model),
+                       layer_norm_epsilon=cfg.norm_epsilon, use_bias=m.bias,
+                       use_conv_bias=m.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
                        residual_in_fp32=cfg.residual_in_fp32, use_associative_scan=False)
 
 
 def hf_mamba2_config(cfg: ModelConfig) -> Mamba2Config:
-    return Mamba2Config(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model, state_size=cfg.d_state,
-                        num_hidden_layers=cfg.n_layer, expand=cfg.expand, conv_kernel=cfg.d_conv,
-                        head_dim=cfg.headdim, num_heads=cfg.nheads, n_groups=cfg.ngroups,
-                        chunk_size=cfg.chunk_size, layer_norm_epsilon=cfg.norm_epsilon, use_bias=cfg.bias,
-                        use_conv_bias=cfg.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
+    m = cfg.mamba2
+    return Mamba2Config(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model,
+                        state_size=m.d_state, num_hidden_layers=cfg.n_layer, expand=m.expand,
+                        conv_kernel=m.d_conv, head_dim=m.headdim, num_heads=m.nheads(cfg.d_model),
+                        n_groups=m.ngroups, chunk_size=m.chunk_size,
+                        layer_norm_epsilon=cfg.norm_epsilon, use_bias=m.bias,
+                        use_conv_bias=m.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
                         residual_in_fp32=cfg.residual_in_fp32)
 
 
@@ -67,7 +71,7 @@ TWINS = {"mamba1": (Mamba1, MambaMixer, hf_mamba1_config), "mamba2": (Mamba2, Ma
 def test_mixer_matches_transformers(mixer, case, seqlen):
     ours_cls, theirs_cls, hf_config = TWINS[mixer]
     cfg = ModelConfig(n_layer=1, vocab_size=64, mixer=mixer, **case)
-    ours = ours_cls(cfg)
+    ours = ours_cls(cfg.d_model, cfg.mixer_cfg())
     perturb_(ours, 0)
     theirs = theirs_cls(hf_config(cfg), layer_idx=0).eval()
     theirs.load_state_dict(ours.state_dict())                     # same names, strict
@@ -192,7 +196,8 @@ def test_nucleus_keeps_smallest_set_reaching_p():
 
 def test_padded_vocab_and_parameter_names_follow_mamba_ssm():
     cfg = ModelConfig.preset("mamba-130m")
-    assert (cfg.d_model, cfg.n_layer, cfg.d_state, cfg.padded_vocab_size) == (768, 24, 16, 50280)
+    assert (cfg.d_model, cfg.n_layer, cfg.mamba1.d_state) == (768, 24, 16)
+    assert cfg.padded_vocab_size == 50280
     assert ModelConfig.preset("mamba2-130m").padded_vocab_size == 50288
     model = ssmkit.build_model(ModelConfig(d_model=16, n_layer=1, vocab_size=10))
     names = set(model.state_dict())
@@ -223,7 +228,7 @@ def test_initialisation_follows_mamba_ssm():
     torch.manual_seed(0)
     mixer = ssmkit.build_model(cfg).backbone.layers[0].mixer
     dt = torch.nn.functional.softplus(mixer.dt_proj.bias)
-    assert dt.min() >= cfg.dt_min * 0.999 and dt.max() <= cfg.dt_max * 1.001
+    assert dt.min() >= cfg.mamba1.dt_min * 0.999 and dt.max() <= cfg.mamba1.dt_max * 1.001
     torch.testing.assert_close(mixer.A_log.exp()[0], torch.arange(1, 17, dtype=torch.float32))  # S4D-real
     assert torch.equal(mixer.D, torch.ones(128))
     bound = 1 / 128 ** 0.5 / cfg.n_layer ** 0.5                    # kaiming_uniform(a=√5) / √n_layer

@@ -115,7 +115,9 @@ def test_flops_per_token():
     cfg = model.config
     linear = sum(m.weight.numel() for m in model.modules()
                  if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
-    assert flops_per_token(model, 128) == 6 * linear + cfg.n_layer * 3 * 9 * cfg.d_inner * cfg.d_state
+    m = cfg.mamba1
+    scan = cfg.n_layer * 3 * 9 * m.d_inner(cfg.d_model) * m.d_state
+    assert flops_per_token(model, 128) == 6 * linear + scan
 
 
 # --- the loop -----------------------------------------------------------------------------------

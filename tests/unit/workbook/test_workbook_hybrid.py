@@ -89,9 +89,8 @@ def test_mamba3_is_a_state_space_layer_everywhere(cfg):
     )
     m3 = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba3", d_model=16, n_layer=4).model_config(257)
     assert ch03_hybrid.layer_pattern(m3) == "M3 M3 A M3"
-    assert (
-        m3.d_state == 128 and m3.d_inner % m3.headdim == 0
-    )  # Mamba-3's state; heads fit d_inner 32
+    g3 = m3.mamba3                                   # with_mixer's sizes for d_inner 32: N 64, P 32
+    assert (g3.d_state, g3.headdim, g3.chunk_size) == (64, 32, 64)
     model = build_model(m3)
     split = ch03_hybrid.parameter_split(model)
     mixers = [layer.mixer for layer in model.backbone.layers]
@@ -117,13 +116,18 @@ def test_mamba3_is_a_state_space_layer_everywhere(cfg):
 def test_hybrid_config_swaps_the_ssm_with_its_own_defaults(cfg):
     m2 = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba2", d_model=16, n_layer=4).model_config(257)
     assert ch03_hybrid.layer_pattern(m2) == "M2 M2 A M2"
-    assert (
-        m2.d_state == 128 and m2.d_inner % m2.headdim == 0
-    )  # Mamba-2's state; heads fit d_inner 32
+    g2 = m2.mamba2
+    assert (g2.d_state, g2.headdim, g2.chunk_size) == (64, 32, 64)
+    same_shape = ch03_hybrid.hybrid_config(cfg, 4, d_model=16, n_layer=4).model_config(257)
+    assert g2 == same_shape.with_mixer("mamba2").mamba2          # one rule: ModelConfig.with_mixer's
     back = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba1", d_model=16, n_layer=4).model_config(
         257
     )
-    assert back.d_state == 16 and ch03_hybrid.layer_pattern(back) == "M M A M"
+    assert back.mamba1.d_state == 16 and ch03_hybrid.layer_pattern(back) == "M M A M"
+    given = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba2", d_model=16, n_layer=4, d_state=8)
+    assert given.model_config(257).mamba2.d_state == 8                      # the caller's own knob wins
+    odd = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba2", d_model=24, n_layer=4).model_config(257)
+    assert odd.mamba2.headdim == 16                                          # divides d_inner 48
 
 
 def test_parameter_split_adds_up():
