@@ -31,7 +31,8 @@ run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defau
 test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
-lint: $(STAMP)           ## ruff (rules in pyproject.toml): pyflakes, line length 110, import order, pyupgrade
+lint: $(STAMP)           ## ruff (rules in pyproject.toml): the format, pyflakes, line length 100, import order, pyupgrade
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Python)

@@ -40,8 +40,12 @@ print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_mb": peak_memory_m
 
 
 def run(which, workers):
-    out = subprocess.run([sys.executable, "-c", CHILD, which, str(workers)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, which, str(workers)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -52,18 +56,32 @@ def main():
     args = p.parse_args()
     results = {"ssmkit": [], "datasets": []}
     for r in range(args.repeat):
-        for which in (("ssmkit", "datasets") if r % 2 == 0 else ("datasets", "ssmkit")):
+        for which in ("ssmkit", "datasets") if r % 2 == 0 else ("datasets", "ssmkit"):
             results[which].append(run(which, args.workers))
     summary = {}
     for which, runs in results.items():
         tps = statistics.median(x["tokens"] / x["seconds"] for x in runs)
-        summary[which] = {"tokens": runs[0]["tokens"], "tokens_per_s": tps,
-                          "peak_mb": statistics.median(x["peak_mb"] for x in runs)}
-        print(f"{which:<10} {runs[0]['tokens']:>10,} tokens  {tps:>12,.0f} tokens/s  "
-              f"peak {summary[which]['peak_mb']:.0f} MB")
+        summary[which] = {
+            "tokens": runs[0]["tokens"],
+            "tokens_per_s": tps,
+            "peak_mb": statistics.median(x["peak_mb"] for x in runs),
+        }
+        print(
+            f"{which:<10} {runs[0]['tokens']:>10,} tokens  {tps:>12,.0f} tokens/s  "
+            f"peak {summary[which]['peak_mb']:.0f} MB"
+        )
     ratio = summary["ssmkit"]["tokens_per_s"] / summary["datasets"]["tokens_per_s"]
-    print(json.dumps({"workers": args.workers, "ssmkit_vs_datasets_map": ratio, "target": 1.0,
-                      "target_met": ratio >= 1.0, **{k: v for k, v in summary.items()}}))
+    print(
+        json.dumps(
+            {
+                "workers": args.workers,
+                "ssmkit_vs_datasets_map": ratio,
+                "target": 1.0,
+                "target_met": ratio >= 1.0,
+                **{k: v for k, v in summary.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

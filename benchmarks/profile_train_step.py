@@ -1,12 +1,14 @@
-"""Where one CPU training step of a benchmark model spends its time: torch.profiler's top ops, page faults.
+"""Where one CPU training step of a benchmark model spends its time: torch.profiler's top ops, page
+faults.
 
 The models and the step are benchmarks/train_step_cpu.py's (same configs, same names, including the
-``*_compiled`` and ``*_noscan`` rows). Prints the step time (median of --steps), minor / major page faults
-per step (getrusage), torch's thread count, then the ops sorted by their own CPU time over --profile-steps
-steps, and last one JSON line with the step time and the top ops' shares.
+``*_compiled`` and ``*_noscan`` rows). Prints the step time (median of --steps), minor / major page
+faults per step (getrusage), torch's thread count, then the ops sorted by their own CPU time over
+--profile-steps steps, and last one JSON line with the step time and the top ops' shares.
 
 Run:  .venv/bin/python benchmarks/profile_train_step.py ssmkit_mamba1 [--seq-len 256] [--rows 20]
 """
+
 import argparse
 import json
 import os
@@ -41,7 +43,9 @@ def main():
     llama_ffn = bench.llama_ffn_size(c, bench.n_params(bench.build("ssmkit_mamba1", c)))
     model = bench.build(args.model, c, llama_ffn).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, c["vocab"], (c["batch"], c["seqlen"]), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, c["vocab"], (c["batch"], c["seqlen"]), generator=torch.Generator().manual_seed(0)
+    )
     with bench.scan_mode(args.model):
         for _ in range(2):
             bench.train_step(model, opt, ids)
@@ -55,18 +59,32 @@ def main():
             for _ in range(args.profile_steps):
                 bench.train_step(model, opt, ids)
     step = statistics.median(times)
-    minflt, majflt = ((after.ru_minflt - before.ru_minflt) / args.steps,
-                      (after.ru_majflt - before.ru_majflt) / args.steps)
-    print(f"{args.model}, {args.config} config, batch {c['batch']} x {c['seqlen']}: step {step * 1e3:.1f} ms "
-          f"({c['batch'] * c['seqlen'] / step:,.0f} tokens/s), page faults per step {minflt:,.0f} minor / "
-          f"{majflt:,.0f} major, {torch.get_num_threads()} threads")
+    minflt, majflt = (
+        (after.ru_minflt - before.ru_minflt) / args.steps,
+        (after.ru_majflt - before.ru_majflt) / args.steps,
+    )
+    print(
+        f"{args.model}, {args.config} config, batch {c['batch']} x {c['seqlen']}: step {step * 1e3:.1f} ms "
+        f"({c['batch'] * c['seqlen'] / step:,.0f} tokens/s), page faults per step {minflt:,.0f} minor / "
+        f"{majflt:,.0f} major, {torch.get_num_threads()} threads"
+    )
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     total = sum(e.self_cpu_time_total for e in events) or 1.0
-    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.rows]
-    print(json.dumps({"model": args.model, "batch": c["batch"], "seqlen": c["seqlen"], "step_ms": step * 1e3,
-                      "minor_faults_per_step": minflt, "threads": torch.get_num_threads(),
-                      "top_self_cpu_share": {e.key: round(e.self_cpu_time_total / total, 4) for e in top}}))
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.rows]
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "batch": c["batch"],
+                "seqlen": c["seqlen"],
+                "step_ms": step * 1e3,
+                "minor_faults_per_step": minflt,
+                "threads": torch.get_num_threads(),
+                "top_self_cpu_share": {e.key: round(e.self_cpu_time_total / total, 4) for e in top},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-if importlib.util.find_spec("ssmkit") is None:   # a bare GPU image: the checkout, nothing installed
+if importlib.util.find_spec("ssmkit") is None:  # a bare GPU image: the checkout, nothing installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_check import main  # noqa: E402  (scripts/gpu_check/: this file's folder is on sys.path)

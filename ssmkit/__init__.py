@@ -1,4 +1,5 @@
-"""ssmkit: train state-space language models (Mamba-1, -2, -3, hybrids) from scratch and fine-tune them.
+"""ssmkit: train state-space language models (Mamba-1, -2, -3, hybrids) from scratch and fine-tune
+them.
 
     import ssmkit
     cfg = ssmkit.ModelConfig.preset("tiny")
@@ -6,19 +7,29 @@
     out = model(input_ids, labels=input_ids)      # out.logits, out.loss
     ids = ssmkit.generate(model, input_ids, max_new_tokens=64)
     print(ssmkit.env_report())
-    model = ssmkit.from_pretrained("state-spaces/mamba-130m-hf")   # or a local HF / mamba_ssm directory
+    model = ssmkit.from_pretrained("state-spaces/mamba-130m-hf")   # or a local HF /
+                                                                   # mamba_ssm directory
     model.save_pretrained("out", format="hf")                      # or "mamba_ssm"
-    lora = ssmkit.finetune.apply_lora(model)                       # peft LoRA, the plan's LoraConfig
+    lora = ssmkit.finetune.apply_lora(model)                       # peft LoRA, the
+                                                                   # plan's LoraConfig
 
-The layers, low to high (each imports only lower ones; tests/unit/test_layers.py keeps it so): ``io``,
-``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` < ``plots`` <
-``train`` < ``workbook``, ``demo`` < ``cli``. All are attributes of this package: the light ones are imported
-with it, the heavy ones (``eval``, ``finetune``, ``plots``, ``train``, ``workbook``, ``demo``, ``cli``:
-peft, matplotlib, papermill, torch.distributed) on first use, so ``import ssmkit`` stays quick and
-``ssmkit.train.Trainer`` still works.
+The layers, low to high (each imports only lower ones; tests/unit/test_layers.py keeps it so):
+``io``, ``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` <
+``plots`` < ``train`` < ``workbook``, ``demo`` < ``cli``. All are attributes of this package: the
+light ones are imported with it, the heavy ones (``eval``, ``finetune``, ``plots``, ``train``,
+``workbook``, ``demo``, ``cli``: peft, matplotlib, papermill, torch.distributed) on first use, so
+``import ssmkit`` stays quick and ``ssmkit.train.Trainer`` still works.
 """
 
-from . import checks, data, env, hub, io, models, ops  # hub also gives MambaLM its save_pretrained method
+from . import (
+    checks,
+    data,
+    env,
+    hub,
+    io,
+    models,
+    ops,
+)  # hub also gives MambaLM its save_pretrained method
 from .env import env_report
 from .hub import CheckpointError, from_pretrained
 from .models import InferenceCache, LMOutput, MambaLM, ModelConfig, build_model, generate, presets
@@ -29,16 +40,35 @@ __version__ = "0.1.0"
 _LAZY = ("cli", "demo", "eval", "finetune", "plots", "train", "workbook")
 
 # `from ssmkit import *` takes the eager names only (the lazy ones would import heavy dependencies).
-__all__ = ["checks", "data", "env", "hub", "io", "models", "ops", "env_report", "CheckpointError",
-           "from_pretrained", "InferenceCache", "LMOutput", "MambaLM", "ModelConfig", "build_model",
-           "generate", "presets", "__version__"]
+__all__ = [
+    "checks",
+    "data",
+    "env",
+    "hub",
+    "io",
+    "models",
+    "ops",
+    "env_report",
+    "CheckpointError",
+    "from_pretrained",
+    "InferenceCache",
+    "LMOutput",
+    "MambaLM",
+    "ModelConfig",
+    "build_model",
+    "generate",
+    "presets",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")   # also sets it as this package's attribute
+        return importlib.import_module(
+            f"{__name__}.{name}"
+        )  # also sets it as this package's attribute
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

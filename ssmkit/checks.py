@@ -1,9 +1,10 @@
-"""Checks at the door: one validator per kind of value, and one grammar for values typed on a command line.
+"""Checks at the door: one validator per kind of value, and one grammar for values typed on a
+command line.
 
-Every entry point that takes a user's value (TrainConfig, ModelConfig, notebook parameters, the CLIs,
-``prepare``, ``generate``) checks it here, so a mistake gets the same one-line message wherever it is
-made, and ``True`` is never taken for the integer 1. Like :mod:`ssmkit.io`, this module imports
-nothing of ssmkit: every layer may use it.
+Every entry point that takes a user's value (TrainConfig, ModelConfig, notebook parameters, the
+CLIs, ``prepare``, ``generate``) checks it here, so a mistake gets the same one-line message
+wherever it is made, and ``True`` is never taken for the integer 1. Like :mod:`ssmkit.io`, this
+module imports nothing of ssmkit: every layer may use it.
 
     integer(5e8, "max_tokens", whole_floats=True)  -> 500000000   (YAML writes budgets as 5e8)
     integer(True, "seed", minimum=0)        -> ValueError: seed must be an integer >= 0; got True
@@ -31,29 +32,54 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def integer(value, name: str, minimum: int | None = None, maximum: int | None = None, *,
-            whole_floats: bool = False, none_ok: bool = False) -> int | None:
-    """``value`` as an int (numpy ints too; never a bool). ``whole_floats``: also a float with an integer
-    value, as YAML writes token budgets (``5e8``). ``none_ok``: None passes through."""
+def integer(
+    value,
+    name: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    whole_floats: bool = False,
+    none_ok: bool = False,
+) -> int | None:
+    """``value`` as an int (numpy ints too; never a bool). ``whole_floats``: also a float with an
+    integer value, as YAML writes token budgets (``5e8``). ``none_ok``: None passes through."""
     if value is None and none_ok:
         return None
-    if whole_floats and is_number(value) and not is_integer(value) and math.isfinite(value) \
-            and float(value).is_integer():
+    if (
+        whole_floats
+        and is_number(value)
+        and not is_integer(value)
+        and math.isfinite(value)
+        and float(value).is_integer()
+    ):
         value = int(value)
-    if not (is_integer(value) and (minimum is None or value >= minimum)
-            and (maximum is None or value <= maximum)):
+    if not (
+        is_integer(value)
+        and (minimum is None or value >= minimum)
+        and (maximum is None or value <= maximum)
+    ):
         if maximum is None:
-            what = "a positive integer" if minimum == 1 else "an integer" if minimum is None else \
-                f"an integer >= {minimum}"
+            what = (
+                "a positive integer"
+                if minimum == 1
+                else "an integer"
+                if minimum is None
+                else f"an integer >= {minimum}"
+            )
         else:
-            what = f"an integer <= {maximum}" if minimum is None else f"an integer in [{minimum}, {maximum}]"
+            what = (
+                f"an integer <= {maximum}"
+                if minimum is None
+                else f"an integer in [{minimum}, {maximum}]"
+            )
         raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}; got {value!r}")
     return int(value)
 
 
 def integers(value, name: str, minimum: int | None = None, *, ascending: bool = False) -> list[int]:
-    """A non-empty list of integers (each as :func:`integer` with ``whole_floats``), or its text as a
-    command line writes it (``"[16, 64]"``); ``ascending``: strictly increasing (so also distinct)."""
+    """A non-empty list of integers (each as :func:`integer` with ``whole_floats``), or its text as
+    a command line writes it (``"[16, 64]"``); ``ascending``: strictly increasing (so also
+    distinct)."""
     parsed = parse_value(value) if isinstance(value, str) else value
     floor = f" >= {minimum}" if minimum is not None else ""
     try:
@@ -61,16 +87,25 @@ def integers(value, name: str, minimum: int | None = None, *, ascending: bool = 
             raise ValueError
         values = [integer(v, name, minimum=minimum, whole_floats=True) for v in parsed]
     except ValueError:
-        raise ValueError(f"{name} must be a non-empty list of integers{floor}, e.g. [16, 64]; "
-                         f"got {value!r}") from None
+        raise ValueError(
+            f"{name} must be a non-empty list of integers{floor}, e.g. [16, 64]; got {value!r}"
+        ) from None
     if ascending and values != sorted(set(values)):
         raise ValueError(f"{name} must be ascending and distinct; got {values}")
     return values
 
 
-def number(value, name: str, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False, finite: bool = True) -> float:
-    """``value`` as a float within [low, high] (``low_open``/``high_open``: strict); never a bool or NaN."""
+def number(
+    value,
+    name: str,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = True,
+) -> float:
+    """``value`` as a float within [low, high] (``low_open``/``high_open``: strict); never a bool or
+    NaN."""
     ok = is_number(value) and not math.isnan(value) and (not finite or math.isfinite(value))
     if ok and low is not None:
         ok = value > low if low_open else value >= low
@@ -82,8 +117,11 @@ def number(value, name: str, low: float | None = None, high: float | None = None
         if low is not None and high is not None:
             what = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         elif low is not None or high is not None:
-            what = f" {'>' if low_open else '>='} {low:g}" if low is not None else \
-                f" {'<' if high_open else '<='} {high:g}"
+            what = (
+                f" {'>' if low_open else '>='} {low:g}"
+                if low is not None
+                else f" {'<' if high_open else '<='} {high:g}"
+            )
         else:
             what = ""
         raise ValueError(f"{name} must be a number{what}; got {value!r}")
@@ -96,7 +134,8 @@ def probability(value, name: str, zero: bool = True, one: bool = True) -> float:
 
 
 def boolean(value, name: str) -> bool:
-    """True / False, or the words "true" / "false" in any case (what papermill and YAML hand over)."""
+    """True / False, or the words "true" / "false" in any case (what papermill and YAML hand
+    over)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -105,7 +144,8 @@ def boolean(value, name: str) -> bool:
 
 
 def choice(value, name: str, valid) -> str:
-    """One of ``valid`` (None stands for a choice spelled "none": the grammar reads ``none`` as null)."""
+    """One of ``valid`` (None stands for a choice spelled "none": the grammar reads ``none`` as
+    null)."""
     if value is None and "none" in tuple(valid):
         return "none"
     if value not in tuple(valid):
@@ -121,11 +161,14 @@ def text(value, name: str) -> str:
 
 
 def device_name(value, name: str = "device") -> str:
-    """A device's spelling (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``); whether it exists here is
-    :func:`ssmkit.env.pick_device`'s question."""
+    """A device's spelling (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``); whether it exists
+    here is :func:`ssmkit.env.pick_device`'s question."""
     kind, _, index = value.partition(":") if isinstance(value, str) else ("", "", "")
-    if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())) or \
-            (value.endswith(":") if isinstance(value, str) else True):
+    if (
+        kind not in ("auto", "cpu", "cuda", "mps")
+        or (index and (kind != "cuda" or not index.isdigit()))
+        or (value.endswith(":") if isinstance(value, str) else True)
+    ):
         raise ValueError(f"{name}={value!r} is not valid; valid: {DEVICES}")
     return value
 
@@ -134,7 +177,8 @@ _LOADER = None
 
 
 def _loader():
-    """PyYAML's SafeLoader with the grammar above: 1e3 is a float, none is null, yes/no/on/off are words."""
+    """PyYAML's SafeLoader with the grammar above: 1e3 is a float, none is null, yes/no/on/off are
+    words."""
     global _LOADER
     if _LOADER is None:
         import yaml
@@ -144,15 +188,21 @@ def _loader():
 
         Loader.yaml_implicit_resolvers = {
             first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-        Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
-                                     re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                     list("tTfF"))
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                     re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"),
-                                     list("-+0123456789."))
-        Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:none|None|NONE)$"),
-                                     list("nN"))
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+        }
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:bool",
+            re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+            list("tTfF"),
+        )
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"),
+            list("-+0123456789."),
+        )
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:null", re.compile(r"^(?:none|None|NONE)$"), list("nN")
+        )
         _LOADER = Loader
     return _LOADER
 
@@ -160,16 +210,18 @@ def _loader():
 def load_yaml(text_value: str):
     """A YAML document read with ssmkit's grammar (config files, params files, command-line values):
     ``1e3`` / ``3e-3`` are floats (YAML 1.1 keeps them strings), ``none`` is null, and only
-    ``true``/``false`` are booleans (YAML 1.1 also reads yes/no/on/off as booleans). Raises yaml.YAMLError."""
+    ``true``/``false`` are booleans (YAML 1.1 also reads yes/no/on/off as booleans). Raises
+    yaml.YAMLError."""
     import yaml
 
     return yaml.load(text_value, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
 
 
 def parse_value(text_value: str):
-    """A value typed on a command line (``--set key=VALUE``, ``-p key VALUE``), read by :func:`load_yaml`:
-    ``3`` int, ``1e3`` float, ``true`` bool, ``none`` None, ``[1, 2]`` list, ``{a: 1}`` dict, ``"text"``
-    or anything that is not YAML a string; the empty string stays ``""``."""
+    """A value typed on a command line (``--set key=VALUE``, ``-p key VALUE``), read by
+    :func:`load_yaml`: ``3`` int, ``1e3`` float, ``true`` bool, ``none`` None, ``[1, 2]`` list,
+    ``{a: 1}`` dict, ``"text"`` or anything that is not YAML a string; the empty string stays
+    ``""``."""
     import yaml
 
     if text_value.strip() == "":
@@ -177,4 +229,4 @@ def parse_value(text_value: str):
     try:
         return load_yaml(text_value)
     except yaml.YAMLError:
-        return text_value                            # not YAML (e.g. "a: b: c"): the text itself
+        return text_value  # not YAML (e.g. "a: b: c"): the text itself

@@ -14,7 +14,8 @@ from .ops import compiled as _compiled
 
 def module_status(name: str) -> str:
     """What importing ``name`` gives: its version ("installed" if it has none), "not installed", or
-    "broken (<error>)": a CUDA extension built against another torch raises more than ImportError."""
+    "broken (<error>)": a CUDA extension built against another torch raises more than
+    ImportError."""
     import importlib.util
 
     if importlib.util.find_spec(name) is None:
@@ -37,32 +38,39 @@ def env_report() -> str:
     ]
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        lines.append(f"gpu          {props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                     f"bf16: {torch.cuda.is_bf16_supported()}")
+        lines.append(
+            f"gpu          {props.name}, {props.total_memory / 2**30:.1f} GiB, "
+            f"bf16: {torch.cuda.is_bf16_supported()}"
+        )
     else:
         lines.append("gpu          none (CUDA not available)")
     unchecked = "not checked (no CUDA)"
     lines.append(f"mamba_ssm    {module_status('mamba_ssm') if device == 'cuda' else unchecked}")
-    lines.append("causal_conv1d "
-                 f"{module_status('causal_conv1d') if device == 'cuda' else unchecked}")
-    lines.append(f"offline      hub: {'yes' if offline('hub') else 'no'}, "
-                 f"datasets: {'yes' if offline('datasets') else 'no'} (HF_HUB_OFFLINE, ...)")
+    lines.append(
+        f"causal_conv1d {module_status('causal_conv1d') if device == 'cuda' else unchecked}"
+    )
+    lines.append(
+        f"offline      hub: {'yes' if offline('hub') else 'no'}, "
+        f"datasets: {'yes' if offline('datasets') else 'no'} (HF_HUB_OFFLINE, ...)"
+    )
     forced = _backend.forced_backend()
     lines.append(f"SSMKIT_BACKEND {forced or 'unset (automatic)'}")
-    lines.append(f"compiled scans {'on' if _compiled.enabled() else 'off'} (the torch backend's S6 and SSD "
-                 "through torch.compile: ssmkit.ops.compile_scan / SSMKIT_COMPILE_SCAN)")
+    lines.append(
+        f"compiled scans {'on' if _compiled.enabled() else 'off'} (the torch backend's S6 and SSD "
+        "through torch.compile: ssmkit.ops.compile_scan / SSMKIT_COMPILE_SCAN)"
+    )
     lines.append(f"backends on {device}:")
     lines += [f"  {op:<24} {choice}" for op, choice in _backend.describe(device).items()]
     return "\n".join(lines)
 
 
 _LIBC = None
-_MALLOC_MODE: str | None = None        # glibc's own (None), "reuse" or "measure": the last one set
+_MALLOC_MODE: str | None = None  # glibc's own (None), "reuse" or "measure": the last one set
 
 
 def _mallopt(*settings: tuple[int, tuple[int, ...]]) -> bool:
-    """glibc's ``mallopt(param, value)`` for each ``(param, candidate values)``, taking the first value
-    glibc accepts; False without glibc (musl, macOS) or when a parameter takes none."""
+    """glibc's ``mallopt(param, value)`` for each ``(param, candidate values)``, taking the first
+    value glibc accepts; False without glibc (musl, macOS) or when a parameter takes none."""
     global _LIBC
     if not sys.platform.startswith("linux"):
         return False
@@ -73,24 +81,24 @@ def _mallopt(*settings: tuple[int, tuple[int, ...]]) -> bool:
         if _LIBC is None:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return all(any(_LIBC.mallopt(param, v) == 1 for v in values) for param, values in settings)
-    except (OSError, AttributeError, TypeError):   # not glibc: nothing to do
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to do
         return False
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def reuse_freed_memory() -> bool:
     """Keep freed CPU memory in the process instead of handing it back to the OS (glibc only).
 
-    glibc serves blocks above a threshold (at most 32 MiB by default) with ``mmap`` and returns
-    them with ``munmap`` when freed, so every training step maps its large activations (the
-    logits of a 50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in, which can take a
-    large share of a CPU step in the kernel (``benchmarks/profile_train_step.py`` counts the page faults
-    per step). Raising the mmap and trim thresholds lets freed blocks be reused. The price is memory the
-    process keeps: a higher peak RSS. Process-wide; applied again at every call, so it also ends
-    :func:`measure_freed_memory`. ``SSMKIT_REUSE_MEMORY=0`` turns it off (less memory, slower steps).
-    Returns whether it is in effect.
+    glibc serves blocks above a threshold (at most 32 MiB by default) with ``mmap`` and returns them
+    with ``munmap`` when freed, so every training step maps its large activations (the logits of a
+    50K vocabulary: 400 MB a micro-batch) afresh and page-faults them in, which can take a large
+    share of a CPU step in the kernel (``benchmarks/profile_train_step.py`` counts the page faults
+    per step). Raising the mmap and trim thresholds lets freed blocks be reused. The price is memory
+    the process keeps: a higher peak RSS. Process-wide; applied again at every call, so it also ends
+    :func:`measure_freed_memory`. ``SSMKIT_REUSE_MEMORY=0`` turns it off (less memory, slower
+    steps). Returns whether it is in effect.
     """
     import os
 
@@ -105,11 +113,12 @@ def reuse_freed_memory() -> bool:
 
 
 def measure_freed_memory(mmap_threshold: int = 128 * 1024) -> bool:
-    """The memory-measuring setting: every block above ``mmap_threshold`` bytes gets its own ``mmap``, so a
-    freed tensor leaves the resident set at once and RSS follows the live tensors (glibc otherwise raises
-    its threshold as large blocks are freed, after which they stay in the heap). The price is a page fault
-    for every page a large tensor touches: calls run slower than under :func:`reuse_freed_memory`.
-    Process-wide until that is called. Returns False without glibc."""
+    """The memory-measuring setting: every block above ``mmap_threshold`` bytes gets its own
+    ``mmap``, so a freed tensor leaves the resident set at once and RSS follows the live tensors
+    (glibc otherwise raises its threshold as large blocks are freed, after which they stay in the
+    heap). The price is a page fault for every page a large tensor touches: calls run slower than
+    under :func:`reuse_freed_memory`. Process-wide until that is called. Returns False without
+    glibc."""
     global _MALLOC_MODE
     if _mallopt((M_MMAP_THRESHOLD, (int(mmap_threshold),))):
         _MALLOC_MODE = "measure"
@@ -118,25 +127,31 @@ def measure_freed_memory(mmap_threshold: int = 128 * 1024) -> bool:
 
 
 def malloc_mode() -> str | None:
-    """The allocator setting last applied by this module: "reuse", "measure", or None (glibc's own)."""
+    """The allocator setting last applied by this module: "reuse", "measure", or None (glibc's
+    own)."""
     return _MALLOC_MODE
 
 
 # the variables that keep Hugging Face's libraries off the network, per library
-OFFLINE_VARIABLES = {"hub": ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
-                     "datasets": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+OFFLINE_VARIABLES = {
+    "hub": ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
+    "datasets": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+}
 
 
 def offline(library: str = "hub") -> bool:
     """Whether the user switched Hugging Face's ``library`` off the network: "hub" (models and
     tokenizers: ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``) or "datasets" (``HF_HUB_OFFLINE`` or
-    ``HF_DATASETS_OFFLINE``) set to 1 / true / yes / on. Says nothing about whether a network exists."""
+    ``HF_DATASETS_OFFLINE``) set to 1 / true / yes / on. Says nothing about whether a network
+    exists."""
     import os
 
     if library not in OFFLINE_VARIABLES:
         raise ValueError(f"library={library!r} is not valid; valid: {', '.join(OFFLINE_VARIABLES)}")
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in OFFLINE_VARIABLES[library])
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in OFFLINE_VARIABLES[library]
+    )
 
 
 def pick_device(device: str = "auto") -> str:
@@ -144,16 +159,20 @@ def pick_device(device: str = "auto") -> str:
 
     An explicit device that is not available raises ValueError saying what is.
     """
-    device_name(device)                                    # the spelling; whether it exists is checked here
+    device_name(device)  # the spelling; whether it exists is checked here
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     kind, _, index = device.partition(":")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available here "
-                         f"(torch {torch.__version__}); use device='auto' or 'cpu'")
+        raise ValueError(
+            f"device={device!r} requested but CUDA is not available here "
+            f"(torch {torch.__version__}); use device='auto' or 'cpu'"
+        )
     if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} GPU(s) visible")
     if kind == "mps" and not mps:
-        raise ValueError(f"device={device!r} requested but MPS is not available; use 'auto' or 'cpu'")
+        raise ValueError(
+            f"device={device!r} requested but MPS is not available; use 'auto' or 'cpu'"
+        )
     return device

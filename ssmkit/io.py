@@ -1,4 +1,5 @@
-"""The base layer: files written whole or not at all, checksums, the cache directory, locks, path checks.
+"""The base layer: files written whole or not at all, checksums, the cache directory, locks, path
+checks.
 
 Every other layer may import this module; it imports nothing of ssmkit. The rules it keeps (each
 one has a test that injects the fault):
@@ -35,18 +36,22 @@ from pathlib import Path
 LOCK_FILE = ".ssmkit.lock"
 
 
-# --- where ssmkit keeps its caches ------------------------------------------------------------------
+# --- where ssmkit keeps its caches ----------------------------------------------------------------
+
 
 def cache_dir() -> Path:
-    """``$SSMKIT_CACHE``, default ``~/.cache/ssmkit`` (tokenizers, prepared shards, verified checksums)."""
+    """``$SSMKIT_CACHE``, default ``~/.cache/ssmkit`` (tokenizers, prepared shards, verified
+    checksums)."""
     return Path(os.environ.get("SSMKIT_CACHE", Path.home() / ".cache" / "ssmkit"))
 
 
-# --- files and directories written whole ------------------------------------------------------------
+# --- files and directories written whole ----------------------------------------------------------
+
 
 def write_atomically(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` (str: UTF-8) to a temporary sibling, fsync, then rename over ``path``: readers see the
-    old file or the new one, never half of one. The temporary file is removed if writing fails (disk full)."""
+    """Write ``data`` (str: UTF-8) to a temporary sibling, fsync, then rename over ``path``: readers
+    see the old file or the new one, never half of one. The temporary file is removed if writing
+    fails (disk full)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -74,8 +79,10 @@ def read_json(path: str | os.PathLike, what: str = "file"):
     except FileNotFoundError:
         raise ValueError(f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"{what} {path} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
-                         "truncated") from None
+        raise ValueError(
+            f"{what} {path} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
+            "truncated"
+        ) from None
 
 
 def umask() -> int:
@@ -100,9 +107,9 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
 
 
 def build_dir_atomically(target: str | os.PathLike, write) -> Path:
-    """Call ``write(tmp_dir)`` and rename the result to ``target`` (a cache entry): if another process
-    finished the same entry first, its copy is kept and ours is dropped. An existing ``target`` is
-    returned as is."""
+    """Call ``write(tmp_dir)`` and rename the result to ``target`` (a cache entry): if another
+    process finished the same entry first, its copy is kept and ours is dropped. An existing
+    ``target`` is returned as is."""
     target = Path(target)
     if target.exists():
         return target
@@ -112,7 +119,7 @@ def build_dir_atomically(target: str | os.PathLike, write) -> Path:
         write(tmp)
         try:
             tmp.rename(target)
-        except OSError:                      # a concurrent writer finished first: keep theirs
+        except OSError:  # a concurrent writer finished first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,6 +128,7 @@ def build_dir_atomically(target: str | os.PathLike, write) -> Path:
 
 
 # --- checksums ------------------------------------------------------------------------------------
+
 
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
@@ -142,20 +150,30 @@ def sha256_files(paths: list[Path]) -> list[str]:
 
 # --- names and paths ------------------------------------------------------------------------------
 
+
 def plain_name(name, what: str, pattern: str | None = None) -> str:
     """``name`` if it is a plain file name (no directory part, not ``.``/``..``, no NUL) and, with
     ``pattern``, matches that regular expression; else ValueError naming ``what`` held it."""
-    ok = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-          and "\x00" not in name and (pattern is None or re.fullmatch(pattern, name) is not None))
+    ok = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and (pattern is None or re.fullmatch(pattern, name) is not None)
+    )
     if not ok:
         expected = f"a name matching {pattern}" if pattern else "a plain file name"
-        raise ValueError(f"{what} holds {name!r}; expected {expected} (no directories, no '..'): "
-                         "refusing to read outside its folder")
+        raise ValueError(
+            f"{what} holds {name!r}; expected {expected} (no directories, no '..'): "
+            "refusing to read outside its folder"
+        )
     return name
 
 
 def overlapping(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """True if ``a`` and ``b`` are the same path or one lies inside the other (symlinks resolved)."""
+    """True if ``a`` and ``b`` are the same path or one lies inside the other (symlinks
+    resolved)."""
     a, b = Path(a).resolve(), Path(b).resolve()
     return a == b or a in b.parents or b in a.parents
 
@@ -163,16 +181,19 @@ def overlapping(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 def describe_os_error(exc: OSError) -> str:
     """One line for an OSError a user can act on: which file, and what to do about it."""
     where = f" {exc.filename}" if exc.filename else ""
-    hint = {errno.ENOSPC: "the disk is full: free space or choose another directory",
-            errno.EDQUOT: "the disk quota is exceeded: free space or choose another directory",
-            errno.EROFS: "the file system is read-only: choose a writable directory",
-            errno.EACCES: "permission denied: choose a directory you can write to",
-            errno.EPERM: "operation not permitted: choose a directory you can write to",
-            errno.ENOENT: "no such file or directory"}.get(exc.errno, exc.strerror or type(exc).__name__)
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or choose another directory",
+        errno.EDQUOT: "the disk quota is exceeded: free space or choose another directory",
+        errno.EROFS: "the file system is read-only: choose a writable directory",
+        errno.EACCES: "permission denied: choose a directory you can write to",
+        errno.EPERM: "operation not permitted: choose a directory you can write to",
+        errno.ENOENT: "no such file or directory",
+    }.get(exc.errno, exc.strerror or type(exc).__name__)
     return f"cannot write or read{where}: {hint}"
 
 
 # --- locks between processes ----------------------------------------------------------------------
+
 
 class LockError(ValueError):
     """Another process (or another object of this one) holds the directory."""
@@ -186,8 +207,9 @@ class DirLock:
 
     The lock is ``flock`` on ``<dir>/.ssmkit.lock``, which records the holder (pid, host, command,
     start time) for the error message. The operating system releases it when the holder exits or is
-    killed, so a lock left by a crashed run never blocks the next one. ``wait`` seconds > 0: wait for
-    the holder to finish (a cache entry another process is preparing) instead of failing at once.
+    killed, so a lock left by a crashed run never blocks the next one. ``wait`` seconds > 0: wait
+    for the holder to finish (a cache entry another process is preparing) instead of failing at
+    once.
     """
 
     def __init__(self, directory: str | os.PathLike, purpose: str, wait: float = 0.0):
@@ -206,10 +228,15 @@ class DirLock:
         if not info:
             return "another process"
         same = info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
-        who = "this process (another object still holds it: let it finish or delete it)" if same else \
-            f"pid {info.get('pid')} on {info.get('host')}"
-        return (f"{who}, {info.get('purpose', '?')} since {info.get('started', '?')}: "
-                f"{info.get('command', '?')}")
+        who = (
+            "this process (another object still holds it: let it finish or delete it)"
+            if same
+            else f"pid {info.get('pid')} on {info.get('host')}"
+        )
+        return (
+            f"{who}, {info.get('purpose', '?')} since {info.get('started', '?')}: "
+            f"{info.get('command', '?')}"
+        )
 
     def acquire(self) -> DirLock:
         if self._fd is not None:
@@ -225,15 +252,26 @@ class DirLock:
                 if time.monotonic() >= deadline:
                     holder = self._holder()
                     os.close(fd)
-                    raise LockError(f"{self.dir} is in use by {holder}. "
-                                    "Two runs must not write into one directory: "
-                                    "wait for it, stop it, or choose another directory") from None
+                    raise LockError(
+                        f"{self.dir} is in use by {holder}. "
+                        "Two runs must not write into one directory: "
+                        "wait for it, stop it, or choose another directory"
+                    ) from None
                 if not told:
-                    print(f"waiting for {self.dir}: in use by {self._holder()}", file=sys.stderr, flush=True)
+                    print(
+                        f"waiting for {self.dir}: in use by {self._holder()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     told = True
                 time.sleep(0.2)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "purpose": self.purpose,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)[:300],
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
@@ -243,7 +281,7 @@ class DirLock:
         if self._fd is None:
             return
         try:
-            os.ftruncate(self._fd, 0)               # the file stays (removing it races with a new holder)
+            os.ftruncate(self._fd, 0)  # the file stays (removing it races with a new holder)
         except OSError:
             pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -259,7 +297,7 @@ class DirLock:
     def __del__(self):
         if getattr(self, "_fd", None) is not None:
             try:
-                os.close(self._fd)                  # closing the last descriptor drops the lock
+                os.close(self._fd)  # closing the last descriptor drops the lock
             except OSError:
                 pass
 
@@ -268,22 +306,25 @@ class DirLock:
 
 PROGRESS_ENV = "SSMKIT_PROGRESS"
 PROGRESS_MODES = ("auto", "text", "off")
-TEXT_INTERVAL = 10.0                    # seconds between two lines of a text bar
+TEXT_INTERVAL = 10.0  # seconds between two lines of a text bar
 
 
 def progress_mode() -> str:
-    """``$SSMKIT_PROGRESS``: "auto" (unset: tqdm.auto, the widget in Jupyter, a redrawn line in a terminal),
-    "text" (plain lines on stderr, for logs and headless notebooks) or "off"."""
+    """``$SSMKIT_PROGRESS``: "auto" (unset: tqdm.auto, the widget in Jupyter, a redrawn line in a
+    terminal), "text" (plain lines on stderr, for logs and headless notebooks) or "off"."""
     value = os.environ.get(PROGRESS_ENV, "").strip().lower() or "auto"
     if value not in PROGRESS_MODES:
-        raise ValueError(f"{PROGRESS_ENV}={os.environ[PROGRESS_ENV]!r} is not a progress mode; valid: auto "
-                         "(the default: a widget in Jupyter), text (plain lines: logs, papermill), off")
+        raise ValueError(
+            f"{PROGRESS_ENV}={os.environ[PROGRESS_ENV]!r} is not a progress mode; valid: auto "
+            "(the default: a widget in Jupyter), text (plain lines: logs, papermill), off"
+        )
     return value
 
 
 class _Lines:
-    """The file of a text bar: each redraw becomes a line of its own on the current ``sys.stderr`` (tqdm
-    redraws one line with carriage returns, which a log file and papermill's log keep as one long line)."""
+    """The file of a text bar: each redraw becomes a line of its own on the current ``sys.stderr``
+    (tqdm redraws one line with carriage returns, which a log file and papermill's log keep as one
+    long line)."""
 
     encoding = "utf-8"
 
@@ -297,8 +338,9 @@ class _Lines:
 
 
 def tqdm_bar(**kw):
-    """A tqdm progress bar (``kw``: tqdm's arguments) in the form :func:`progress_mode` chooses: "text" is
-    ``tqdm.std`` drawn in ASCII, one line per redraw at most every :data:`TEXT_INTERVAL` seconds."""
+    """A tqdm progress bar (``kw``: tqdm's arguments) in the form :func:`progress_mode` chooses:
+    "text" is ``tqdm.std`` drawn in ASCII, one line per redraw at most every :data:`TEXT_INTERVAL`
+    seconds."""
     mode = progress_mode()
     if mode == "auto":
         from tqdm.auto import tqdm
@@ -309,5 +351,14 @@ def tqdm_bar(**kw):
     if mode == "off":
         return tqdm(**{**kw, "disable": True})
     interval = max(TEXT_INTERVAL, kw.get("mininterval", 0))
-    return tqdm(**{**kw, "file": _Lines(), "ascii": True, "ncols": 120, "dynamic_ncols": False,
-                   "mininterval": interval, "maxinterval": max(interval, kw.get("maxinterval", 10))})
+    return tqdm(
+        **{
+            **kw,
+            "file": _Lines(),
+            "ascii": True,
+            "ncols": 120,
+            "dynamic_ncols": False,
+            "mininterval": interval,
+            "maxinterval": max(interval, kw.get("maxinterval", 10)),
+        }
+    )

@@ -1,7 +1,8 @@
 """Figures for the notebooks: a live loss curve while training, and several runs on one plot.
 
     live = LivePlot("runs/x/loss.png")       # a Trainer callback: on_log / on_eval / on_end
-    trainer = Trainer(cfg, callbacks=[live]) # redraws in place in Jupyter; in a terminal it saves at the end
+    trainer = Trainer(cfg, callbacks=[live]) # redraws in place in Jupyter; in a
+                                             # terminal it saves at the end
     plot_curves({"mamba": live.train, "llama": other.train}, "runs/x/compare.png")
 
 Figures are built as ``matplotlib.figure.Figure`` objects rendered by the Agg canvas: no pyplot,
@@ -33,8 +34,8 @@ def _in_kernel() -> bool:
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Render in memory, then :func:`ssmkit.io.write_atomically`; the format follows the suffix (.png, .pdf,
-    .svg; none: matplotlib's default, png)."""
+    """Render in memory, then :func:`ssmkit.io.write_atomically`; the format follows the suffix
+    (.png, .pdf, .svg; none: matplotlib's default, png)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = BytesIO()
@@ -49,9 +50,9 @@ def _png(fig) -> bytes:
 
 
 def save_and_show(fig, path: str | Path | None = None, show: bool | None = None):
-    """Write ``fig`` to ``path`` (atomically; format from the suffix) when given, and show it as a PNG in a
-    Jupyter kernel (``show`` None: only there). Returns ``fig``. What every figure function of the workbook
-    ends with."""
+    """Write ``fig`` to ``path`` (atomically; format from the suffix) when given, and show it as a
+    PNG in a Jupyter kernel (``show`` None: only there). Returns ``fig``. What every figure function
+    of the workbook ends with."""
     if path is not None:
         _save(fig, path)
     if _in_kernel() if show is None else show:
@@ -84,20 +85,29 @@ class LivePlot:
     path: where the figure is saved (at the end, and every ``save_every`` updates if > 0).
     interval: in a Jupyter kernel, redraw in place at most once per this many seconds (the last
     state is always drawn by ``on_end``). display: True / False / None (auto: in a kernel only).
-    title: None: the trainer's ``name``. total_tokens: the run's length, where the x axis ends (None: read
-    from the trainer, ``config.total_steps() * config.batch_tokens``; without one, a margin past the last
-    point). The y axis runs from 0 to 10% above the highest loss, so the first point already has a frame.
+    title: None: the trainer's ``name``. total_tokens: the run's length, where the x axis ends
+    (None: read from the trainer, ``config.total_steps() * config.batch_tokens``; without one, a
+    margin past the last point). The y axis runs from 0 to 10% above the highest loss, so the first
+    point already has a frame.
     """
 
-    def __init__(self, path: str | Path | None = None, *, title: str | None = None, interval: float = 2.0,
-                 save_every: int = 0, display: bool | None = None, total_tokens: int | None = None):
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        title: str | None = None,
+        interval: float = 2.0,
+        save_every: int = 0,
+        display: bool | None = None,
+        total_tokens: int | None = None,
+    ):
         self.path = Path(path) if path is not None else None
         self.title, self.interval, self.save_every = title, interval, save_every
         self.total_tokens = total_tokens
         self.display = _in_kernel() if display is None else display
-        self.train: list[dict] = []      # on_log records
-        self.eval: list[dict] = []       # on_eval records
-        self.draws = 0                   # how many times the figure was rendered
+        self.train: list[dict] = []  # on_log records
+        self.eval: list[dict] = []  # on_eval records
+        self.draws = 0  # how many times the figure was rendered
         self._handle = None
         self._last = -float("inf")
         self._updates = 0
@@ -114,7 +124,8 @@ class LivePlot:
         self._update()
 
     def _learn(self, trainer) -> None:
-        """The run's length and the model's name, from a Trainer (anything else: left as they are)."""
+        """The run's length and the model's name, from a Trainer (anything else: left as they
+        are)."""
         if self.title is None and isinstance(getattr(trainer, "name", None), str):
             self.title = trainer.name
         if self.total_tokens is None:
@@ -132,28 +143,48 @@ class LivePlot:
 
     # --- drawing ---
     def figure(self):
-        """The current figure: training loss as a line, validation loss as markers, against tokens."""
+        """The current figure: training loss as a line, validation loss as markers, against
+        tokens."""
         fig, ax = _new_figure(self.title, "tokens", "loss (nats/token)")
         train = [r for r in self.train if "loss" in r]
         if train:
-            ax.plot([r.get("tokens", r.get("step")) for r in train], [r["loss"] for r in train],
-                    lw=1.2, label="train loss")
+            ax.plot(
+                [r.get("tokens", r.get("step")) for r in train],
+                [r["loss"] for r in train],
+                lw=1.2,
+                label="train loss",
+            )
         val = [r for r in self.eval if "val_loss" in r]
         if val:
-            ax.plot([r.get("tokens", r.get("step")) for r in val], [r["val_loss"] for r in val],
-                    "o-", ms=4, label="validation loss")
+            ax.plot(
+                [r.get("tokens", r.get("step")) for r in val],
+                [r["val_loss"] for r in val],
+                "o-",
+                ms=4,
+                label="validation loss",
+            )
         if train or val:
             ax.legend()
-            self._frame(ax, [(r.get("tokens", r.get("step")), r["loss"]) for r in train]
-                        + [(r.get("tokens", r.get("step")), r["val_loss"]) for r in val],
-                        tokens=all("tokens" in r for r in train + val))
+            self._frame(
+                ax,
+                [(r.get("tokens", r.get("step")), r["loss"]) for r in train]
+                + [(r.get("tokens", r.get("step")), r["val_loss"]) for r in val],
+                tokens=all("tokens" in r for r in train + val),
+            )
         return fig
 
     def _frame(self, ax, points: list[tuple], tokens: bool) -> None:
-        """Axes for the whole run from its first point (matplotlib would frame one point in +-0.04): x from 0
-        to the run's total tokens (or 5% past the last point), y from 0 to 10% above the highest loss."""
-        points = [(x, y) for x, y in points if isinstance(x, (int, float)) and isinstance(y, (int, float))
-                  and math.isfinite(x) and math.isfinite(y)]
+        """Axes for the whole run from its first point (matplotlib would frame one point in +-0.04):
+        x from 0 to the run's total tokens (or 5% past the last point), y from 0 to 10% above the
+        highest loss."""
+        points = [
+            (x, y)
+            for x, y in points
+            if isinstance(x, (int, float))
+            and isinstance(y, (int, float))
+            and math.isfinite(x)
+            and math.isfinite(y)
+        ]
         if not points:
             return
         right = max(x for x, _ in points)
@@ -186,9 +217,18 @@ class LivePlot:
             self._handle.update(image)
 
 
-def plot_curves(histories: dict[str, list[dict]], path: str | Path | None = None, x: str = "tokens",
-                y: str = "loss", *, title: str | None = None, logy: bool = False, show: bool | None = None):
-    """Several runs on one plot: ``histories`` maps a label to its records (dicts with keys ``x`` and ``y``).
+def plot_curves(
+    histories: dict[str, list[dict]],
+    path: str | Path | None = None,
+    x: str = "tokens",
+    y: str = "loss",
+    *,
+    title: str | None = None,
+    logy: bool = False,
+    show: bool | None = None,
+):
+    """Several runs on one plot: ``histories`` maps a label to its records (dicts with keys ``x``
+    and ``y``).
 
     Records without ``y`` (an eval record among train records, say) are skipped. Saves to ``path``
     (if given) and, in a Jupyter kernel (or with ``show=True``), displays the PNG. Returns the
@@ -212,11 +252,22 @@ def plot_curves(histories: dict[str, list[dict]], path: str | Path | None = None
 __all__ = ["LivePlot", "plot_curves", "save_and_show"]
 
 
-def plot_panels(rows: list[dict], path, x: str, panels: dict, group: str | None = "model", *,
-                logx: bool = False, logy=(), title: str | None = None, show: bool | None = None):
-    """One panel per entry of ``panels`` ({row key: panel title}), side by side: y = that key against
-    ``x``, one line per value of ``group`` (None: one line). ``logy``: the keys drawn on a log
-    scale. Saved to ``path`` (written whole) and, in a Jupyter kernel, shown. Returns the figure."""
+def plot_panels(
+    rows: list[dict],
+    path,
+    x: str,
+    panels: dict,
+    group: str | None = "model",
+    *,
+    logx: bool = False,
+    logy=(),
+    title: str | None = None,
+    show: bool | None = None,
+):
+    """One panel per entry of ``panels`` ({row key: panel title}), side by side: y = that key
+    against ``x``, one line per value of ``group`` (None: one line). ``logy``: the keys drawn on a
+    log scale. Saved to ``path`` (written whole) and, in a Jupyter kernel, shown. Returns the
+    figure."""
 
     from matplotlib.figure import Figure
 

@@ -3,8 +3,8 @@
 * The offline environment, set once, before any test module imports transformers or huggingface_hub
   (they read it at import): hub ids load from the local cache only, and subprocesses started with
   ``env={**os.environ, ...}`` inherit it.
-* ``shards``: byte-level token shards of the embedded corpus (train: 60K tokens in 3 shards, validation:
-  8K), prepared once per session and only read. The tiny training config on them is
+* ``shards``: byte-level token shards of the embedded corpus (train: 60K tokens in 3 shards,
+  validation: 8K), prepared once per session and only read. The tiny training config on them is
   :func:`helpers.small`. A test file may define its own ``shards`` (test_distributed.py does).
 """
 
@@ -22,14 +22,24 @@ def shards(tmp_path_factory):
     from ssmkit.data import prepare
 
     base = tmp_path_factory.mktemp("shards")
-    prepare("stdlib-docs", "byte", base / "train", max_tokens=60_000, shard_tokens=20_000, progress=False)
-    prepare("stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False)
+    prepare(
+        "stdlib-docs",
+        "byte",
+        base / "train",
+        max_tokens=60_000,
+        shard_tokens=20_000,
+        progress=False,
+    )
+    prepare(
+        "stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False
+    )
     return base
 
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """The fake kernel modules of tests/fake_kernels.py installed; returns the list their calls go to."""
+    """The fake kernel modules of tests/fake_kernels.py installed; returns the list their calls go
+    to."""
     from fake_kernels import install_fake_kernels
 
     return install_fake_kernels(monkeypatch)

@@ -1,4 +1,5 @@
-"""Helpers shared by test files (imported as ``from helpers import ...``; fixtures live in conftest.py)."""
+"""Helpers shared by test files (imported as ``from helpers import ...``; fixtures live in
+conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,24 @@ import torch
 
 from ssmkit.train import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]      # the checkout: configs/, notebooks/, benchmarks/
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: configs/, notebooks/, benchmarks/
 
-# mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields (mamba_ssm/models/config_mamba.py)
-MAMBA_SSM_CONFIG_FIELDS = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
-                           "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm",
-                           "pad_vocab_size_multiple", "tie_embeddings"}
+# mamba_ssm builds MambaConfig(**config.json): exactly its dataclass fields
+# (mamba_ssm/models/config_mamba.py)
+MAMBA_SSM_CONFIG_FIELDS = {
+    "d_model",
+    "d_intermediate",
+    "n_layer",
+    "vocab_size",
+    "ssm_cfg",
+    "attn_layer_idx",
+    "attn_cfg",
+    "rms_norm",
+    "residual_in_fp32",
+    "fused_add_norm",
+    "pad_vocab_size_multiple",
+    "tie_embeddings",
+}
 
 
 def perturb_(model, seed):
@@ -27,11 +40,26 @@ def perturb_(model, seed):
 
 
 def small(tmp_path, shards, **kw) -> TrainConfig:
-    """A tiny training run on conftest's byte-level ``shards``: d_model 32, 2 layers, seq_len 32, 6 steps."""
-    base = dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
-                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=256, lr=3e-3,
-                min_lr=3e-4, warmup_steps=2, max_steps=6, log_every=1, eval_every=0, eval_batches=2,
-                progress=False, out_dir=str(tmp_path / "run"))
+    """A tiny training run on conftest's byte-level ``shards``: d_model 32, 2 layers, seq_len 32, 6
+    steps."""
+    base = dict(
+        model="tiny",
+        model_overrides={"d_model": 32, "n_layer": 2},
+        data=str(shards / "train"),
+        val_data=str(shards / "val"),
+        seq_len=32,
+        micro_batch=4,
+        batch_tokens=256,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=2,
+        max_steps=6,
+        log_every=1,
+        eval_every=0,
+        eval_batches=2,
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -46,22 +74,27 @@ def jsonl(path, texts):
 
 
 def make_notebook(path: Path, params: str, *cells: str) -> Path:
-    """A notebook: a `parameters` cell with ``params`` (always declaring out_dir), then code cells."""
+    """A notebook: a `parameters` cell with ``params`` (always declaring out_dir), then code
+    cells."""
     path.parent.mkdir(parents=True, exist_ok=True)
     import nbformat
 
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
+    nb = nbformat.v4.new_notebook(
+        metadata={
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        }
+    )
     pcell = nbformat.v4.new_code_cell(params + "\nout_dir = 'unused'")
     pcell.metadata["tags"] = ["parameters"]
-    nb.cells = ([nbformat.v4.new_markdown_cell("# test"), pcell]
-                + [nbformat.v4.new_code_cell(c) for c in cells])
+    nb.cells = [nbformat.v4.new_markdown_cell("# test"), pcell] + [
+        nbformat.v4.new_code_cell(c) for c in cells
+    ]
     nbformat.write(nb, path)
     return path
 
 
 def check_parameters(chapter, tmp_path, **changes) -> dict:
-    """``chapter.PARAMETERS.check`` on its defaults with ``changes``, out_dir in ``tmp_path`` (the default
-    would create ../runs/lab/... in the checkout) and device cpu."""
+    """``chapter.PARAMETERS.check`` on its defaults with ``changes``, out_dir in ``tmp_path`` (the
+    default would create ../runs/lab/... in the checkout) and device cpu."""
     values = {**chapter.PARAMETERS.defaults(), "out_dir": str(tmp_path), "device": "cpu", **changes}
     return chapter.PARAMETERS.check(values)

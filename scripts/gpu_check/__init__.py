@@ -69,15 +69,35 @@ from .context import Context, free
 SECTION_NAMES = ("env", "parity", "kernels", "train_step", "generation", "notebook")
 # guesses of seconds per section on one H200 (stock CUDA torch; kernels only when mamba_ssm
 # imports, else skipped at once); replace them once measured
-ESTIMATE_S = {"env": 5, "parity": 20, "kernels": 90, "train_step": 120, "generation": 75,
-              "notebook": 200}
-ESTIMATE_QUICK_CPU_S = {"env": 1, "parity": 8, "kernels": 0, "train_step": 10, "generation": 5,
-                        "notebook": 0}
-DEVICE_COMMAND = ("PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gpu_check.py "
-                  "--out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log")
+ESTIMATE_S = {
+    "env": 5,
+    "parity": 20,
+    "kernels": 90,
+    "train_step": 120,
+    "generation": 75,
+    "notebook": 200,
+}
+ESTIMATE_QUICK_CPU_S = {
+    "env": 1,
+    "parity": 8,
+    "kernels": 0,
+    "train_step": 10,
+    "generation": 5,
+    "notebook": 0,
+}
+DEVICE_COMMAND = (
+    "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gpu_check.py "
+    "--out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log"
+)
 
-SECTIONS = {"env": env.run, "parity": parity.run, "kernels": kernels.run,
-            "train_step": train_step.run, "generation": generation.run, "notebook": notebook.run}
+SECTIONS = {
+    "env": env.run,
+    "parity": parity.run,
+    "kernels": kernels.run,
+    "train_step": train_step.run,
+    "generation": generation.run,
+    "notebook": notebook.run,
+}
 
 
 def run_section(ctx: Context, name: str) -> dict:
@@ -89,8 +109,11 @@ def run_section(ctx: Context, name: str) -> dict:
         result.setdefault("status", "ok")
     except Exception as exc:
         tb = traceback.format_exc().strip().splitlines()
-        result = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
-                  "traceback": tb[-12:]}
+        result = {
+            "status": "error",
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+            "traceback": tb[-12:],
+        }
     finally:
         free()
     result["seconds"] = round(time.perf_counter() - t0, 3)
@@ -103,7 +126,7 @@ def _clean(obj):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
-    if isinstance(obj, float):                      # 4 significant digits: a readable line
+    if isinstance(obj, float):  # 4 significant digits: a readable line
         return float(f"{obj:.4g}") if math.isfinite(obj) else None
     if isinstance(obj, torch.Tensor) and obj.numel() == 1:
         return _clean(obj.item())
@@ -116,31 +139,47 @@ def _names(value: str, flag: str, parser) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in SECTION_NAMES]
     if bad or not names:
-        parser.error(f"{flag}: unknown section(s) {bad or [value]}; "
-                     f"valid: {', '.join(SECTION_NAMES)}")
+        parser.error(
+            f"{flag}: unknown section(s) {bad or [value]}; valid: {', '.join(SECTION_NAMES)}"
+        )
     return names
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", help="cuda (default when available), cuda:N or cpu")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny shapes and models: seconds (the CPU test)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes and models: seconds (the CPU test)"
+    )
     p.add_argument("--only", help=f"comma-separated sections to run ({', '.join(SECTION_NAMES)})")
     p.add_argument("--skip", help="comma-separated sections to leave out")
-    p.add_argument("--time-budget", type=float, default=480.0,
-                   help="seconds; a section that would start after it is skipped (default 480)")
-    p.add_argument("--precision", choices=("bf16", "fp32"),
-                   help="train_step / generation: bf16 autocast (default on CUDA) or fp32 "
-                        "(default on CPU)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=480.0,
+        help="seconds; a section that would start after it is skipped (default 480)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        help="train_step / generation: bf16 autocast (default on CUDA) or fp32 (default on CPU)",
+    )
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     p.add_argument("--out", help="also write the JSON summary to this file (atomically)")
     args = p.parse_args(argv)
     if args.only and args.skip:
         p.error("give --only or --skip, not both")
-    args.selected = _names(args.only, "--only", p) if args.only else [
-        n for n in SECTION_NAMES if n not in (_names(args.skip, "--skip", p) if args.skip else [])]
+    args.selected = (
+        _names(args.only, "--only", p)
+        if args.only
+        else [
+            n
+            for n in SECTION_NAMES
+            if n not in (_names(args.skip, "--skip", p) if args.skip else [])
+        ]
+    )
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -163,34 +202,50 @@ def main(argv=None) -> int:
     precision = args.precision or ("bf16" if args.device.type == "cuda" else "fp32")
     ctx = Context(args.device, args.quick, args.time_budget, precision, log)
     if args.quick and not ctx.cuda:
-        torch.set_num_threads(1)   # the code path, not a measurement: steadier on a busy shared CPU
+        torch.set_num_threads(1)  # the code path, not a measurement: steadier on a busy shared CPU
     estimates = ESTIMATE_QUICK_CPU_S if args.quick and not ctx.cuda else ESTIMATE_S
-    log(f"ssmkit GPU check: device {args.device}, {'quick' if args.quick else 'full'}, "
+    log(
+        f"ssmkit GPU check: device {args.device}, {'quick' if args.quick else 'full'}, "
         f"precision {precision}, time budget {args.time_budget:.0f} s, "
-        f"sections {', '.join(args.selected)}")
-    log("on a lent GPU, from the repository root (nothing installed, nothing downloaded):\n"
+        f"sections {', '.join(args.selected)}"
+    )
+    log(
+        "on a lent GPU, from the repository root (nothing installed, nothing downloaded):\n"
         f"  {DEVICE_COMMAND}\n"
-        "  (device tool: timeout_s 600; in the project's venv: make gpu-check)")
+        "  (device tool: timeout_s 600; in the project's venv: make gpu-check)"
+    )
     where = " on one H200 (guesses until measured)" if estimates is ESTIMATE_S else " here"
-    log(f"estimated seconds per section{where}: "
+    log(
+        f"estimated seconds per section{where}: "
         + ", ".join(f"{n} {estimates[n]}" for n in SECTION_NAMES)
-        + f"; total ~{sum(estimates.values())}")
+        + f"; total ~{sum(estimates.values())}"
+    )
     sections = {}
 
     def summary(partial: bool) -> dict:
         """partial: written after each section (--out), the sections not reached yet marked so."""
-        every = {n: sections.get(n, {"status": "not reached (the run was stopped)"})
-                 for n in SECTION_NAMES}
+        every = {
+            n: sections.get(n, {"status": "not reached (the run was stopped)"})
+            for n in SECTION_NAMES
+        }
         failed = [n for n, s in every.items() if s["status"] == "error" or s.get("pass") is False]
-        return {"ok": not failed and not partial, "partial": partial, "failed": failed,
-                "device": str(args.device), "quick": args.quick, "precision": precision,
-                "time_budget_s": args.time_budget, "wall_s": round(ctx.elapsed(), 1),
-                "command": DEVICE_COMMAND, "status": {n: s["status"] for n, s in every.items()},
-                "sections": every}
+        return {
+            "ok": not failed and not partial,
+            "partial": partial,
+            "failed": failed,
+            "device": str(args.device),
+            "quick": args.quick,
+            "precision": precision,
+            "time_budget_s": args.time_budget,
+            "wall_s": round(ctx.elapsed(), 1),
+            "command": DEVICE_COMMAND,
+            "status": {n: s["status"] for n, s in every.items()},
+            "sections": every,
+        }
 
     def write(result: dict) -> str:
         text = json.dumps(_clean(result), allow_nan=False)
-        if args.out:   # after every section: a run stopped from outside still leaves its results
+        if args.out:  # after every section: a run stopped from outside still leaves its results
             from ssmkit.io import write_atomically
 
             write_atomically(args.out, text + "\n")
@@ -202,14 +257,18 @@ def main(argv=None) -> int:
             sections[name] = {"status": f"skipped: not selected ({why})"}
             continue
         if name != "env" and ctx.elapsed() >= args.time_budget:
-            sections[name] = {"status": f"skipped: time budget of {args.time_budget:.0f} s spent "
-                                        f"({ctx.elapsed():.0f} s elapsed)"}
+            sections[name] = {
+                "status": f"skipped: time budget of {args.time_budget:.0f} s spent "
+                f"({ctx.elapsed():.0f} s elapsed)"
+            }
             log(f"[{name}] {sections[name]['status']}")
             continue
         log(f"[{name}] (estimate {estimates[name]} s, {ctx.elapsed():.0f} s elapsed)")
         sections[name] = run_section(ctx, name)
-        log(f"[{name}] {sections[name]['status']} in {sections[name]['seconds']:.1f} s"
-            + (f": {sections[name]['error']}" if sections[name]["status"] == "error" else ""))
+        log(
+            f"[{name}] {sections[name]['status']} in {sections[name]['seconds']:.1f} s"
+            + (f": {sections[name]['error']}" if sections[name]["status"] == "error" else "")
+        )
         write(summary(partial=True))
     result = summary(partial=False)
     text = write(result)
@@ -217,4 +276,3 @@ def main(argv=None) -> int:
     log(f"{verdict} in {ctx.elapsed():.0f} s")
     print(text, flush=True)
     return 0 if result["ok"] else 1
-

@@ -71,8 +71,11 @@ def rand(g, *shape):
 def no_tf32():
     """fp32 parity on a GPU: no TF32 in matmuls or cuDNN (PyTorch's default allows it in
     convolutions)."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     try:
@@ -86,4 +89,3 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|, in fp32."""
     a, b = a.float(), b.float()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-

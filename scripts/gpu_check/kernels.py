@@ -31,69 +31,126 @@ def _kernel_ops(s: dict, dtype: torch.dtype, device) -> dict:
         return (t.to(dtype) if low else t).to(device)
 
     def s6():
-        return dict(u=dev(randn(g, b, d, L)), delta=dev(0.5 * rand(g, b, d, L)),
-                    A=dev(-rand(g, d, n), False), B=dev(randn(g, b, n, L)),
-                    C=dev(randn(g, b, n, L)), D=dev(randn(g, d), False), z=dev(randn(g, b, d, L)),
-                    delta_bias=dev(rand(g, d), False))
+        return dict(
+            u=dev(randn(g, b, d, L)),
+            delta=dev(0.5 * rand(g, b, d, L)),
+            A=dev(-rand(g, d, n), False),
+            B=dev(randn(g, b, n, L)),
+            C=dev(randn(g, b, n, L)),
+            D=dev(randn(g, d), False),
+            z=dev(randn(g, b, d, L)),
+            delta_bias=dev(rand(g, d), False),
+        )
 
     def ssd():
-        return dict(x=dev(randn(g, b, L, h, p)), dt=dev(randn(g, b, L, h) - 2),
-                    A=dev(-rand(g, h) - 0.5, False), B=dev(randn(g, b, L, 1, n2) / 5),
-                    C=dev(randn(g, b, L, 1, n2) / 5), D=dev(randn(g, h), False),
-                    dt_bias=dev(rand(g, h) - 2, False))
+        return dict(
+            x=dev(randn(g, b, L, h, p)),
+            dt=dev(randn(g, b, L, h) - 2),
+            A=dev(-rand(g, h) - 0.5, False),
+            B=dev(randn(g, b, L, 1, n2) / 5),
+            C=dev(randn(g, b, L, 1, n2) / 5),
+            D=dev(randn(g, h), False),
+            dt_bias=dev(rand(g, h) - 2, False),
+        )
 
     def conv(width):
-        return lambda: dict(x=dev(randn(g, b, width, L)), weight=dev(randn(g, width, 4), False),
-                            bias=dev(randn(g, width), False))
+        return lambda: dict(
+            x=dev(randn(g, b, width, L)),
+            weight=dev(randn(g, width, 4), False),
+            bias=dev(randn(g, width), False),
+        )
 
     def norm():
         return dict(x=dev(randn(g, b * L, dm)), weight=dev(randn(g, dm), False))
 
     def gated():
-        return dict(x=dev(randn(g, b * L, d)), z=dev(randn(g, b * L, d)),
-                    weight=dev(randn(g, d), False))
+        return dict(
+            x=dev(randn(g, b * L, d)), z=dev(randn(g, b * L, d)), weight=dev(randn(g, d), False)
+        )
 
     def step2():
-        return dict(state=dev(randn(g, b, h, p, n2), False), x=dev(randn(g, b, h, p)),
-                    dt=dev(randn(g, b, h) - 1), A=dev(-rand(g, h) - 0.5, False),
-                    B=dev(randn(g, b, 1, n2)),
-                    C=dev(randn(g, b, 1, n2)), D=dev(randn(g, h), False),
-                    dt_bias=dev(rand(g, h) - 1, False))
+        return dict(
+            state=dev(randn(g, b, h, p, n2), False),
+            x=dev(randn(g, b, h, p)),
+            dt=dev(randn(g, b, h) - 1),
+            A=dev(-rand(g, h) - 0.5, False),
+            B=dev(randn(g, b, 1, n2)),
+            C=dev(randn(g, b, 1, n2)),
+            D=dev(randn(g, h), False),
+            dt_bias=dev(rand(g, h) - 1, False),
+        )
 
     def conv_step():
-        return dict(x=dev(randn(g, b, d)), state=dev(randn(g, b, d, 4)),
-                    weight=dev(randn(g, d, 4), False), bias=dev(randn(g, d), False))
+        return dict(
+            x=dev(randn(g, b, d)),
+            state=dev(randn(g, b, d, 4)),
+            weight=dev(randn(g, d, 4), False),
+            bias=dev(randn(g, d), False),
+        )
 
     def call_step2(t, backend):
         state = t["state"].clone()
         return ops.selective_state_update(
-            state, t["x"], t["dt"][..., None].expand(b, h, p),
-            t["A"][:, None, None].expand(h, p, n2), t["B"], t["C"], D=t["D"][:, None].expand(h, p),
+            state,
+            t["x"],
+            t["dt"][..., None].expand(b, h, p),
+            t["A"][:, None, None].expand(h, p, n2),
+            t["B"],
+            t["C"],
+            D=t["D"][:, None].expand(h, p),
             dt_bias=t["dt_bias"][:, None].expand(h, p),
-            dt_softplus=True, backend=backend)
+            dt_softplus=True,
+            backend=backend,
+        )
 
     def call_conv_step(t, backend):
-        return ops.causal_conv1d_update(t["x"], t["state"].clone(), t["weight"], t["bias"],
-                                        activation="silu", backend=backend)
+        return ops.causal_conv1d_update(
+            t["x"], t["state"].clone(), t["weight"], t["bias"], activation="silu", backend=backend
+        )
 
     return {
-        "selective_scan": ("selective_scan", s6,
-                           lambda t, be: ops.selective_scan(**t, delta_softplus=True, backend=be),
-                           False),
-        "ssd_scan": ("ssd_scan", ssd,
-                     lambda t, be: ops.ssd_scan(**t, chunk_size=s["chunk"], dt_softplus=True,
-                                                backend=be),
-                     False),
-        "causal_conv1d/mamba1": ("causal_conv1d", conv(d), lambda t, be: ops.causal_conv1d(
-            t["x"], t["weight"], t["bias"], activation="silu", backend=be), False),
-        "causal_conv1d/mamba2": ("causal_conv1d", conv(d + 2 * n2),
-                                 lambda t, be: ops.causal_conv1d(t["x"], t["weight"], t["bias"],
-                                                                 activation="silu", backend=be),
-                                 False),
-        "rms_norm": ("rms_norm", norm, lambda t, be: ops.rms_norm(t["x"], t["weight"], backend=be),
-                     False),
-        "rms_norm_gated": ("rms_norm_gated", gated, lambda t, be: ops.rms_norm_gated(
-            t["x"], t["weight"], t["z"], group_size=d, norm_before_gate=False, backend=be), False),
+        "selective_scan": (
+            "selective_scan",
+            s6,
+            lambda t, be: ops.selective_scan(**t, delta_softplus=True, backend=be),
+            False,
+        ),
+        "ssd_scan": (
+            "ssd_scan",
+            ssd,
+            lambda t, be: ops.ssd_scan(**t, chunk_size=s["chunk"], dt_softplus=True, backend=be),
+            False,
+        ),
+        "causal_conv1d/mamba1": (
+            "causal_conv1d",
+            conv(d),
+            lambda t, be: ops.causal_conv1d(
+                t["x"], t["weight"], t["bias"], activation="silu", backend=be
+            ),
+            False,
+        ),
+        "causal_conv1d/mamba2": (
+            "causal_conv1d",
+            conv(d + 2 * n2),
+            lambda t, be: ops.causal_conv1d(
+                t["x"], t["weight"], t["bias"], activation="silu", backend=be
+            ),
+            False,
+        ),
+        "rms_norm": (
+            "rms_norm",
+            norm,
+            lambda t, be: ops.rms_norm(t["x"], t["weight"], backend=be),
+            False,
+        ),
+        "rms_norm_gated": (
+            "rms_norm_gated",
+            gated,
+            lambda t, be: ops.rms_norm_gated(
+                t["x"], t["weight"], t["z"], group_size=d, norm_before_gate=False, backend=be
+            ),
+            False,
+        ),
         "selective_state_update/mamba2": ("selective_state_update", step2, call_step2, True),
         "causal_conv1d_update": ("causal_conv1d_update", conv_step, call_conv_step, True),
     }
@@ -102,8 +159,10 @@ def _kernel_ops(s: dict, dtype: torch.dtype, device) -> dict:
 def _fwd_bwd(call, inputs: dict, backend: str, decode: bool):
     """A callable running one forward (and backward of a fixed gradient) of ``call``, and its
     results."""
-    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point() and not decode)
-              for k, v in inputs.items()}
+    leaves = {
+        k: v.detach().clone().requires_grad_(v.is_floating_point() and not decode)
+        for k, v in inputs.items()
+    }
     grad = {}
 
     def run():
@@ -114,11 +173,12 @@ def _fwd_bwd(call, inputs: dict, backend: str, decode: bool):
                 return call(leaves, backend), {}
         y = call(leaves, backend)
         if "g" not in grad:
-            grad["g"] = torch.randn(y.shape,
-                                    generator=torch.Generator(device=y.device).manual_seed(3),
-                                    device=y.device).to(y.dtype)
+            grad["g"] = torch.randn(
+                y.shape, generator=torch.Generator(device=y.device).manual_seed(3), device=y.device
+            ).to(y.dtype)
         y.backward(grad["g"])
         return y.detach(), {f"d{k}": t.grad for k, t in leaves.items() if t.grad is not None}
+
     return run
 
 
@@ -131,9 +191,11 @@ def run(ctx: Context) -> dict:
     usable = {op for op, why in missing.items() if why is None}
     if not usable:
         reasons = sorted({why for why in missing.values() if why})
-        return {"status": "skipped: mamba_ssm / causal_conv1d do not import: "
-                          + " | ".join(reasons)[:600],
-                "import_errors": missing}
+        return {
+            "status": "skipped: mamba_ssm / causal_conv1d do not import: "
+            + " | ".join(reasons)[:600],
+            "import_errors": missing,
+        }
     return kernel_rows(ctx, usable, missing)
 
 
@@ -167,30 +229,45 @@ def kernel_rows(ctx: Context, usable: set, missing: dict) -> dict:
             # speed at the realistic shape, bf16 activations, fp32 parameters
             inputs = make()
             runs = {be: _fwd_bwd(call, inputs, be, decode) for be in ("torch", "cuda")}
-            reps = 20 if decode else 1      # a decode step takes microseconds: time 20 at once
+            reps = 20 if decode else 1  # a decode step takes microseconds: time 20 at once
 
             def timed(fn, reps=reps):
                 return lambda: [fn() for _ in range(reps)]
-            seconds = time_round_robin({be: timed(fn) for be, fn in runs.items()}, steps, warmup,
-                                       device=ctx.device)
+
+            seconds = time_round_robin(
+                {be: timed(fn) for be, fn in runs.items()}, steps, warmup, device=ctx.device
+            )
             ms = {be: 1e3 * statistics.median(s) / reps for be, s in seconds.items()}
             y_t, _ = runs["torch"]()
             y_c, _ = runs["cuda"]()
-            row.update(shape={k: tuple(v.shape) for k, v in inputs.items()},
-                       what="fwd" if decode else "fwd+bwd",
-                       ms=ms, torch_over_cuda=ms["torch"] / ms["cuda"],
-                       bf16_out_max_rel=max_rel(y_c, y_t), status="ok")
-            ctx.log(f"  {name:<32} parity {'PASS' if row['parity']['pass'] else 'FAIL'} "
-                    f"(max rel {max(errs.values()):.2e}); {row['what']} "
-                    f"torch {ms['torch']:.3f} ms, cuda {ms['cuda']:.3f} ms: "
-                    f"kernel {row['torch_over_cuda']:.1f}x")
+            row.update(
+                shape={k: tuple(v.shape) for k, v in inputs.items()},
+                what="fwd" if decode else "fwd+bwd",
+                ms=ms,
+                torch_over_cuda=ms["torch"] / ms["cuda"],
+                bf16_out_max_rel=max_rel(y_c, y_t),
+                status="ok",
+            )
+            ctx.log(
+                f"  {name:<32} parity {'PASS' if row['parity']['pass'] else 'FAIL'} "
+                f"(max rel {max(errs.values()):.2e}); {row['what']} "
+                f"torch {ms['torch']:.3f} ms, cuda {ms['cuda']:.3f} ms: "
+                f"kernel {row['torch_over_cuda']:.1f}x"
+            )
         except Exception as exc:
             row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
             ctx.log(f"  {name:<32} error: {row['error']}")
         results[name] = row
         free()
-    failed = [n for n, r in results.items()
-              if r.get("status") == "error" or not r.get("parity", {}).get("pass", True)]
-    return {"pass": not failed, "failed": failed, "shapes": shapes, "ops": results,
-            "timing": f"median of {steps} round-robin calls after {warmup} warm-up"}
-
+    failed = [
+        n
+        for n, r in results.items()
+        if r.get("status") == "error" or not r.get("parity", {}).get("pass", True)
+    ]
+    return {
+        "pass": not failed,
+        "failed": failed,
+        "shapes": shapes,
+        "ops": results,
+        "timing": f"median of {steps} round-robin calls after {warmup} warm-up",
+    }

@@ -20,17 +20,18 @@ def _load_hf(cls, path):
     logging.disable_progress_bar()
     try:
         return cls.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except TypeError:                                      # transformers < 4.56: torch_dtype
+    except TypeError:  # transformers < 4.56: torch_dtype
         return cls.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
 
 
-QUICK_PRESETS = ("tiny", "tiny-mamba2")        # with QUICK_OVERRIDES: two layers, seconds on a CPU
+QUICK_PRESETS = ("tiny", "tiny-mamba2")  # with QUICK_OVERRIDES: two layers, seconds on a CPU
 QUICK_OVERRIDES = {"n_layer": 2}
 FULL_PRESETS = ("mamba-130m", "mamba2-130m")
 
 
-def build_models(ctx: Context, presets: tuple[str, str], max_len: int,
-                 peers: bool) -> tuple[dict, dict]:
+def build_models(
+    ctx: Context, presets: tuple[str, str], max_len: int, peers: bool
+) -> tuple[dict, dict]:
     """ssmkit Mamba-1 and Mamba-2 (seed 0), transformers' twins of their weights (``peers``) and the
     Llama matched to Mamba-1's non-embedding size, all on the device; and a note per model."""
     from ssmkit.models import matched_transformer
@@ -56,4 +57,3 @@ def build_models(ctx: Context, presets: tuple[str, str], max_len: int,
         notes["llama"] = f"attn_implementation {attention}"
         models["llama"] = llama
     return models, notes
-

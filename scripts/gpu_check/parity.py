@@ -28,13 +28,13 @@ from .context import Context, no_tf32, rand, randn, rng
 FP32_REL = tolerances.FP32_REL
 _BF16_SCAN = tolerances.SCAN[torch.bfloat16]
 _BF16_WEIGHT = tolerances.scan_weight(torch.bfloat16)
-SCAN = ("elem", *_BF16_SCAN)                          # selective_scan's output and state
-SCAN_X2 = ("elem", *tolerances.scaled(_BF16_SCAN, tolerances.SCAN_DU))       # du, dx, dB, dC (x2)
-SCAN_DT = ("elem", *tolerances.scaled(_BF16_SCAN, tolerances.SCAN_DDELTA))   # ddelta, ddt
-SCAN_DA = ("elem", _BF16_WEIGHT[0], tolerances.SCAN_DA_ATOL * _BF16_WEIGHT[1])   # the S6's dA
-PARAM_SUM = ("scale", *tolerances.SSD_PARAM)    # fp32 parameters' gradients: sums over positions
-CONV = ("elem", *tolerances.CONV[torch.bfloat16])     # causal-conv1d's output and dx
-CONV_W = ("elem", *tolerances.CONV_WEIGHT)            # its dweight, dbias (fp32, either dtype)
+SCAN = ("elem", *_BF16_SCAN)  # selective_scan's output and state
+SCAN_X2 = ("elem", *tolerances.scaled(_BF16_SCAN, tolerances.SCAN_DU))  # du, dx, dB, dC (x2)
+SCAN_DT = ("elem", *tolerances.scaled(_BF16_SCAN, tolerances.SCAN_DDELTA))  # ddelta, ddt
+SCAN_DA = ("elem", _BF16_WEIGHT[0], tolerances.SCAN_DA_ATOL * _BF16_WEIGHT[1])  # the S6's dA
+PARAM_SUM = ("scale", *tolerances.SSD_PARAM)  # fp32 parameters' gradients: sums over positions
+CONV = ("elem", *tolerances.CONV[torch.bfloat16])  # causal-conv1d's output and dx
+CONV_W = ("elem", *tolerances.CONV_WEIGHT)  # its dweight, dbias (fp32, either dtype)
 NORM = ("norm", tolerances.NORM_PT, tolerances.NORM_ATOL)
 
 
@@ -43,49 +43,85 @@ def _cast(inputs: dict, low_names: set, low: torch.dtype) -> dict:
 
 
 def _s6_case(groups: int, init: bool):
-    b, d, n, L = 2, 8, 8, 129         # 129: two chunks of the torch path's 64 steps and one of 1
+    b, d, n, L = 2, 8, 8, 129  # 129: two chunks of the torch path's 64 steps and one of 1
 
     def make(low):
         g = rng(10 + groups)
         bc = (b, n, L) if groups == 1 else (b, groups, n, L)
-        inp = dict(u=randn(g, b, d, L), delta=0.5 * rand(g, b, d, L), A=-0.5 * rand(g, d, n),
-                   B=randn(g, *bc), C=randn(g, *bc), D=randn(g, d), z=randn(g, b, d, L),
-                   delta_bias=0.5 * rand(g, d))
+        inp = dict(
+            u=randn(g, b, d, L),
+            delta=0.5 * rand(g, b, d, L),
+            A=-0.5 * rand(g, d, n),
+            B=randn(g, *bc),
+            C=randn(g, *bc),
+            D=randn(g, d),
+            z=randn(g, b, d, L),
+            delta_bias=0.5 * rand(g, d),
+        )
         if init:
             inp["initial_state"] = randn(g, b, d, n)
         return _cast(inp, {"u", "delta", "B", "C", "z"}, low)
 
     def call(t, backend):
-        y, h = ops.selective_scan(**t, delta_softplus=True, return_final_state=True,
-                                  backend=backend)
+        y, h = ops.selective_scan(
+            **t, delta_softplus=True, return_final_state=True, backend=backend
+        )
         return {"y": y, "h": h}
 
-    tol = {"y": SCAN, "h": SCAN, "du": SCAN_X2, "ddelta": SCAN_DT, "dA": SCAN_DA, "dB": SCAN,
-           "dC": SCAN, "dD": SCAN, "dz": SCAN, "ddelta_bias": SCAN, "dinitial_state": SCAN}
+    tol = {
+        "y": SCAN,
+        "h": SCAN,
+        "du": SCAN_X2,
+        "ddelta": SCAN_DT,
+        "dA": SCAN_DA,
+        "dB": SCAN,
+        "dC": SCAN,
+        "dD": SCAN,
+        "dz": SCAN,
+        "ddelta_bias": SCAN,
+        "dinitial_state": SCAN,
+    }
     return make, call, tol
 
 
 def _ssd_case(ngroups: int, init: bool):
-    b, L, h, p, n, chunk = 2, 77, 4, 8, 16, 32   # 77: three chunks of 32 on a GPU (of 64 on a CPU)
+    b, L, h, p, n, chunk = 2, 77, 4, 8, 16, 32  # 77: three chunks of 32 on a GPU (of 64 on a CPU)
 
     def make(low):
         g = rng(20 + ngroups)
-        inp = dict(x=randn(g, b, L, h, p), dt=randn(g, b, L, h) - 2, A=-rand(g, h) - 0.5,
-                   B=randn(g, b, L, ngroups, n) / 5, C=randn(g, b, L, ngroups, n) / 5,
-                   D=randn(g, h, p) if init else randn(g, h), z=randn(g, b, L, h, p),
-                   dt_bias=rand(g, h) - 2)
+        inp = dict(
+            x=randn(g, b, L, h, p),
+            dt=randn(g, b, L, h) - 2,
+            A=-rand(g, h) - 0.5,
+            B=randn(g, b, L, ngroups, n) / 5,
+            C=randn(g, b, L, ngroups, n) / 5,
+            D=randn(g, h, p) if init else randn(g, h),
+            z=randn(g, b, L, h, p),
+            dt_bias=rand(g, h) - 2,
+        )
         if init:
             inp["initial_states"] = randn(g, b, h, p, n)
         return _cast(inp, {"x", "dt", "B", "C", "z"}, low)
 
     def call(t, backend):
-        y, hf = ops.ssd_scan(**t, chunk_size=chunk, dt_softplus=True, return_final_states=True,
-                             backend=backend)
+        y, hf = ops.ssd_scan(
+            **t, chunk_size=chunk, dt_softplus=True, return_final_states=True, backend=backend
+        )
         return {"y": y, "h": hf}
 
-    tol = {"y": SCAN, "h": SCAN, "dx": SCAN_X2, "dB": SCAN_X2, "dC": SCAN_X2, "dz": SCAN_X2,
-           "ddt": SCAN_DT, "dA": PARAM_SUM, "dD": PARAM_SUM, "ddt_bias": PARAM_SUM,
-           "dinitial_states": SCAN}
+    tol = {
+        "y": SCAN,
+        "h": SCAN,
+        "dx": SCAN_X2,
+        "dB": SCAN_X2,
+        "dC": SCAN_X2,
+        "dz": SCAN_X2,
+        "ddt": SCAN_DT,
+        "dA": PARAM_SUM,
+        "dD": PARAM_SUM,
+        "ddt_bias": PARAM_SUM,
+        "dinitial_states": SCAN,
+    }
     return make, call, tol
 
 
@@ -98,8 +134,11 @@ def _conv_case(channels_last: bool):
         return _cast(dict(x=x, weight=randn(g, d, w), bias=randn(g, d)), {"x"}, low)
 
     def call(t, backend):
-        return {"y": ops.causal_conv1d(t["x"], t["weight"], t["bias"], activation="silu",
-                                       backend=backend)}
+        return {
+            "y": ops.causal_conv1d(
+                t["x"], t["weight"], t["bias"], activation="silu", backend=backend
+            )
+        }
 
     return make, call, {"y": CONV, "dx": CONV, "dweight": CONV_W, "dbias": CONV_W}
 
@@ -109,18 +148,30 @@ def _conv_update_case():
 
     def make(low):
         g = rng(31)
-        inp = dict(x=randn(g, b, d), conv_state=randn(g, b, d, w), weight=randn(g, d, w),
-                   bias=randn(g, d))
+        inp = dict(
+            x=randn(g, b, d), conv_state=randn(g, b, d, w), weight=randn(g, d, w), bias=randn(g, d)
+        )
         return _cast(inp, {"x", "conv_state"}, low)
 
     def call(t, backend):
         state = t["conv_state"].clone()
-        y = ops.causal_conv1d_update(t["x"], state, t["weight"], t["bias"], activation="silu",
-                                     backend=backend)
+        y = ops.causal_conv1d_update(
+            t["x"], state, t["weight"], t["bias"], activation="silu", backend=backend
+        )
         return {"y": y, "state": state}
 
-    return make, call, {"y": CONV, "state": CONV, "dx": CONV, "dconv_state": CONV,
-                        "dweight": CONV_W, "dbias": CONV_W}
+    return (
+        make,
+        call,
+        {
+            "y": CONV,
+            "state": CONV,
+            "dx": CONV,
+            "dconv_state": CONV,
+            "dweight": CONV_W,
+            "dbias": CONV_W,
+        },
+    )
 
 
 def _step1_case():
@@ -129,9 +180,17 @@ def _step1_case():
 
     def make(low):
         g = rng(40)
-        inp = dict(state=randn(g, b, d, n), x=randn(g, b, d), dt=randn(g, b, d) - 1,
-                   A=-rand(g, d, n) - 0.1, B=randn(g, b, n), C=randn(g, b, n), D=randn(g, d),
-                   z=randn(g, b, d), dt_bias=rand(g, d) - 1)
+        inp = dict(
+            state=randn(g, b, d, n),
+            x=randn(g, b, d),
+            dt=randn(g, b, d) - 1,
+            A=-rand(g, d, n) - 0.1,
+            B=randn(g, b, n),
+            C=randn(g, b, n),
+            D=randn(g, d),
+            z=randn(g, b, d),
+            dt_bias=rand(g, d) - 1,
+        )
         return _cast(inp, {"x", "dt", "B", "C", "z"}, low)
 
     def call(t, backend):
@@ -140,8 +199,19 @@ def _step1_case():
         y = ops.selective_state_update(state, **args, dt_softplus=True, backend=backend)
         return {"y": y, "state": state}
 
-    tol = {"y": SCAN, "state": SCAN, "dstate": SCAN, "dx": SCAN_X2, "dB": SCAN_X2, "dC": SCAN_X2,
-           "dz": SCAN_X2, "ddt": SCAN_DT, "dA": PARAM_SUM, "dD": PARAM_SUM, "ddt_bias": PARAM_SUM}
+    tol = {
+        "y": SCAN,
+        "state": SCAN,
+        "dstate": SCAN,
+        "dx": SCAN_X2,
+        "dB": SCAN_X2,
+        "dC": SCAN_X2,
+        "dz": SCAN_X2,
+        "ddt": SCAN_DT,
+        "dA": PARAM_SUM,
+        "dD": PARAM_SUM,
+        "ddt_bias": PARAM_SUM,
+    }
     return make, call, tol
 
 
@@ -152,22 +222,49 @@ def _step2_case():
 
     def make(low):
         g = rng(41)
-        inp = dict(state=randn(g, b, h, p, n), x=randn(g, b, h, p), dt=randn(g, b, h) - 1,
-                   A=-rand(g, h) - 0.5, B=randn(g, b, gr, n), C=randn(g, b, gr, n), D=randn(g, h),
-                   z=randn(g, b, h, p), dt_bias=rand(g, h) - 1)
+        inp = dict(
+            state=randn(g, b, h, p, n),
+            x=randn(g, b, h, p),
+            dt=randn(g, b, h) - 1,
+            A=-rand(g, h) - 0.5,
+            B=randn(g, b, gr, n),
+            C=randn(g, b, gr, n),
+            D=randn(g, h),
+            z=randn(g, b, h, p),
+            dt_bias=rand(g, h) - 1,
+        )
         return _cast(inp, {"x", "dt", "B", "C", "z"}, low)
 
     def call(t, backend):
         state = t["state"].clone()
         y = ops.selective_state_update(
-            state, t["x"], t["dt"][..., None].expand(b, h, p),
-            t["A"][:, None, None].expand(h, p, n), t["B"], t["C"], D=t["D"][:, None].expand(h, p),
-            z=t["z"], dt_bias=t["dt_bias"][:, None].expand(h, p), dt_softplus=True,
-            backend=backend)
+            state,
+            t["x"],
+            t["dt"][..., None].expand(b, h, p),
+            t["A"][:, None, None].expand(h, p, n),
+            t["B"],
+            t["C"],
+            D=t["D"][:, None].expand(h, p),
+            z=t["z"],
+            dt_bias=t["dt_bias"][:, None].expand(h, p),
+            dt_softplus=True,
+            backend=backend,
+        )
         return {"y": y, "state": state}
 
-    tol = {"y": SCAN, "state": SCAN, "dstate": SCAN, "dx": SCAN_X2, "dB": SCAN_X2, "dC": SCAN_X2,
-           "dz": SCAN_X2, "ddt": SCAN_DT, "dA": PARAM_SUM, "dD": PARAM_SUM, "ddt_bias": PARAM_SUM}
+    tol = {
+        "y": SCAN,
+        "state": SCAN,
+        "dstate": SCAN,
+        "dx": SCAN_X2,
+        "dB": SCAN_X2,
+        "dC": SCAN_X2,
+        "dz": SCAN_X2,
+        "ddt": SCAN_DT,
+        "dA": PARAM_SUM,
+        "dD": PARAM_SUM,
+        "ddt_bias": PARAM_SUM,
+    }
     return make, call, tol
 
 
@@ -192,14 +289,25 @@ def _norm_case(gated: bool, group_size=None, norm_before_gate=True):
         return _cast(inp, {"x", "z"}, low)
 
     def call(t, backend):
-        if backend == "plain":                           # the "pt" side of the norm rule
-            return {"y": _plain_norm(t["x"], t["weight"].to(t["x"].dtype), t.get("z"), group_size,
-                                     norm_before_gate)}
+        if backend == "plain":  # the "pt" side of the norm rule
+            return {
+                "y": _plain_norm(
+                    t["x"], t["weight"].to(t["x"].dtype), t.get("z"), group_size, norm_before_gate
+                )
+            }
         if not gated:
             return {"y": ops.rms_norm(t["x"], t["weight"], eps=1e-5, backend=backend)}
-        return {"y": ops.rms_norm_gated(t["x"], t["weight"], t["z"], eps=1e-5,
-                                        group_size=group_size, norm_before_gate=norm_before_gate,
-                                        backend=backend)}
+        return {
+            "y": ops.rms_norm_gated(
+                t["x"],
+                t["weight"],
+                t["z"],
+                eps=1e-5,
+                group_size=group_size,
+                norm_before_gate=norm_before_gate,
+                backend=backend,
+            )
+        }
 
     return make, call, {"y": NORM, "dx": NORM, "dweight": NORM, "dz": NORM}
 
@@ -212,23 +320,47 @@ def _mamba3_case(rank: int):
 
     def make(low):
         g = rng(60 + rank)
-        inp = dict(x=randn(g, b, L, h, p), dt=randn(g, b, L, h).abs() + 0.1,
-                   A=-randn(g, b, L, h).abs() - 0.1, trap=randn(g, b, L, h),
-                   B=randn(g, b, L, rank, gr, n), C=randn(g, b, L, rank, gr, n),
-                   angles=randn(g, b, L, h, S), B_bias=randn(g, h, rank, n),
-                   C_bias=randn(g, h, rank, n), D=randn(g, h), z=randn(g, b, L, h, p))
+        inp = dict(
+            x=randn(g, b, L, h, p),
+            dt=randn(g, b, L, h).abs() + 0.1,
+            A=-randn(g, b, L, h).abs() - 0.1,
+            trap=randn(g, b, L, h),
+            B=randn(g, b, L, rank, gr, n),
+            C=randn(g, b, L, rank, gr, n),
+            angles=randn(g, b, L, h, S),
+            B_bias=randn(g, h, rank, n),
+            C_bias=randn(g, h, rank, n),
+            D=randn(g, h),
+            z=randn(g, b, L, h, p),
+        )
         if mimo:
-            inp.update(mimo_x=randn(g, h, rank, p), mimo_z=randn(g, h, rank, p),
-                       mimo_o=randn(g, h, rank, p))
+            inp.update(
+                mimo_x=randn(g, h, rank, p),
+                mimo_z=randn(g, h, rank, p),
+                mimo_o=randn(g, h, rank, p),
+            )
         return _cast(inp, {"x", "dt", "A", "trap", "B", "C", "angles", "z"}, low)
 
     def call(t, backend):
         return {"y": ops.mamba3_scan(**t, chunk_size=8, backend=backend)}
 
-    tol = {"y": SCAN, "dx": SCAN_X2, "dB": SCAN_X2, "dC": SCAN_X2, "dz": SCAN_X2,
-           "dangles": SCAN_DT, "ddt": SCAN_DT, "dA": SCAN_DT, "dtrap": SCAN_DT,
-           "dB_bias": PARAM_SUM, "dC_bias": PARAM_SUM, "dD": PARAM_SUM, "dmimo_x": PARAM_SUM,
-           "dmimo_z": PARAM_SUM, "dmimo_o": PARAM_SUM}
+    tol = {
+        "y": SCAN,
+        "dx": SCAN_X2,
+        "dB": SCAN_X2,
+        "dC": SCAN_X2,
+        "dz": SCAN_X2,
+        "dangles": SCAN_DT,
+        "ddt": SCAN_DT,
+        "dA": SCAN_DT,
+        "dtrap": SCAN_DT,
+        "dB_bias": PARAM_SUM,
+        "dC_bias": PARAM_SUM,
+        "dD": PARAM_SUM,
+        "dmimo_x": PARAM_SUM,
+        "dmimo_z": PARAM_SUM,
+        "dmimo_o": PARAM_SUM,
+    }
     return make, call, tol
 
 
@@ -260,6 +392,7 @@ def compiled_cases() -> dict:
     """The S6 and SSD cases again with ``ops.compile_scan(True)`` on the torch backend (Triton on a
     GPU). Run on CUDA only: on CPU tests/unit/ops/test_compiled_scan.py checks the same and the
     compiles cost CI time."""
+
     def compiled(make, call, tol):
         def call_compiled(t, backend):
             if backend != "torch":
@@ -270,13 +403,18 @@ def compiled_cases() -> dict:
                 return call(t, backend)
             finally:
                 ops.compile_scan(False)
+
         return make, call_compiled, tol
-    return {"selective_scan/compiled": (*compiled(*_s6_case(2, True)), False),
-            "ssd_scan/compiled": (*compiled(*_ssd_case(2, True)), False)}
+
+    return {
+        "selective_scan/compiled": (*compiled(*_s6_case(2, True)), False),
+        "ssd_scan/compiled": (*compiled(*_ssd_case(2, True)), False),
+    }
 
 
-def _run(call, inputs: dict, backend: str, device, grad_names, grad_outs: dict | None,
-         forward_only: bool):
+def _run(
+    call, inputs: dict, backend: str, device, grad_names, grad_outs: dict | None, forward_only: bool
+):
     """Leaves on ``device`` (gradients for ``grad_names``), the outputs, and the gradients after
     backward with ``grad_outs`` (made here, seeded, in each output's dtype, when None). Returns
     (outs, grads, grad_outs)."""
@@ -295,11 +433,15 @@ def _run(call, inputs: dict, backend: str, device, grad_names, grad_outs: dict |
     grads = {}
     if not forward_only:
         pairs = [(o, grad_outs[k]) for k, o in outs.items() if o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs],
-                                [gr.to(o.device, o.dtype) for o, gr in pairs])
+        torch.autograd.backward(
+            [o for o, _ in pairs], [gr.to(o.device, o.dtype) for o, gr in pairs]
+        )
         grads = {f"d{k}": t.grad for k, t in leaves.items() if t.grad is not None}
-    return ({k: o.detach().cpu() for k, o in outs.items()},
-            {k: v.detach().cpu() for k, v in grads.items()}, grad_outs)
+    return (
+        {k: o.detach().cpu() for k, o in outs.items()},
+        {k: v.detach().cpu() for k, v in grads.items()},
+        grad_outs,
+    )
 
 
 def _compare(name, ours, ref, pt, spec, low: bool):
@@ -340,16 +482,25 @@ def run_parity_case(make, call, tol, forward_only, dtype: torch.dtype, device) -
         tensors[key] = _compare(key, value, expected, pt.get(key, pt_g.get(key)), spec, low)
     missing = sorted(set(ref_g) - set(ours_g))
     worst = max(tensors, key=lambda k: tensors[k]["ratio"])
-    ok = all(math.isfinite(t["ratio"]) and t["ratio"] <= 1 for t in tensors.values()) and \
-        not missing
+    ok = (
+        all(math.isfinite(t["ratio"]) and t["ratio"] <= 1 for t in tensors.values()) and not missing
+    )
     spec = tol.get(worst, SCAN)
-    worst_tol = (f"max|ours-ref| <= {FP32_REL} max|ref|" if not low else
-                 f"|ours-ref| <= {spec[1]}*|pt-ref| + {spec[2]}" if spec[0] == "norm" else
-                 f"|ours-ref| <= {spec[2]}{'*max|ref|' if spec[0] == 'scale' else ''} "
-                 f"+ {spec[1]}*|ref|")
-    return {"pass": ok, "worst": worst, "worst_ratio": tensors[worst]["ratio"],
-            "worst_tolerance": worst_tol, "tensors": tensors,
-            **({"missing_grads": missing} if missing else {})}
+    worst_tol = (
+        f"max|ours-ref| <= {FP32_REL} max|ref|"
+        if not low
+        else f"|ours-ref| <= {spec[1]}*|pt-ref| + {spec[2]}"
+        if spec[0] == "norm"
+        else f"|ours-ref| <= {spec[2]}{'*max|ref|' if spec[0] == 'scale' else ''} + {spec[1]}*|ref|"
+    )
+    return {
+        "pass": ok,
+        "worst": worst,
+        "worst_ratio": tensors[worst]["ratio"],
+        "worst_tolerance": worst_tol,
+        "tensors": tensors,
+        **({"missing_grads": missing} if missing else {}),
+    }
 
 
 def run(ctx: Context) -> dict:
@@ -367,12 +518,20 @@ def run(ctx: Context) -> dict:
             results[name][dname] = r
             if not r["pass"]:
                 failed.append(f"{name}/{dname}")
-            shown = (f"worst {r['worst']} at {r['worst_ratio']:.3g} of its tolerance"
-                     if "worst" in r else r.get("error", ""))
+            shown = (
+                f"worst {r['worst']} at {r['worst_ratio']:.3g} of its tolerance"
+                if "worst" in r
+                else r.get("error", "")
+            )
             ctx.log(f"  {'PASS' if r['pass'] else 'FAIL'} {name:<44} {dname}  {shown}")
-    return {"pass": not failed, "failed": failed, "device": str(ctx.device),
-            "oracle": "reference backend, CPU",
-            "tolerance": {"fp32": f"max|ours-ref| <= {FP32_REL} max|ref|, TF32 off",
-                          "bf16": "the kernels' suites (tests/unit/ops/test_low_precision.py); "
-                                  "ratio <= 1 passes"},
-            "cases": results}
+    return {
+        "pass": not failed,
+        "failed": failed,
+        "device": str(ctx.device),
+        "oracle": "reference backend, CPU",
+        "tolerance": {
+            "fp32": f"max|ours-ref| <= {FP32_REL} max|ref|, TF32 off",
+            "bf16": "the kernels' suites (tests/unit/ops/test_low_precision.py); ratio <= 1 passes",
+        },
+        "cases": results,
+    }

@@ -23,32 +23,50 @@ class TokenLoader:
     """Batches ``(input_ids, labels)`` of shape ``(batch_size, seq_len)`` from a prepared directory.
 
     ``verify``: how much of the shards to check when opening them. ``"auto"`` (default): each file's
-    size, and its sha256 and token ids (< the index's ``vocab_size``) the first time this directory is
-    opened, remembered by file (size, mtime, ctime) so later opens only ``stat`` the files. ``True``:
-    read and check every file on every open. ``False``: sizes only. A damaged shard is a ValueError
-    naming the file.
+    size, and its sha256 and token ids (< the index's ``vocab_size``) the first time this directory
+    is opened, remembered by file (size, mtime, ctime) so later opens only ``stat`` the files.
+    ``True``: read and check every file on every open. ``False``: sizes only. A damaged shard is a
+    ValueError naming the file.
     """
 
-    def __init__(self, shard_dir, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, verify: bool | str = "auto"):
-        ints = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
+    def __init__(
+        self,
+        shard_dir,
+        seq_len: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        verify: bool | str = "auto",
+    ):
+        ints = dict(
+            seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed
+        )
         bad = {k: v for k, v in ints.items() if not checks.is_integer(v)}
         if bad or seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError("need integers seq_len >= 1, batch_size >= 1, 0 <= rank < world_size, "
-                             "and seed; got "
-                             + ", ".join(f"{k}={v!r}" for k, v in ints.items()))
+            raise ValueError(
+                "need integers seq_len >= 1, batch_size >= 1, 0 <= rank < world_size, "
+                "and seed; got " + ", ".join(f"{k}={v!r}" for k, v in ints.items())
+            )
         seq_len, batch_size, rank, world_size, seed = (int(v) for v in ints.values())
         self.dir = Path(shard_dir)
         self.index, self.maps = open_shards(self.dir, verify)
         self.dtype = np.dtype(self.index["dtype"])
         self.starts = np.cumsum([0] + [len(m) for m in self.maps]).tolist()
-        (self.seq_len, self.batch_size, self.rank,
-         self.world_size, self.seed) = seq_len, batch_size, rank, world_size, seed
+        (self.seq_len, self.batch_size, self.rank, self.world_size, self.seed) = (
+            seq_len,
+            batch_size,
+            rank,
+            world_size,
+            seed,
+        )
         self.n_windows = max(0, (self.starts[-1] - 1) // seq_len)
         self.batches_per_epoch = self.n_windows // world_size // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{self.dir} holds {self.starts[-1]} tokens: not one batch of "
-                             f"{batch_size} x {seq_len + 1} tokens per rank for {world_size} ranks")
+            raise ValueError(
+                f"{self.dir} holds {self.starts[-1]} tokens: not one batch of "
+                f"{batch_size} x {seq_len + 1} tokens per rank for {world_size} ranks"
+            )
         self.epoch, self.step = 0, 0
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
@@ -71,29 +89,50 @@ class TokenLoader:
         while True:
             windows = self._my_windows(self.epoch)
             while self.step < self.batches_per_epoch:
-                ids = windows[self.step * self.batch_size : (self.step + 1) * self.batch_size].tolist()
-                batch = np.stack([self._tokens(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
-                                  for i in ids])
+                ids = windows[
+                    self.step * self.batch_size : (self.step + 1) * self.batch_size
+                ].tolist()
+                batch = np.stack(
+                    [
+                        self._tokens(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
+                        for i in ids
+                    ]
+                )
                 self.step += 1
                 batch = torch.from_numpy(batch.astype(np.int64))
                 yield batch[:, :-1], batch[:, 1:]
             self.epoch, self.step = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return dict(epoch=self.epoch, step=self.step, seed=self.seed, rank=self.rank,
-                    world_size=self.world_size, seq_len=self.seq_len, batch_size=self.batch_size,
-                    total_tokens=self.starts[-1])
+        return dict(
+            epoch=self.epoch,
+            step=self.step,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            total_tokens=self.starts[-1],
+        )
 
     def load_state_dict(self, state: dict):
         if not isinstance(state, dict):
-            raise ValueError(f"loader state must be a dict from state_dict(); got {type(state).__name__}")
+            raise ValueError(
+                f"loader state must be a dict from state_dict(); got {type(state).__name__}"
+            )
         for key in ("seed", "world_size", "seq_len", "batch_size", "total_tokens"):
             mine = self.state_dict()[key]
             if state.get(key) != mine:
-                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}")
+                raise ValueError(
+                    f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}"
+                )
         epoch, step = state.get("epoch"), state.get("step")
-        if not all(checks.is_integer(v) and v >= 0 for v in (epoch, step)) \
-                or step > self.batches_per_epoch:
-            raise ValueError(f"loader state has epoch={epoch!r}, step={step!r}; expected integers >= 0 "
-                             f"with step <= {self.batches_per_epoch} (batches per epoch)")
+        if (
+            not all(checks.is_integer(v) and v >= 0 for v in (epoch, step))
+            or step > self.batches_per_epoch
+        ):
+            raise ValueError(
+                f"loader state has epoch={epoch!r}, step={step!r}; expected integers >= 0 "
+                f"with step <= {self.batches_per_epoch} (batches per epoch)"
+            )
         self.epoch, self.step = epoch, step

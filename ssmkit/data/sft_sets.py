@@ -1,11 +1,11 @@
 """Offline instruction sets for SFT: built here, from nothing but the standard library, in trl's
-conversational format (``{"messages": [user, assistant]}``). :data:`SFT_SOURCES` names them; each takes
-``(split, seed, n)`` and returns rows for :func:`ssmkit.data.sft_format.parse_record`.
+conversational format (``{"messages": [user, assistant]}``). :data:`SFT_SOURCES` names them; each
+takes ``(split, seed, n)`` and returns rows for :func:`ssmkit.data.sft_format.parse_record`.
 
-Splits are held out by the *item*, not by the draw: an item (a function, an arithmetic question) is in
-"val" when the sha256 of a fixed salt and its name falls in the first :data:`VAL_PERCENT` of the hash
-range. So "train" and "val" never share an item, whatever ``seed``, and the split of an item is the same
-on every machine.
+Splits are held out by the *item*, not by the draw: an item (a function, an arithmetic question) is
+in "val" when the sha256 of a fixed salt and its name falls in the first :data:`VAL_PERCENT` of the
+hash range. So "train" and "val" never share an item, whatever ``seed``, and the split of an item is
+the same on every machine.
 """
 
 from __future__ import annotations
@@ -29,26 +29,46 @@ def in_val(salt: str, item: str) -> bool:
 
 def _check(split: str, n):
     if split not in SPLITS:
-        raise ValueError(f"split {split!r} is not valid for an offline SFT set; valid: {', '.join(SPLITS)}")
+        raise ValueError(
+            f"split {split!r} is not valid for an offline SFT set; valid: {', '.join(SPLITS)}"
+        )
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"the number of samples must be a positive integer or None; got {n!r}")
 
 
 def _chat(question: str, answer: str) -> dict:
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
-# --- sft-docstrings ------------------------------------------------------------------------------------
+# --- sft-docstrings -------------------------------------------------------------------------------
 
 DOC_SALT = "sft-docstrings"
-DOC_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__",
-            "idlelib", "turtledemo", "distutils", "ensurepip", "pydoc_data"}
+DOC_SKIP = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "lib2to3",
+    "__pycache__",
+    "idlelib",
+    "turtledemo",
+    "distutils",
+    "ensurepip",
+    "pydoc_data",
+}
 _SENTENCE = re.compile(r"(.+?[.!?])(?:\s|$)")
 
 
 def first_sentence(doc: str) -> str | None:
-    """The first sentence of a docstring's first paragraph, whitespace collapsed; None when it is not a
-    usable answer (no sentence end, under 20 or over 160 characters, a signature line, an ellipsis)."""
+    """The first sentence of a docstring's first paragraph, whitespace collapsed; None when it is
+    not a usable answer (no sentence end, under 20 or over 160 characters, a signature line, an
+    ellipsis)."""
     para = " ".join(doc.strip().split("\n\n")[0].split())
     m = _SENTENCE.match(para)
     if not m:
@@ -62,18 +82,21 @@ def first_sentence(doc: str) -> str | None:
 def _module(rel: Path) -> str | None:
     parts = rel.with_suffix("").parts
     if any(p.startswith("_") and p != "__init__" for p in parts):
-        return None                                          # private modules
+        return None  # private modules
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @functools.lru_cache(maxsize=1)
 def docstring_items() -> dict[str, str]:
-    """``{"json.dumps": "Serialize ``obj`` to a JSON formatted ``str``.", ...}``: every public module-level
-    function and public method of a public class of the standard library's public modules (read with
-    ``ast``, nothing imported) whose docstring has a usable :func:`first_sentence`. Sorted by name; read
-    once per process (about 2 s), so do not change the dict returned."""
+    """``{"json.dumps": "Serialize ``obj`` to a JSON formatted ``str``.", ...}``: every public
+    module-level function and public method of a public class of the standard library's public
+    modules (read with ``ast``, nothing imported) whose docstring has a usable
+    :func:`first_sentence`. Sorted by name; read once per process (about 2 s), so do not change the
+    dict returned."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not DOC_SKIP.intersection(p.relative_to(root).parts))
+    files = sorted(
+        p for p in root.rglob("*.py") if not DOC_SKIP.intersection(p.relative_to(root).parts)
+    )
     out: dict[str, str] = {}
     for path in files:
         module = _module(path.relative_to(root))
@@ -87,7 +110,9 @@ def docstring_items() -> dict[str, str]:
         for node in tree.body:
             found = [(node.name, node)] if isinstance(node, defs) else []
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                found = [(f"{node.name}.{sub.name}", sub) for sub in node.body if isinstance(sub, defs)]
+                found = [
+                    (f"{node.name}.{sub.name}", sub) for sub in node.body if isinstance(sub, defs)
+                ]
             for name, fn in found:
                 doc = ast.get_docstring(fn) if not fn.name.startswith("_") else None
                 answer = first_sentence(doc) if doc else None
@@ -97,26 +122,29 @@ def docstring_items() -> dict[str, str]:
 
 
 def sft_docstrings(split: str = "train", seed: int = 0, n: int | None = None) -> list[dict]:
-    """"What does `json.dumps` do?" -> the first sentence of its docstring ("Serialize ``obj`` to a JSON
-    formatted ``str``.").
+    """ "What does `json.dumps` do?" -> the first sentence of its docstring ("Serialize ``obj`` to a
+    JSON formatted ``str``.").
 
     Measures: recall of facts seen in training (train) and, on "val", whether the model answers for
-    functions it never saw in this form: the held-out loss shows how well it predicts a docstring-style
-    summary from the name alone (the pretraining corpus stdlib-docs holds those docstrings as prose, so
-    it is also a test of turning pretraining knowledge into an answer). Exact match on "val" is near 0
-    for small models; use the completion loss.
+    functions it never saw in this form: the held-out loss shows how well it predicts a
+    docstring-style summary from the name alone (the pretraining corpus stdlib-docs holds those
+    docstrings as prose, so it is also a test of turning pretraining knowledge into an answer).
+    Exact match on "val" is near 0 for small models; use the completion loss.
 
-    About 2,800 train and 300 val items on CPython 3.11 (the corpus is the running interpreter's). The
-    split is by function name (:func:`in_val`); ``seed`` orders the rows and ``n`` keeps the first n of
-    that order (None: all)."""
+    About 2,800 train and 300 val items on CPython 3.11 (the corpus is the running interpreter's).
+    The split is by function name (:func:`in_val`); ``seed`` orders the rows and ``n`` keeps the
+    first n of that order (None: all)."""
     _check(split, n)
-    items = [(name, answer) for name, answer in docstring_items().items()
-             if in_val(DOC_SALT, name) == (split == "val")]
+    items = [
+        (name, answer)
+        for name, answer in docstring_items().items()
+        if in_val(DOC_SALT, name) == (split == "val")
+    ]
     random.Random(f"{DOC_SALT}/{split}/{seed}").shuffle(items)
     return [_chat(f"What does `{name}` do?", answer) for name, answer in items[:n]]
 
 
-# --- sft-arith -----------------------------------------------------------------------------------------
+# --- sft-arith ------------------------------------------------------------------------------------
 
 ARITH_SALT = "sft-arith"
 ARITH_SIZES = {"train": 3000, "val": 300}
@@ -124,8 +152,9 @@ ARITH_TASKS = ("add", "reverse", "sort")
 
 
 def arith_question(rng: random.Random) -> str:
-    """One question: "What is 37 + 45?" (0..99 each), "Reverse the list: 3 1 4" or "Sort the list: 42 7 19"
-    (3 to 5 items: digits to reverse, numbers 0..99 to sort), each task a third of the time."""
+    """One question: "What is 37 + 45?" (0..99 each), "Reverse the list: 3 1 4" or "Sort the list:
+    42 7 19" (3 to 5 items: digits to reverse, numbers 0..99 to sort), each task a third of the
+    time."""
     task = rng.choice(ARITH_TASKS)
     if task == "add":
         return f"What is {rng.randrange(100)} + {rng.randrange(100)}?"
@@ -146,14 +175,15 @@ def arith_answer(question: str) -> str:
 
 
 def sft_arith(split: str = "train", seed: int = 0, n: int | None = None) -> list[dict]:
-    """Synthetic instructions with exactly checkable answers: addition of two numbers below 100, reversing
-    a list of 3-5 digits, sorting 3-5 numbers below 100 (:func:`arith_question`, :func:`arith_answer`).
+    """Synthetic instructions with exactly checkable answers: addition of two numbers below 100,
+    reversing a list of 3-5 digits, sorting 3-5 numbers below 100 (:func:`arith_question`,
+    :func:`arith_answer`).
 
-    Measures: whether fine-tuning teaches the format (answer, then EOS) and a little algorithm: exact-match
-    accuracy of greedy answers on "val", whose questions never occur in "train" (split by question,
-    :func:`in_val`). ``n`` distinct questions (default 3,000 train, 300 val) drawn with a generator seeded
-    by (split, seed): the two splits come from different seeds and from disjoint halves of the question
-    space."""
+    Measures: whether fine-tuning teaches the format (answer, then EOS) and a little algorithm:
+    exact-match accuracy of greedy answers on "val", whose questions never occur in "train" (split
+    by question, :func:`in_val`). ``n`` distinct questions (default 3,000 train, 300 val) drawn with
+    a generator seeded by (split, seed): the two splits come from different seeds and from disjoint
+    halves of the question space."""
     _check(split, n)
     n = ARITH_SIZES[split] if n is None else n
     rng = random.Random(f"{ARITH_SALT}/{split}/{seed}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VALIDATION_PERCENT = 5
-MIN_DOC_CHARS = 200          # stdlib modules with less docstring text than this are skipped
+MIN_DOC_CHARS = 200  # stdlib modules with less docstring text than this are skipped
 SPLITS = ("train", "validation", "all")
 
 # name -> (hub dataset id, config, text field): the corpora of the plan
@@ -63,7 +63,8 @@ def _split(docs: Iterator[Document], split: str) -> Iterator[Document]:
 
 
 def _module_docstrings(path: Path) -> str:
-    """The module's, classes' and functions' docstrings in source order, or "" if it does not parse."""
+    """The module's, classes' and functions' docstrings in source order, or "" if it does not
+    parse."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
@@ -86,8 +87,18 @@ def stdlib_docs(split: str = "train") -> Iterator[Document]:
         for name in sorted(topics):
             yield Document(f"pydoc:{name}", topics[name].strip())
         root = Path(sysconfig.get_paths()["stdlib"])
-        skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
-        files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+        skip = {
+            "test",
+            "tests",
+            "idle_test",
+            "site-packages",
+            "dist-packages",
+            "lib2to3",
+            "__pycache__",
+        }
+        files = sorted(
+            p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)
+        )
         for path in files:
             text = _module_docstrings(path)
             if len(text) >= MIN_DOC_CHARS:
@@ -102,8 +113,10 @@ def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
     if not files or not all(p.is_file() and p.suffix in LOCAL_SUFFIXES for p in files):
-        raise ValueError(f"{path}: no readable text files; "
-                         f"expected {', '.join(LOCAL_SUFFIXES)} or a directory of them")
+        raise ValueError(
+            f"{path}: no readable text files; "
+            f"expected {', '.join(LOCAL_SUFFIXES)} or a directory of them"
+        )
     return files
 
 
@@ -117,14 +130,23 @@ def _jsonl(p: Path, field: str) -> Iterator[Document]:
             try:
                 row = json.loads(line)
             except ValueError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc}); each line must be a JSON object "
-                                 f"with a string field {field!r}") from None
+                raise ValueError(
+                    f"{where}: not valid JSON ({exc}); each line must be a JSON object "
+                    f"with a string field {field!r}"
+                ) from None
             text = row.get(field) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                what = ("is not a JSON object" if not isinstance(row, dict) else f"has no field {field!r}"
-                        if field not in row else f"has {field!r} of type {type(text).__name__}")
-                raise ValueError(f"{where}: the line {what}; each line must be a JSON object with a string "
-                                 f"field {field!r}")
+                what = (
+                    "is not a JSON object"
+                    if not isinstance(row, dict)
+                    else f"has no field {field!r}"
+                    if field not in row
+                    else f"has {field!r} of type {type(text).__name__}"
+                )
+                raise ValueError(
+                    f"{where}: the line {what}; each line must be a JSON object with a string "
+                    f"field {field!r}"
+                )
             yield Document(f"file:{p.name}:{i}", text)
 
 
@@ -134,32 +156,39 @@ def _table(p: Path, field: str) -> Iterator[Document]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{p}: reading {p.suffix} files needs pyarrow (pip install pyarrow)") from None
+        raise ValueError(
+            f"{p}: reading {p.suffix} files needs pyarrow (pip install pyarrow)"
+        ) from None
     try:
         if p.suffix == ".parquet":
             table = pq.read_table(p)
-        else:   # the IPC file format, or the stream format (datasets)
+        else:  # the IPC file format, or the stream format (datasets)
             try:
                 table = pa.ipc.open_file(p).read_all()
             except pa.ArrowInvalid:
                 table = pa.ipc.open_stream(p).read_all()
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"{p}: cannot be read as {p.suffix[1:]} ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ValueError(
+            f"{p}: cannot be read as {p.suffix[1:]} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     if field not in table.column_names:
-        raise ValueError(f"{p}: no column {field!r}; its columns: {', '.join(table.column_names) or 'none'}")
+        raise ValueError(
+            f"{p}: no column {field!r}; its columns: {', '.join(table.column_names) or 'none'}"
+        )
     for i, text in enumerate(table.column(field).to_pylist()):
         if not isinstance(text, str):
-            raise ValueError(f"{p}, row {i + 1}: column {field!r} is {type(text).__name__}, "
-                             "expected a string")
+            raise ValueError(
+                f"{p}, row {i + 1}: column {field!r} is {type(text).__name__}, expected a string"
+            )
         yield Document(f"file:{p.name}:{i}", text)
 
 
 def local_files(path: str | Path, split: str = "all", field: str = "text") -> Iterator[Document]:
     """Documents from a file or a directory of .txt / .jsonl / .parquet / .arrow files (sorted).
 
-    A line (jsonl) or row (parquet, arrow) without a string ``field``, or a file that is not UTF-8 text,
-    is a ValueError naming the file and the line or row (1-based)."""
+    A line (jsonl) or row (parquet, arrow) without a string ``field``, or a file that is not UTF-8
+    text, is a ValueError naming the file and the line or row (1-based)."""
     files = _files(Path(path))
 
     def documents():
@@ -178,11 +207,12 @@ def local_files(path: str | Path, split: str = "all", field: str = "text") -> It
 
 
 def source_fingerprint(source: str) -> str | None:
-    """16 hex digits that change when the documents of ``source`` may have changed, without reading them.
+    """16 hex digits that change when the documents of ``source`` may have changed, without reading
+    them.
 
     A local path: each file's relative path, size and modification time (an edit, an added or a
-    removed file changes it). ``"stdlib-docs"``: the Python implementation and version (the corpus is
-    that interpreter's). A remote corpus or an unknown name: None (nothing cheap to check)."""
+    removed file changes it). ``"stdlib-docs"``: the Python implementation and version (the corpus
+    is that interpreter's). A remote corpus or an unknown name: None (nothing cheap to check)."""
     if source == "stdlib-docs":
         parts = ["stdlib-docs", sys.implementation.name, platform.python_version()]
     elif not isinstance(source, str) or source in REMOTE or not Path(source).exists():
@@ -192,19 +222,26 @@ def source_fingerprint(source: str) -> str | None:
         parts = []
         for p in _files(root):
             st = p.stat()
-            parts.append([p.relative_to(root).as_posix() if root.is_dir() else p.name, st.st_size,
-                          st.st_mtime_ns])
+            parts.append(
+                [
+                    p.relative_to(root).as_posix() if root.is_dir() else p.name,
+                    st.st_size,
+                    st.st_mtime_ns,
+                ]
+            )
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def remote(name: str, split: str = "train") -> Iterator[Document]:
-    """A corpus of the plan streamed from the hub (needs the ``datasets`` package and a network or cache)."""
+    """A corpus of the plan streamed from the hub (needs the ``datasets`` package and a network or
+    cache)."""
     hub_id, config, field = REMOTE[name]
     try:
         from datasets import load_dataset
 
-        stream = load_dataset(hub_id, config, split="validation" if split == "validation" else "train",
-                              streaming=True)
+        stream = load_dataset(
+            hub_id, config, split="validation" if split == "validation" else "train", streaming=True
+        )
         first = iter(stream)
     except Exception as exc:
         raise ValueError(
@@ -217,15 +254,19 @@ def remote(name: str, split: str = "train") -> Iterator[Document]:
 
 
 def check_source(name: str, split: str = "train") -> None:
-    """ValueError unless ``name`` is "stdlib-docs", a remote corpus name or an existing path, and ``split``
-    is valid: what :func:`load_source` would refuse, found before anything is read or written."""
+    """ValueError unless ``name`` is "stdlib-docs", a remote corpus name or an existing path, and
+    ``split`` is valid: what :func:`load_source` would refuse, found before anything is read or
+    written."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not valid; valid splits: {', '.join(SPLITS)}")
-    if (not isinstance(name, str)
-            or not (name == "stdlib-docs" or name in REMOTE or (name and Path(name).exists()))):
-        raise ValueError(f"unknown source {name!r}; valid: 'stdlib-docs', "
-                         f"{', '.join(repr(n) for n in REMOTE)}, "
-                         "or a path to .txt / .jsonl / .parquet / .arrow files")
+    if not isinstance(name, str) or not (
+        name == "stdlib-docs" or name in REMOTE or (name and Path(name).exists())
+    ):
+        raise ValueError(
+            f"unknown source {name!r}; valid: 'stdlib-docs', "
+            f"{', '.join(repr(n) for n in REMOTE)}, "
+            "or a path to .txt / .jsonl / .parquet / .arrow files"
+        )
 
 
 def load_source(name: str, split: str = "train") -> Iterator[Document]:

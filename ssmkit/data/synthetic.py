@@ -91,14 +91,26 @@ from .synthetic_checks import (
     selective_copying_answers,
 )
 
-__all__ = ["IGNORE_INDEX", "SyntheticBatch", "SelectiveCopying", "InductionHeads", "MQAR", "TASKS",
-           "make_task", "accuracy", "check", "selective_copying_answers", "induction_heads_answers",
-           "mqar_answers"]
+__all__ = [
+    "IGNORE_INDEX",
+    "SyntheticBatch",
+    "SelectiveCopying",
+    "InductionHeads",
+    "MQAR",
+    "TASKS",
+    "make_task",
+    "accuracy",
+    "check",
+    "selective_copying_answers",
+    "induction_heads_answers",
+    "mqar_answers",
+]
 
 
 # --------------------------------------------------------------------------------------------
 # Shared task machinery (the batch type, checkers and accuracy: ssmkit.data.synthetic_checks)
 # --------------------------------------------------------------------------------------------
+
 
 def _batch(input_ids: torch.Tensor, answer_mask: torch.Tensor) -> SyntheticBatch:
     labels = torch.where(answer_mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
@@ -114,12 +126,14 @@ def _generator(seed) -> torch.Generator:
 
 
 def _random_subset(n: int, population: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """(n, k) indices into range(population): per row k distinct ones, uniformly, in random order."""
-    if population < 4 * k:   # dense: the k largest of `population` uniform numbers
+    """(n, k) indices into range(population): per row k distinct ones, uniformly, in random
+    order."""
+    if population < 4 * k:  # dense: the k largest of `population` uniform numbers
         return torch.rand(n, population, generator=gen).topk(k, dim=1).indices
-    # sparse (e.g. 16 keys out of 4095): draw with repetition, redraw the repeats until none are left.
-    # Relabelling the population maps runs onto equally likely runs, so every ordered k-tuple of
-    # distinct indices is equally likely, as with the dense method, at O(n k^2) instead of O(n population).
+    # sparse (e.g. 16 keys out of 4095): draw with repetition, redraw the repeats until none are
+    # left. Relabelling the population maps runs onto equally likely runs, so every ordered k-tuple
+    # of distinct indices is equally likely, as with the dense method, at O(n k^2) instead of O(n
+    # population).
     draws = torch.randint(population, (n, k), generator=gen)
     while True:
         # equals an earlier one
@@ -137,30 +151,36 @@ class _Task:
     seq_len: int
 
     def sample(self, n: int, seed: int = 0) -> SyntheticBatch:
-        """n sequences drawn with ``torch.Generator().manual_seed(seed)``; see :class:`SyntheticBatch`."""
+        """n sequences drawn with ``torch.Generator().manual_seed(seed)``; see
+        :class:`SyntheticBatch`."""
         _require_int(type(self).__name__, "n", n, 0)
         return self._generate(n, _generator(seed))
 
-    def split(self, n_train: int, n_test: int, seed: int = 0) -> tuple[SyntheticBatch, SyntheticBatch]:
+    def split(
+        self, n_train: int, n_test: int, seed: int = 0
+    ) -> tuple[SyntheticBatch, SyntheticBatch]:
         """(train, test): ``sample(n_train, 2 * seed)`` and ``sample(n_test, 2 * seed + 1)``.
 
         Train seeds are even and test seeds odd, so no train set of any split seed shares a
         random stream with any test set.
         """
-        _generator(seed)   # validates seed
+        _generator(seed)  # validates seed
         return self.sample(n_train, 2 * seed), self.sample(n_test, 2 * seed + 1)
 
     def check(self, batch: SyntheticBatch) -> bool:
         """Same as :func:`check(batch, self) <check>`."""
         return check(batch, self)
 
-    def _generate(self, n: int, gen: torch.Generator) -> SyntheticBatch:  # pragma: no cover - abstract
+    def _generate(
+        self, n: int, gen: torch.Generator
+    ) -> SyntheticBatch:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
 # --------------------------------------------------------------------------------------------
 # 1. Selective copying
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SelectiveCopying(_Task):
@@ -192,13 +212,17 @@ class SelectiveCopying(_Task):
         _require_int(cls, "vocab_size", self.vocab_size, 1)
         _require_int(cls, "seq_len", self.seq_len, 1)
         if self.vocab_size < self.first_data_id + 2:
-            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
-                             f"{self.first_data_id + 2} (2 special tokens, noise={self.noise_id} and "
-                             f"separator={self.sep_id}, plus at least 2 data tokens)")
+            raise ValueError(
+                f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
+                f"{self.first_data_id + 2} (2 special tokens, noise={self.noise_id} and "
+                f"separator={self.sep_id}, plus at least 2 data tokens)"
+            )
         if self.seq_len < 2 * self.n_tokens + 1:
-            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short for n_tokens={self.n_tokens}: need "
-                             f"seq_len >= 2 * n_tokens + 1 = {2 * self.n_tokens + 1} (a context of at least "
-                             f"n_tokens positions, the separator, then n_tokens answers)")
+            raise ValueError(
+                f"{cls}: seq_len={self.seq_len} is too short for n_tokens={self.n_tokens}: need "
+                f"seq_len >= 2 * n_tokens + 1 = {2 * self.n_tokens + 1} (a context of at least "
+                f"n_tokens positions, the separator, then n_tokens answers)"
+            )
 
     @property
     def context_len(self) -> int:
@@ -207,19 +231,20 @@ class SelectiveCopying(_Task):
     def _generate(self, n, gen):
         c, k = self.context_len, self.n_tokens
         data = torch.randint(self.first_data_id, self.vocab_size, (n, k), generator=gen)
-        positions = _random_subset(n, c, k, gen).sort(dim=1).values     # where the data sits, in order
+        positions = _random_subset(n, c, k, gen).sort(dim=1).values  # where the data sits, in order
         ids = torch.full((n, self.seq_len), self.noise_id, dtype=torch.long)
         ids[:, :c].scatter_(1, positions, data)
         ids[:, c] = self.sep_id
-        ids[:, c + 1:] = data
+        ids[:, c + 1 :] = data
         mask = torch.zeros(n, self.seq_len, dtype=torch.bool)
-        mask[:, c + 1:] = True
+        mask[:, c + 1 :] = True
         return _batch(ids, mask)
 
 
 # --------------------------------------------------------------------------------------------
 # 2. Induction heads
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class InductionHeads(_Task):
@@ -249,20 +274,24 @@ class InductionHeads(_Task):
         _require_int(cls, "vocab_size", self.vocab_size, 1)
         _require_int(cls, "seq_len", self.seq_len, 1)
         if self.vocab_size < self.first_data_id + 2:
-            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
-                             f"{self.first_data_id + 2} "
-                             f"(the trigger={self.trigger_id} plus at least 2 data tokens)")
+            raise ValueError(
+                f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
+                f"{self.first_data_id + 2} "
+                f"(the trigger={self.trigger_id} plus at least 2 data tokens)"
+            )
         if self.seq_len < 4:
-            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 4 "
-                             "(trigger, target, trigger, answer)")
+            raise ValueError(
+                f"{cls}: seq_len={self.seq_len} is too short: need seq_len >= 4 "
+                "(trigger, target, trigger, answer)"
+            )
 
     def _generate(self, n, gen):
         L, rows = self.seq_len, torch.arange(n)
         ids = torch.randint(self.first_data_id, self.vocab_size, (n, L), generator=gen)
-        p = torch.randint(0, L - 3, (n,), generator=gen)          # first trigger in 0 .. L-4
+        p = torch.randint(0, L - 3, (n,), generator=gen)  # first trigger in 0 .. L-4
         ids[rows, p] = self.trigger_id
         ids[:, L - 2] = self.trigger_id
-        ids[:, L - 1] = ids[rows, p + 1]                           # the target, already random
+        ids[:, L - 1] = ids[rows, p + 1]  # the target, already random
         mask = torch.zeros(n, L, dtype=torch.bool)
         mask[:, L - 1] = True
         return _batch(ids, mask)
@@ -271,6 +300,7 @@ class InductionHeads(_Task):
 # --------------------------------------------------------------------------------------------
 # 3. Multi-query associative recall
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class MQAR(_Task):
@@ -282,13 +312,13 @@ class MQAR(_Task):
         positions 2N ..         noise (0), except num_queries queries: a key k at an even
                                 offset 2N + 2s, and its value v right after   <- answer positions
 
-    Keys are ids ``1 .. K`` with ``K = (vocab_size - 1) // 2`` and values ``K + 1 .. vocab_size - 1``
-    (Zoology likewise splits the vocabulary in halves). ``num_queries`` distinct keys are queried
-    (``None``: all N, as in Zoology) in random order, at query slots ``s`` drawn without
-    replacement with probability proportional to ``s ** (power_a - 1)`` (Zoology's power law,
-    ``s = 1, 2, ...``; ``power_a=1.0`` is uniform). Unlike Zoology the value also appears in
-    ``input_ids`` after the query (the teacher-forced next-token setup) and the filler is
-    always the noise token, never random tokens.
+    Keys are ids ``1 .. K`` with ``K = (vocab_size - 1) // 2`` and values
+    ``K + 1 .. vocab_size - 1`` (Zoology likewise splits the vocabulary in halves). ``num_queries``
+    distinct keys are queried (``None``: all N, as in Zoology) in random order, at query slots ``s``
+    drawn without replacement with probability proportional to ``s ** (power_a - 1)`` (Zoology's
+    power law, ``s = 1, 2, ...``; ``power_a=1.0`` is uniform). Unlike Zoology the value also appears
+    in ``input_ids`` after the query (the teacher-forced next-token setup) and the filler is always
+    the noise token, never random tokens.
     """
 
     vocab_size: int = 8192
@@ -309,19 +339,27 @@ class MQAR(_Task):
             object.__setattr__(self, "num_queries", self.num_kv_pairs)
         _require_int(cls, "num_queries", self.num_queries, 1)
         if self.num_queries > self.num_kv_pairs:
-            raise ValueError(f"{cls}: num_queries={self.num_queries} must be in 1 .. num_kv_pairs="
-                             f"{self.num_kv_pairs} (each key is queried at most once)")
-        checks.number(self.power_a, f"{cls}: power_a", low=0, low_open=True)    # 1.0: uniform query positions
+            raise ValueError(
+                f"{cls}: num_queries={self.num_queries} must be in 1 .. num_kv_pairs="
+                f"{self.num_kv_pairs} (each key is queried at most once)"
+            )
+        checks.number(
+            self.power_a, f"{cls}: power_a", low=0, low_open=True
+        )  # 1.0: uniform query positions
         if self.vocab_size < 1 + 2 * self.num_kv_pairs:
-            raise ValueError(f"{cls}: vocab_size={self.vocab_size} is too small for num_kv_pairs="
-                             f"{self.num_kv_pairs}: need vocab_size >= 1 + 2 * num_kv_pairs = "
-                             f"{1 + 2 * self.num_kv_pairs} "
-                             "(noise token, plus that many distinct keys and values)")
+            raise ValueError(
+                f"{cls}: vocab_size={self.vocab_size} is too small for num_kv_pairs="
+                f"{self.num_kv_pairs}: need vocab_size >= 1 + 2 * num_kv_pairs = "
+                f"{1 + 2 * self.num_kv_pairs} "
+                "(noise token, plus that many distinct keys and values)"
+            )
         need = 2 * self.num_kv_pairs + 2 * self.num_queries
         if self.seq_len < need:
-            raise ValueError(f"{cls}: seq_len={self.seq_len} is too short: "
-                             f"need seq_len >= 2 * num_kv_pairs + 2 * num_queries = {need} "
-                             "(the pairs, then a key and its value per query)")
+            raise ValueError(
+                f"{cls}: seq_len={self.seq_len} is too short: "
+                f"need seq_len >= 2 * num_kv_pairs + 2 * num_queries = {need} "
+                "(the pairs, then a key and its value per query)"
+            )
 
     @property
     def num_keys(self) -> int:
@@ -335,14 +373,16 @@ class MQAR(_Task):
 
     def _generate(self, n, gen):
         N, Q, K = self.num_kv_pairs, self.num_queries, self.num_keys
-        keys = _random_subset(n, K, N, gen) + 1                              # ids 1 .. K
+        keys = _random_subset(n, K, N, gen) + 1  # ids 1 .. K
         values = _random_subset(n, self.vocab_size - 1 - K, N, gen) + K + 1  # ids K+1 .. V-1
         ids = torch.full((n, self.seq_len), self.noise_id, dtype=torch.long)
-        ids[:, 0:2 * N:2] = keys
-        ids[:, 1:2 * N:2] = values
+        ids[:, 0 : 2 * N : 2] = keys
+        ids[:, 1 : 2 * N : 2] = values
 
-        which = _random_subset(n, N, Q, gen)                                 # the pairs queried
-        slot_weights = torch.arange(1, self.num_slots + 1, dtype=torch.float64) ** (self.power_a - 1)
+        which = _random_subset(n, N, Q, gen)  # the pairs queried
+        slot_weights = torch.arange(1, self.num_slots + 1, dtype=torch.float64) ** (
+            self.power_a - 1
+        )
         slots = torch.multinomial(slot_weights.expand(n, -1), Q, replacement=False, generator=gen)
         query_pos = 2 * N + 2 * slots
         ids.scatter_(1, query_pos, keys.gather(1, which))
@@ -356,8 +396,11 @@ class MQAR(_Task):
 # Checking (each task with its checker), registry
 # --------------------------------------------------------------------------------------------
 
-_CHECKERS = {SelectiveCopying: selective_copying_answers, InductionHeads: induction_heads_answers,
-             MQAR: mqar_answers}
+_CHECKERS = {
+    SelectiveCopying: selective_copying_answers,
+    InductionHeads: induction_heads_answers,
+    MQAR: mqar_answers,
+}
 
 
 def check(batch: SyntheticBatch, task) -> bool:
@@ -371,10 +414,17 @@ def check(batch: SyntheticBatch, task) -> bool:
     """
     checker = _CHECKERS.get(type(task))
     if checker is None:
-        raise TypeError(f"no checker for {type(task).__name__}; "
-                        f"tasks: {', '.join(t.__name__ for t in _CHECKERS)}")
+        raise TypeError(
+            f"no checker for {type(task).__name__}; "
+            f"tasks: {', '.join(t.__name__ for t in _CHECKERS)}"
+        )
     ids, labels, mask = batch.input_ids, batch.labels, batch.answer_mask
-    if ids.dim() != 2 or ids.shape[1] != task.seq_len or labels.shape != ids.shape or mask.shape != ids.shape:
+    if (
+        ids.dim() != 2
+        or ids.shape[1] != task.seq_len
+        or labels.shape != ids.shape
+        or mask.shape != ids.shape
+    ):
         return False
     if ids.numel() and (ids.min() < 0 or ids.max() >= task.vocab_size):
         return False
@@ -383,8 +433,11 @@ def check(batch: SyntheticBatch, task) -> bool:
     except ValueError:
         return False
     answers = expected != IGNORE_INDEX
-    return (torch.equal(expected, labels.cpu()) and torch.equal(mask.cpu(), answers)
-            and torch.equal(ids.cpu()[answers], expected[answers]))
+    return (
+        torch.equal(expected, labels.cpu())
+        and torch.equal(mask.cpu(), answers)
+        and torch.equal(ids.cpu()[answers], expected[answers])
+    )
 
 
 TASKS = {"selective-copying": SelectiveCopying, "induction-heads": InductionHeads, "mqar": MQAR}
@@ -398,6 +451,7 @@ def make_task(name: str, **kwargs):
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {unknown}; "
-                         f"valid parameters: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"{name}: unknown parameter(s) {unknown}; valid parameters: {', '.join(sorted(fields))}"
+        )
     return cls(**kwargs)

@@ -1,4 +1,5 @@
-"""The headline numbers of a training run, from the Trainer's history (its metrics.jsonl records)."""
+"""The headline numbers of a training run, from the Trainer's history (its metrics.jsonl
+records)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ LAST_RECORD_KEYS = ("rank_peak_mem_mb", "rank_state_mb", "grad_scale", "scaler_s
 
 
 def summarize_run(records: list[dict]) -> dict:
-    """The headline numbers of a Trainer history (``Trainer.fit()``'s records, or a run's metrics.jsonl):
+    """The headline numbers of a Trainer history (``Trainer.fit()``'s records, or a run's
+    metrics.jsonl):
 
-    ``steps`` and ``tokens`` (the last record's; 0 without records), ``final_loss`` (the last training
-    loss), ``first_val_loss`` / ``val_loss`` / ``val_ppl`` (the first and last evaluations),
-    ``train_tok_s`` (the median training tokens/s, the higher middle one of an even count, as an int: a
-    noisy rate), ``peak_mem_mb`` (the largest recorded, rank 0's), and from the last training record,
-    where it has them, every rank's ``rank_peak_mem_mb`` / ``rank_state_mb`` and fp16's ``grad_scale`` /
-    ``scaler_skipped``. A number the history has no record for is None. Values are as recorded, not
-    rounded."""
+    ``steps`` and ``tokens`` (the last record's; 0 without records), ``final_loss`` (the last
+    training loss), ``first_val_loss`` / ``val_loss`` / ``val_ppl`` (the first and last
+    evaluations), ``train_tok_s`` (the median training tokens/s, the higher middle one of an even
+    count, as an int: a noisy rate), ``peak_mem_mb`` (the largest recorded, rank 0's), and from the
+    last training record, where it has them, every rank's ``rank_peak_mem_mb`` / ``rank_state_mb``
+    and fp16's ``grad_scale`` / ``scaler_skipped``. A number the history has no record for is None.
+    Values are as recorded, not rounded."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     counted = [r for r in records if r.get("kind") in ("train", "eval")]

@@ -1,11 +1,13 @@
-"""Fine-tuning pretrained models: LoRA with peft (that trains on every backend), adapters in peft's format,
-merged export.
+"""Fine-tuning pretrained models: LoRA with peft (that trains on every backend), adapters in peft's
+format, merged export.
 
-    lora = ssmkit.finetune.apply_lora(ssmkit.from_pretrained(path))   # the plan's LoraConfig defaults
+    lora = ssmkit.finetune.apply_lora(ssmkit.from_pretrained(path))   # the plan's
+                                                                      # LoraConfig defaults
     ssmkit.finetune.trainable_share(lora)                             # trainable / total parameters
     ssmkit.finetune.save_adapter(lora, "adapter/"); load_adapter(base, "adapter/")
     ssmkit.finetune.adapter_for_transformers("adapter/", "adapter-hf/", base.config)
-    ssmkit.finetune.export_merged(lora, "merged/", format="hf")      # merge_and_unload + save_pretrained
+    ssmkit.finetune.export_merged(lora, "merged/", format="hf")      # merge_and_unload +
+                                                                     # save_pretrained
 
 Training from a run config (``base:``, ``lora:``, ``freeze_embedding:``) is :mod:`ssmkit.train`'s.
 """
@@ -31,6 +33,21 @@ from .lora import (
     trainable_share,
 )
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULTS", "DEFAULT_TARGETS", "adapter_for_transformers",
-           "adapter_state", "apply_lora", "export_merged", "load_adapter", "lora_config", "merge",
-           "parameter_counts", "read_adapter", "resolve_targets", "save_adapter", "trainable_share"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "DEFAULTS",
+    "DEFAULT_TARGETS",
+    "adapter_for_transformers",
+    "adapter_state",
+    "apply_lora",
+    "export_merged",
+    "load_adapter",
+    "lora_config",
+    "merge",
+    "parameter_counts",
+    "read_adapter",
+    "resolve_targets",
+    "save_adapter",
+    "trainable_share",
+]

@@ -2,25 +2,28 @@
 
     save_adapter(lora, "adapter/")                 # adapter_config.json + adapter_model.safetensors
     lora = load_adapter(ssmkit.from_pretrained(base_dir), "adapter/", trainable=True)
-    adapter_for_transformers("adapter/", "adapter-hf/", model.config)   # for MambaForCausalLM, Mamba2...
+    adapter_for_transformers("adapter/", "adapter-hf/", model.config)   # for MambaForCausalLM,
+                                                                        # Mamba2...
     # then, with transformers and peft:
     # PeftModel.from_pretrained(MambaForCausalLM.from_pretrained(hf_base_dir), "adapter-hf/")
 
-The directory is what ``PeftModel.save_pretrained`` writes: ``adapter_config.json`` (the ``LoraConfig``,
-``peft_type: LORA``, ``inference_mode: true``) and ``adapter_model.safetensors`` (the adapter's tensors under
-peft's names, e.g. ``base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight``). Each file is
-written atomically, the weights first: a directory with a config always has its weights. Loading checks
-the names and shapes against the model before any value is set.
+The directory is what ``PeftModel.save_pretrained`` writes: ``adapter_config.json`` (the
+``LoraConfig``, ``peft_type: LORA``, ``inference_mode: true``) and ``adapter_model.safetensors``
+(the adapter's tensors under peft's names, e.g.
+``base_model.model.backbone.layers.0.mixer.in_proj.lora_A.weight``). Each file is written
+atomically, the weights first: a directory with a config always has its weights. Loading checks the
+names and shapes against the model before any value is set.
 
 Module names, ssmkit vs transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` /
 ``FalconMambaForCausalLM`` (the "hf" format of :func:`ssmkit.hub.save_pretrained`): the same but for
 the embedding, ``backbone.embedding`` here and ``backbone.embeddings`` there
 (:func:`adapter_for_transformers` renames it).
-What cannot be carried over: peft >= 0.16 refuses LoRA on ``out_proj`` and ``conv1d`` for model types
-mamba, mamba2 and falcon_mamba (``_check_lora_target_modules_mamba`` in peft's tuners_utils), so such an
-adapter is a ValueError pointing to :func:`ssmkit.finetune.export_merged`, which writes the merged weights
-in transformers' format instead (no adapter needed there). Hybrids, Mamba-3 and Zamba2 have no
-transformers class with ssmkit's module names: the merged export is their way out too.
+What cannot be carried over: peft >= 0.16 refuses LoRA on ``out_proj`` and ``conv1d`` for model
+types mamba, mamba2 and falcon_mamba (``_check_lora_target_modules_mamba`` in peft's tuners_utils),
+so such an adapter is a ValueError pointing to :func:`ssmkit.finetune.export_merged`, which writes
+the merged weights in transformers' format instead (no adapter needed there). Hybrids, Mamba-3 and
+Zamba2 have no transformers class with ssmkit's module names: the merged export is their way out
+too.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .lora import _peft, apply_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-REFUSED_BY_PEFT = ("out_proj", "conv1d")            # peft's incompatible modules for Mamba model types
+REFUSED_BY_PEFT = ("out_proj", "conv1d")  # peft's incompatible modules for Mamba model types
 
 
 def _jsonable(value):
@@ -55,7 +58,8 @@ def _jsonable(value):
 
 
 def config_dict(config) -> dict:
-    """A ``peft.LoraConfig`` as the JSON of adapter_config.json (sets as sorted lists, enums as values)."""
+    """A ``peft.LoraConfig`` as the JSON of adapter_config.json (sets as sorted lists, enums as
+    values)."""
     return _jsonable(config.to_dict())
 
 
@@ -63,65 +67,87 @@ def _write(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> P
     from safetensors.torch import save
 
     if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{directory} exists and is not a directory; an adapter is a directory of two files")
+        raise ValueError(
+            f"{directory} exists and is not a directory; an adapter is a directory of two files"
+        )
     directory.mkdir(parents=True, exist_ok=True)
-    blob = save({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
-                metadata={"format": "pt"})
+    blob = save(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+        metadata={"format": "pt"},
+    )
     write_atomically(directory / ADAPTER_WEIGHTS, blob)
-    write_atomically(directory / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomically(
+        directory / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n"
+    )
     return directory
 
 
 def adapter_state(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (no adapter name inside): what the file holds. The
-    base's embedding matrices never go in (peft's "auto" would add them when the embedding is a target,
-    for a resized vocabulary, which ssmkit never does; its check would also read the base's config)."""
-    return _peft().get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    """The adapter's tensors under peft's saved names (no adapter name inside): what the file holds.
+    The base's embedding matrices never go in (peft's "auto" would add them when the embedding is a
+    target, for a resized vocabulary, which ssmkit never does; its check would also read the base's
+    config)."""
+    return _peft().get_peft_model_state_dict(
+        model, adapter_name=adapter_name, save_embedding_layers=False
+    )
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: str = "default") -> Path:
+def save_adapter(
+    model: nn.Module, directory: str | os.PathLike, adapter_name: str = "default"
+) -> Path:
     """Write adapter ``adapter_name`` of a peft model (from :func:`~ssmkit.finetune.apply_lora`) to
     ``directory`` in peft's format (see the module docstring). Returns the directory."""
     if not hasattr(model, "peft_config") or adapter_name not in model.peft_config:
         have = list(getattr(model, "peft_config", {}))
-        raise ValueError(f"no LoRA adapter {adapter_name!r} on this model (adapters: {have or 'none'}); "
-                         "make one with ssmkit.finetune.apply_lora")
+        raise ValueError(
+            f"no LoRA adapter {adapter_name!r} on this model (adapters: {have or 'none'}); "
+            "make one with ssmkit.finetune.apply_lora"
+        )
     config = config_dict(model.peft_config[adapter_name])
-    config["inference_mode"] = True                       # as PeftModel.save_pretrained writes it
+    config["inference_mode"] = True  # as PeftModel.save_pretrained writes it
     return _write(Path(directory), config, adapter_state(model, adapter_name))
 
 
 def read_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json as a dict, the tensors) of an adapter directory; ValueError naming what is
-    missing or not a LoRA adapter."""
+    """(adapter_config.json as a dict, the tensors) of an adapter directory; ValueError naming what
+    is missing or not a LoRA adapter."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / name).is_file():
-            raise ValueError(f"{directory} is not a LoRA adapter directory: {name} is missing "
-                             f"(expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as peft writes them)")
+            raise ValueError(
+                f"{directory} is not a LoRA adapter directory: {name} is missing "
+                f"(expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as peft writes them)"
+            )
     config = read_json(directory / ADAPTER_CONFIG, "adapter config")
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         got = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        raise ValueError(f"{directory / ADAPTER_CONFIG} is not a LoRA adapter (peft_type {got!r}, expected "
-                         "'LORA')")
+        raise ValueError(
+            f"{directory / ADAPTER_CONFIG} is not a LoRA adapter (peft_type {got!r}, expected "
+            "'LORA')"
+        )
     try:
         tensors = load_file(str(directory / ADAPTER_WEIGHTS))
-    except Exception as exc:                                    # safetensors' own errors, truncated files
-        raise ValueError(f"{directory / ADAPTER_WEIGHTS} cannot be read ({type(exc).__name__}: {exc})") \
-            from None
+    except Exception as exc:  # safetensors' own errors, truncated files
+        raise ValueError(
+            f"{directory / ADAPTER_WEIGHTS} cannot be read ({type(exc).__name__}: {exc})"
+        ) from None
     return config, tensors
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: str = "default",
-                 trainable: bool = False):
-    """The ssmkit ``model`` with the adapter in ``directory`` (peft's format) on it: a ``PeftModel``,
-    built by :func:`~ssmkit.finetune.apply_lora` from the saved config (so the same checks and the same
-    untying of tied embeddings apply), then the saved tensors set. ``trainable``: the adapter trains on
-    (training mode, requires_grad); else it is frozen and the model in eval mode, as peft's
-    ``PeftModel.from_pretrained`` leaves it. The tensors' names and shapes must match the adapter the
-    config builds on this model, else ValueError."""
+def load_adapter(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    adapter_name: str = "default",
+    trainable: bool = False,
+):
+    """The ssmkit ``model`` with the adapter in ``directory`` (peft's format) on it: a
+    ``PeftModel``, built by :func:`~ssmkit.finetune.apply_lora` from the saved config (so the same
+    checks and the same untying of tied embeddings apply), then the saved tensors set.
+    ``trainable``: the adapter trains on (training mode, requires_grad); else it is frozen and the
+    model in eval mode, as peft's ``PeftModel.from_pretrained`` leaves it. The tensors' names and
+    shapes must match the adapter the config builds on this model, else ValueError."""
     saved, tensors = read_adapter(directory)
     config = _peft().PeftConfig.from_peft_type(**saved)
     config.inference_mode = not trainable
@@ -129,15 +155,25 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
     expected = {k: tuple(v.shape) for k, v in adapter_state(lora, adapter_name).items()}
     given = {k: tuple(v.shape) for k, v in tensors.items()}
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-    wrong = [f"{k}: {given[k]} saved, {expected[k]} here" for k in sorted(set(given) & set(expected))
-             if given[k] != expected[k]]
+    wrong = [
+        f"{k}: {given[k]} saved, {expected[k]} here"
+        for k in sorted(set(given) & set(expected))
+        if given[k] != expected[k]
+    ]
     if missing or extra or wrong:
-        raise ValueError(f"the adapter in {directory} does not fit this model: "
-                         + "; ".join(part for part in (
-                             f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "",
-                             f"unknown {extra[:3]}{' ...' if len(extra) > 3 else ''}" if extra else "",
-                             f"shapes {wrong[:3]}" if wrong else "") if part)
-                         + ". Load it onto the base model it was trained on")
+        raise ValueError(
+            f"the adapter in {directory} does not fit this model: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "",
+                    f"unknown {extra[:3]}{' ...' if len(extra) > 3 else ''}" if extra else "",
+                    f"shapes {wrong[:3]}" if wrong else "",
+                )
+                if part
+            )
+            + ". Load it onto the base model it was trained on"
+        )
     _peft().set_peft_model_state_dict(lora, tensors, adapter_name=adapter_name)
     if not trainable:
         lora.eval()
@@ -145,8 +181,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike, adapter_name: s
 
 
 def _rename(name: str) -> str:
-    """ssmkit's module path -> transformers': ``backbone.embedding`` -> ``backbone.embeddings`` (anywhere in
-    a dotted name), the rest unchanged."""
+    """ssmkit's module path -> transformers': ``backbone.embedding`` -> ``backbone.embeddings``
+    (anywhere in a dotted name), the rest unchanged."""
     parts = name.split(".")
     for i in range(len(parts) - 1):
         if parts[i] == "backbone" and parts[i + 1] == "embedding":
@@ -155,38 +191,50 @@ def _rename(name: str) -> str:
 
 
 def _target_to_hf(target: str) -> str:
-    """A target_modules entry under transformers' names: "embedding" -> "embeddings", full names renamed."""
+    """A target_modules entry under transformers' names: "embedding" -> "embeddings", full names
+    renamed."""
     return "embeddings" if target == "embedding" else _rename(target)
 
 
-def adapter_for_transformers(directory: str | os.PathLike, out_dir: str | os.PathLike, config: ModelConfig,
-                             base_model_name_or_path: str | None = None) -> Path:
-    """The adapter in ``directory`` (trained on an ssmkit model of ``config``), rewritten for transformers'
-    ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` / ``FalconMambaForCausalLM`` (load it with
-    ``peft.PeftModel.from_pretrained(hf_model, out_dir)``). ``base_model_name_or_path``: recorded in the
-    config (the "hf" checkpoint of the base, e.g. from ``save_pretrained(base, dir, format="hf")``).
+def adapter_for_transformers(
+    directory: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: ModelConfig,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """The adapter in ``directory`` (trained on an ssmkit model of ``config``), rewritten for
+    transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` / ``FalconMambaForCausalLM`` (load it
+    with ``peft.PeftModel.from_pretrained(hf_model, out_dir)``). ``base_model_name_or_path``:
+    recorded in the config (the "hf" checkpoint of the base, e.g. from
+    ``save_pretrained(base, dir, format="hf")``).
 
     ValueError when transformers cannot take it: a model that has no transformers Mamba class with
-    ssmkit's names (hybrids, Mamba-3, Zamba2, Jamba), or targets peft refuses there (out_proj, conv1d);
-    the message points to the merged export."""
+    ssmkit's names (hybrids, Mamba-3, Zamba2, Jamba), or targets peft refuses there (out_proj,
+    conv1d); the message points to the merged export."""
     from ..hub.save import natural_format
 
-    merged_hint = ("export the merged model instead: ssmkit.finetune.export_merged(lora_model, dir, "
-                   "format='hf') writes the weights with the adapter inside, which transformers loads as is")
+    merged_hint = (
+        "export the merged model instead: ssmkit.finetune.export_merged(lora_model, dir, "
+        "format='hf') writes the weights with the adapter inside, which transformers loads as is"
+    )
     if natural_format(config) != "hf":
-        raise ValueError(f"this model (mixers {sorted(set(config.mixers))}, format "
-                         f"{natural_format(config)!r}) has no transformers Mamba class with ssmkit's module "
-                         f"names, so its adapter cannot be carried over; {merged_hint}")
+        raise ValueError(
+            f"this model (mixers {sorted(set(config.mixers))}, format "
+            f"{natural_format(config)!r}) has no transformers Mamba class with ssmkit's module "
+            f"names, so its adapter cannot be carried over; {merged_hint}"
+        )
     saved, tensors = read_adapter(directory)
     targets = saved.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     to_save = list(saved.get("modules_to_save") or [])
     refused = sorted({t.rpartition(".")[2] for t in targets + to_save} & set(REFUSED_BY_PEFT))
     if refused:
-        raise ValueError(f"the adapter adapts {refused}: peft (>= 0.16) refuses LoRA on "
-                         f"{list(REFUSED_BY_PEFT)} for transformers' Mamba models (model_type mamba / "
-                         "mamba2 / falcon_mamba), so "
-                         f"PeftModel.from_pretrained would raise there. Train without them, or {merged_hint}")
+        raise ValueError(
+            f"the adapter adapts {refused}: peft (>= 0.16) refuses LoRA on "
+            f"{list(REFUSED_BY_PEFT)} for transformers' Mamba models (model_type mamba / "
+            "mamba2 / falcon_mamba), so "
+            f"PeftModel.from_pretrained would raise there. Train without them, or {merged_hint}"
+        )
     out = dict(saved)
     out["target_modules"] = sorted(_target_to_hf(t) for t in targets)
     if to_save:

@@ -2,29 +2,34 @@
 
     model = ssmkit.from_pretrained("runs/prototype/checkpoints/step_00000200/model")
     lora = apply_lora(model)                       # the plan: r=16, alpha=32, dropout 0.05,
-                                                   # targets x_proj, in_proj, out_proj (those the model has)
-    print(trainable_share(lora))                   # {"trainable": ..., "total": ..., "share": 0.0123}
+                                                   # targets x_proj, in_proj,
+                                                   # out_proj (those the model has)
+    print(trainable_share(lora))                   # {"trainable": ..., "total":
+                                                   # ..., "share": 0.0123}
     ...train lora (only its adapter parameters require grad)...
     export_merged(lora, "merged/", format="hf")    # merge_and_unload() + save_pretrained
 
 LoRA (Hu et al. 2021): a frozen weight W (out, in) gets a trainable low-rank update, y = x W^T +
-(α/r) · dropout(x) A^T B^T with A (r, in) random and B (out, r) zero at the start, so training begins at
-the pretrained model. ``apply_lora`` is ``peft.get_peft_model`` with ssmkit's checks:
+(α/r) · dropout(x) A^T B^T with A (r, in) random and B (out, r) zero at the start, so training
+begins at the pretrained model. ``apply_lora`` is ``peft.get_peft_model`` with ssmkit's checks:
 
-* every name in ``target_modules`` must match a module (peft's rule: the full name, or its last part(s)
-  after a dot); a name that matches nothing is a ValueError listing the names the model has. With the
-  default (None) the plan's three names are kept where the model has them (Mamba-2/3 have no x_proj).
-* only ``nn.Linear`` and ``nn.Embedding`` layers are targets: the depthwise ``conv1d`` cannot hold a LoRA
-  update (peft's conv adapter mixes channels; see :mod:`ssmkit.models.lora_aware`), norms are no
-  matrices. Either is a ValueError with what to do instead (``modules_to_save``).
+* every name in ``target_modules`` must match a module (peft's rule: the full name, or its last
+  part(s) after a dot); a name that matches nothing is a ValueError listing the names the model has.
+  With the default (None) the plan's three names are kept where the model has them (Mamba-2/3 have
+  no x_proj).
+* only ``nn.Linear`` and ``nn.Embedding`` layers are targets: the depthwise ``conv1d`` cannot hold a
+  LoRA update (peft's conv adapter mixes channels; see :mod:`ssmkit.models.lora_aware`), norms are
+  no matrices. Either is a ValueError with what to do instead (``modules_to_save``).
 * ssmkit reads a few weights raw (Mamba-1's dt_proj, the convs) and routes them through
-  :mod:`ssmkit.models.lora_aware`, so every target trains on every backend, the cuda kernels included.
-* tied embeddings (``lm_head.weight`` is ``backbone.embedding.weight``): an adapter on the embedding or
-  the head changes one side only (peft's wrapper sits on one module), but merging it writes into the one
-  shared matrix, which would change the other side too: merged != unmerged. So when ``embedding`` or
-  ``lm_head`` is a target of a tied model, the head gets its own (frozen) copy of the matrix first and the
-  model's config says ``tie_embeddings=False``. This is what peft's unmerged forward computes on
-  transformers' tied models as well, so adapters stay interchangeable (see :mod:`.adapters`).
+  :mod:`ssmkit.models.lora_aware`, so every target trains on every backend, the cuda kernels
+  included.
+* tied embeddings (``lm_head.weight`` is ``backbone.embedding.weight``): an adapter on the embedding
+  or the head changes one side only (peft's wrapper sits on one module), but merging it writes into
+  the one shared matrix, which would change the other side too: merged != unmerged. So when
+  ``embedding`` or ``lm_head`` is a target of a tied model, the head gets its own (frozen) copy of
+  the matrix first and the model's config says ``tie_embeddings=False``. This is what peft's
+  unmerged forward computes on transformers' tied models as well, so adapters stay interchangeable
+  (see :mod:`.adapters`).
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from torch import nn
 
 from ..models import MambaLM, lora_aware
 
-DEFAULT_TARGETS = ("x_proj", "in_proj", "out_proj")   # the plan's LoraConfig target_modules
-DEFAULTS = dict(r=16, alpha=32, dropout=0.05)          # the plan's r, lora_alpha, lora_dropout
+DEFAULT_TARGETS = ("x_proj", "in_proj", "out_proj")  # the plan's LoraConfig target_modules
+DEFAULTS = dict(r=16, alpha=32, dropout=0.05)  # the plan's r, lora_alpha, lora_dropout
 LORA_TYPES = (nn.Linear, nn.Embedding)
 
 
@@ -57,23 +62,32 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def matches(name: str, target: str) -> bool:
-    """peft's rule for a string in target_modules: the module's full name, or its tail after a dot."""
+    """peft's rule for a string in target_modules: the module's full name, or its tail after a
+    dot."""
     return name == target or name.endswith("." + target)
 
 
 def _leaf_names(model: nn.Module) -> list[str]:
     """The short names of the model's Linear and Embedding layers, the valid targets."""
-    return sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, LORA_TYPES)})
+    return sorted(
+        {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, LORA_TYPES)}
+    )
 
 
 def resolve_targets(model: nn.Module, target_modules=None) -> list[str]:
-    """The target names for ``model``: each must match at least one module and only Linear or Embedding
-    layers. None: the plan's :data:`DEFAULT_TARGETS` that the model has; "all-linear": every Linear layer's
-    name but lm_head's (peft's shorthand). A string is one name (peft would read it as a regular
-    expression). Returns the names in order, each once."""
-    if target_modules == "all-linear" or target_modules == ["all-linear"]:     # peft's shorthand
-        target_modules = [n for n in _leaf_names(model) if n != "lm_head" and not any(
-            isinstance(m, nn.Embedding) for k, m in model.named_modules() if matches(k, n))]
+    """The target names for ``model``: each must match at least one module and only Linear or
+    Embedding layers. None: the plan's :data:`DEFAULT_TARGETS` that the model has; "all-linear":
+    every Linear layer's name but lm_head's (peft's shorthand). A string is one name (peft would
+    read it as a regular expression). Returns the names in order, each once."""
+    if target_modules == "all-linear" or target_modules == ["all-linear"]:  # peft's shorthand
+        target_modules = [
+            n
+            for n in _leaf_names(model)
+            if n != "lm_head"
+            and not any(
+                isinstance(m, nn.Embedding) for k, m in model.named_modules() if matches(k, n)
+            )
+        ]
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     named = [(n, m) for n, m in model.named_modules() if n]
@@ -81,48 +95,72 @@ def resolve_targets(model: nn.Module, target_modules=None) -> list[str]:
     if target_modules is None:
         chosen = [t for t in DEFAULT_TARGETS if any(matches(n, t) for n, _ in named)]
         if not chosen:
-            raise ValueError(f"the model has none of the default LoRA targets {list(DEFAULT_TARGETS)}; pass "
-                             f"target_modules from: {valid}")
+            raise ValueError(
+                f"the model has none of the default LoRA targets {list(DEFAULT_TARGETS)}; pass "
+                f"target_modules from: {valid}"
+            )
         return chosen
-    if not isinstance(target_modules, (list, tuple)) or not target_modules \
-            or not all(isinstance(t, str) and t for t in target_modules):
-        raise ValueError(f"target_modules must be a non-empty list of module names; got {target_modules!r}. "
-                         f"Valid names for this model: {valid}")
+    if (
+        not isinstance(target_modules, (list, tuple))
+        or not target_modules
+        or not all(isinstance(t, str) and t for t in target_modules)
+    ):
+        raise ValueError(
+            f"target_modules must be a non-empty list of module names; got {target_modules!r}. "
+            f"Valid names for this model: {valid}"
+        )
     for t in target_modules:
         hit = [(n, m) for n, m in named if matches(n, t)]
         if not hit:
-            raise ValueError(f"LoRA target {t!r} matches no module of this model; valid targets: {valid}")
+            raise ValueError(
+                f"LoRA target {t!r} matches no module of this model; valid targets: {valid}"
+            )
         bad = sorted({type(m).__name__ for _, m in hit if not isinstance(m, LORA_TYPES)})
         if any(isinstance(m, nn.Conv1d) for _, m in hit):
-            raise ValueError(f"LoRA target {t!r} is the depthwise causal conv (groups = channels): a LoRA "
-                             "update B A mixes channels, so no depthwise weight holds it and the conv op "
-                             "cannot receive it (peft cannot merge it either). Leave it out, or train the "
-                             "conv fully with "
-                             f"modules_to_save=[{t!r}] (d_inner x d_conv parameters per layer)")
+            raise ValueError(
+                f"LoRA target {t!r} is the depthwise causal conv (groups = channels): a LoRA "
+                "update B A mixes channels, so no depthwise weight holds it and the conv op "
+                "cannot receive it (peft cannot merge it either). Leave it out, or train the "
+                "conv fully with "
+                f"modules_to_save=[{t!r}] (d_inner x d_conv parameters per layer)"
+            )
         if bad:
-            raise ValueError(f"LoRA target {t!r} matches {bad} modules; LoRA adapts Linear and Embedding "
-                             f"layers (valid targets: {valid}). Train other modules fully with "
-                             "modules_to_save")
+            raise ValueError(
+                f"LoRA target {t!r} matches {bad} modules; LoRA adapts Linear and Embedding "
+                f"layers (valid targets: {valid}). Train other modules fully with "
+                "modules_to_save"
+            )
     return list(dict.fromkeys(target_modules))
 
 
 def _untie_if_touched(model: MambaLM, targets: list[str]):
-    """Give lm_head its own copy of a tied embedding matrix when either side gets an adapter (see the module
-    docstring); the copy keeps the embedding's requires_grad."""
+    """Give lm_head its own copy of a tied embedding matrix when either side gets an adapter (see
+    the module docstring); the copy keeps the embedding's requires_grad."""
     if not model.config.tie_embeddings:
         return
-    names = {n for n, m in model.named_modules() if m is model.backbone.embedding or m is model.lm_head}
+    names = {
+        n for n, m in model.named_modules() if m is model.backbone.embedding or m is model.lm_head
+    }
     if any(matches(n, t) for n in names for t in targets):
         shared = model.backbone.embedding.weight
-        model.lm_head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        model.lm_head.weight = nn.Parameter(
+            shared.detach().clone(), requires_grad=shared.requires_grad
+        )
         model.config = dataclasses.replace(model.config, tie_embeddings=False)
 
 
-def lora_config(r: int = DEFAULTS["r"], alpha: float = DEFAULTS["alpha"],
-                dropout: float = DEFAULTS["dropout"], target_modules=None, modules_to_save=None,
-                init_lora_weights=True, **extra):
-    """A ``peft.LoraConfig`` with ssmkit's defaults (the plan's); ``target_modules`` is resolved against a
-    model by :func:`apply_lora`. ``extra``: more LoraConfig fields (``use_rslora``, ``rank_pattern``...)."""
+def lora_config(
+    r: int = DEFAULTS["r"],
+    alpha: float = DEFAULTS["alpha"],
+    dropout: float = DEFAULTS["dropout"],
+    target_modules=None,
+    modules_to_save=None,
+    init_lora_weights=True,
+    **extra,
+):
+    """A ``peft.LoraConfig`` with ssmkit's defaults (the plan's); ``target_modules`` is resolved
+    against a model by :func:`apply_lora`. ``extra``: more LoraConfig fields (``use_rslora``,
+    ``rank_pattern``...)."""
     from .. import checks
 
     r = checks.integer(r, "r (LoRA rank)", minimum=1)
@@ -131,36 +169,63 @@ def lora_config(r: int = DEFAULTS["r"], alpha: float = DEFAULTS["alpha"],
     if dropout >= 1:
         raise ValueError(f"dropout (lora_dropout) must be in [0, 1); got {dropout}")
     if extra.get("use_dora"):
-        raise ValueError("use_dora=True: DoRA is not W + (alpha/r) B A, and ssmkit hands some weights to ops "
-                         "as tensors; only plain LoRA is supported")
+        raise ValueError(
+            "use_dora=True: DoRA is not W + (alpha/r) B A, and ssmkit hands some weights to ops "
+            "as tensors; only plain LoRA is supported"
+        )
     if isinstance(target_modules, str):
-        target_modules = [target_modules]                  # one name (peft would read a str as a regex)
-    return _peft().LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                              target_modules=None if target_modules is None else list(target_modules),
-                              modules_to_save=modules_to_save, init_lora_weights=init_lora_weights, **extra)
+        target_modules = [target_modules]  # one name (peft would read a str as a regex)
+    return _peft().LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=None if target_modules is None else list(target_modules),
+        modules_to_save=modules_to_save,
+        init_lora_weights=init_lora_weights,
+        **extra,
+    )
 
 
-def apply_lora(model: MambaLM, r: int = DEFAULTS["r"], alpha: float = DEFAULTS["alpha"],
-               dropout: float = DEFAULTS["dropout"], target_modules=None, *, modules_to_save=None,
-               init_lora_weights=True, adapter_name: str = "default", config=None, **extra):
+def apply_lora(
+    model: MambaLM,
+    r: int = DEFAULTS["r"],
+    alpha: float = DEFAULTS["alpha"],
+    dropout: float = DEFAULTS["dropout"],
+    target_modules=None,
+    *,
+    modules_to_save=None,
+    init_lora_weights=True,
+    adapter_name: str = "default",
+    config=None,
+    **extra,
+):
     """``peft.get_peft_model`` on an ssmkit model, checked (see the module docstring). Returns the
-    ``PeftModel``: the base weights frozen, only the adapters (and ``modules_to_save``) trainable; call it
-    as the model (``out = lora(input_ids, labels=...)``). ``config``: a ready ``peft.LoraConfig`` instead of
-    r/alpha/dropout/target_modules (its targets are checked the same way). ``init_lora_weights=False``:
-    B random too (tests; an adapter that changes the model from the start)."""
+    ``PeftModel``: the base weights frozen, only the adapters (and ``modules_to_save``) trainable;
+    call it as the model (``out = lora(input_ids, labels=...)``). ``config``: a ready
+    ``peft.LoraConfig`` instead of r/alpha/dropout/target_modules (its targets are checked the same
+    way). ``init_lora_weights=False``: B random too (tests; an adapter that changes the model from
+    the start)."""
     if hasattr(model, "peft_config") or any(lora_aware.is_lora_layer(m) for m in model.modules()):
-        raise ValueError("the model already has LoRA adapters (it was given to apply_lora before); "
-                         "start from the base model, or use its add_adapter")
+        raise ValueError(
+            "the model already has LoRA adapters (it was given to apply_lora before); "
+            "start from the base model, or use its add_adapter"
+        )
     if not isinstance(model, MambaLM):
-        raise ValueError(f"apply_lora takes an ssmkit model (MambaLM); got {type(model).__name__}. For "
-                         "transformers' models call peft.get_peft_model directly (peft refuses out_proj and "
-                         "conv1d targets on them)")
+        raise ValueError(
+            f"apply_lora takes an ssmkit model (MambaLM); got {type(model).__name__}. For "
+            "transformers' models call peft.get_peft_model directly (peft refuses out_proj and "
+            "conv1d targets on them)"
+        )
     if config is None:
-        config = lora_config(r, alpha, dropout, target_modules, modules_to_save, init_lora_weights, **extra)
+        config = lora_config(
+            r, alpha, dropout, target_modules, modules_to_save, init_lora_weights, **extra
+        )
     elif getattr(config, "use_dora", False):
         raise ValueError("use_dora=True: only plain LoRA is supported (see lora_config)")
     targets = config.target_modules
-    targets = [targets] if isinstance(targets, str) else None if targets is None else sorted(targets)
+    targets = (
+        [targets] if isinstance(targets, str) else None if targets is None else sorted(targets)
+    )
     config.target_modules = resolve_targets(model, targets)
     _untie_if_touched(model, config.target_modules)
     if getattr(model, "name_or_path", None) and not config.base_model_name_or_path:
@@ -182,16 +247,18 @@ def trainable_share(model: nn.Module) -> dict:
     kinds: dict[str, int] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            kind = next((k for k in ("lora_embedding", "lora_A", "lora_B", "modules_to_save") if k in name),
-                        "other")
+            kind = next(
+                (k for k in ("lora_embedding", "lora_A", "lora_B", "modules_to_save") if k in name),
+                "other",
+            )
             kinds[kind] = kinds.get(kind, 0) + p.numel()
     return {**counts, "by_kind": kinds}
 
 
 def merge(model: nn.Module) -> MambaLM:
     """The plain ssmkit model with every active adapter merged into its weights (peft's
-    ``merge_and_unload``: W <- W + (α/r) B A, the wrappers removed). Works in place: ``model`` is the
-    base model afterwards."""
+    ``merge_and_unload``: W <- W + (α/r) B A, the wrappers removed). Works in place: ``model`` is
+    the base model afterwards."""
     if not hasattr(model, "merge_and_unload"):
         return model
     merged = model.merge_and_unload()
@@ -200,12 +267,18 @@ def merge(model: nn.Module) -> MambaLM:
     return merged
 
 
-def export_merged(model: nn.Module, directory: str | os.PathLike, format: str | None = None,
-                  dtype: torch.dtype | None = None, **save_kwargs) -> Path:
+def export_merged(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    format: str | None = None,
+    dtype: torch.dtype | None = None,
+    **save_kwargs,
+) -> Path:
     """Merge the adapters (:func:`merge`, in place) and write the result with
-    :func:`ssmkit.hub.save_pretrained` (``format``: "hf" for transformers' Mamba/Mamba2, "mamba_ssm", ...;
-    None: the model's natural format). ``dtype``: cast before saving (e.g. torch.bfloat16). This is the
-    way to transformers for adapters on out_proj, which peft refuses on transformers' Mamba models."""
+    :func:`ssmkit.hub.save_pretrained` (``format``: "hf" for transformers' Mamba/Mamba2,
+    "mamba_ssm", ...; None: the model's natural format). ``dtype``: cast before saving (e.g.
+    torch.bfloat16). This is the way to transformers for adapters on out_proj, which peft refuses on
+    transformers' Mamba models."""
     from ..hub import save_pretrained
 
     merged = merge(model)

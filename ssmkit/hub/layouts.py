@@ -1,16 +1,19 @@
 """The checkpoint layouts: the files a checkpoint holds, and its ``config.json`` read and written.
 
 * transformers (``"hf"``): ``model_type`` "mamba", "falcon_mamba" or "mamba2", fields as in
-  ``MambaConfig`` / ``FalconMambaConfig`` / ``Mamba2Config`` (:func:`config_from_hf`, :func:`config_to_hf`);
-* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``, ``ssm_cfg``
-  (``layer`` "Mamba1", "Mamba2" or "Mamba3", the last only in mamba_ssm's source tree since June 2026), and
-  for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and ``d_intermediate`` (a GatedMLP in
-  every block) (:func:`config_from_mamba_ssm`, :func:`config_to_mamba_ssm`);
+  ``MambaConfig`` / ``FalconMambaConfig`` / ``Mamba2Config`` (:func:`config_from_hf`,
+  :func:`config_to_hf`);
+* mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``,
+  ``ssm_cfg`` (``layer`` "Mamba1", "Mamba2" or "Mamba3", the last only in mamba_ssm's source tree
+  since June 2026), and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and
+  ``d_intermediate`` (a GatedMLP in every block) (:func:`config_from_mamba_ssm`,
+  :func:`config_to_mamba_ssm`);
 * transformers' Jamba (``"jamba"``, :mod:`ssmkit.hub.jamba`) and Zamba2 (``"zamba2"``,
-  :mod:`ssmkit.hub.zamba2`), each a module of its own with the config and the tensor names both ways.
+  :mod:`ssmkit.hub.zamba2`), each a module of its own with the config and the tensor names both
+  ways.
 
-Every field that cannot be represented is a :class:`CheckpointError` naming it as the file spells it.
-Loading (:mod:`ssmkit.hub.load`) and saving (:mod:`ssmkit.hub.save`) build on this module.
+Every field that cannot be represented is a :class:`CheckpointError` naming it as the file spells
+it. Loading (:mod:`ssmkit.hub.load`) and saving (:mod:`ssmkit.hub.save`) build on this module.
 """
 
 from __future__ import annotations
@@ -22,13 +25,24 @@ from ..models import ModelConfig
 from ..models.config import SSM_MIXERS, ConfigError
 from ..models.ssm_config import GROUPS
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 FORMATS = ("hf", "mamba_ssm", "jamba", "zamba2")
-WEIGHT_FILES = {"hf": "model.safetensors", "mamba_ssm": "pytorch_model.bin", "jamba": "model.safetensors",
-                "zamba2": "model.safetensors"}
-_WEIGHT_NAMES = tuple(dict.fromkeys(WEIGHT_FILES.values()))               # each file name once
-OUR_FILES = ("config.json", *_WEIGHT_NAMES, *TOKENIZER_FILES)             # all save_pretrained ever writes
+WEIGHT_FILES = {
+    "hf": "model.safetensors",
+    "mamba_ssm": "pytorch_model.bin",
+    "jamba": "model.safetensors",
+    "zamba2": "model.safetensors",
+}
+_WEIGHT_NAMES = tuple(dict.fromkeys(WEIGHT_FILES.values()))  # each file name once
+OUR_FILES = ("config.json", *_WEIGHT_NAMES, *TOKENIZER_FILES)  # all save_pretrained ever writes
 SHARD_INDEXES = tuple(f"{name}.index.json" for name in _WEIGHT_NAMES)
 
 
@@ -44,17 +58,36 @@ class CheckpointError(ValueError):
 # mixer group's (_HF_SSM for both mixers; _HF_MAMBA1 / _HF_MAMBA2 for one). A group's field is
 # written as its path, "mamba2.d_state", by _hf_fields.
 _HF_FIELDS = {
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "layer_norm_epsilon": "norm_epsilon", "residual_in_fp32": "residual_in_fp32",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layer",
+    "vocab_size": "vocab_size",
+    "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32",
     "tie_word_embeddings": "tie_embeddings",
 }
-_HF_SSM = {"state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "use_bias": "bias",
-           "use_conv_bias": "conv_bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
-           "time_step_floor": "dt_init_floor"}
-_HF_MAMBA1 = {"time_step_rank": "dt_rank", "time_step_scale": "dt_scale", "time_step_init_scheme": "dt_init",
-              "mixer_rms_eps": "mixer_rms_eps"}
-_HF_MAMBA2 = {"head_dim": "headdim", "n_groups": "ngroups", "chunk_size": "chunk_size",
-              "time_step_limit": "dt_limit", "norm_before_gate": "norm_before_gate"}
+_HF_SSM = {
+    "state_size": "d_state",
+    "expand": "expand",
+    "conv_kernel": "d_conv",
+    "use_bias": "bias",
+    "use_conv_bias": "conv_bias",
+    "time_step_min": "dt_min",
+    "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor",
+}
+_HF_MAMBA1 = {
+    "time_step_rank": "dt_rank",
+    "time_step_scale": "dt_scale",
+    "time_step_init_scheme": "dt_init",
+    "mixer_rms_eps": "mixer_rms_eps",
+}
+_HF_MAMBA2 = {
+    "head_dim": "headdim",
+    "n_groups": "ngroups",
+    "chunk_size": "chunk_size",
+    "time_step_limit": "dt_limit",
+    "norm_before_gate": "norm_before_gate",
+}
 
 
 def _hf_fields(mixer: str) -> dict[str, str]:
@@ -84,12 +117,14 @@ def _get(cfg: ModelConfig, path: str):
 
 
 def _floats(values, field: str) -> tuple[float, ...]:
-    """A JSON list of numbers as floats; transformers 5 writes infinity as {"__float__": "Infinity"},
-    mamba_ssm configs as "inf"."""
+    """A JSON list of numbers as floats; transformers 5 writes infinity as {"__float__":
+    "Infinity"}, mamba_ssm configs as "inf"."""
     try:
         return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in values)
     except (TypeError, ValueError, KeyError):
-        raise CheckpointError(f"field {field!r} must be a list of numbers; got {values!r}") from None
+        raise CheckpointError(
+            f"field {field!r} must be a list of numbers; got {values!r}"
+        ) from None
 
 
 def _build_config(kwargs: dict, names: dict[str, str]) -> ModelConfig:
@@ -109,44 +144,64 @@ def _json_float(v: float):
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """A transformers ``config.json`` (mamba / falcon_mamba / mamba2) as a ModelConfig; the vocabulary
-    is kept exactly (transformers' vocab_size is already the padded embedding size)."""
+    """A transformers ``config.json`` (mamba / falcon_mamba / mamba2) as a ModelConfig; the
+    vocabulary is kept exactly (transformers' vocab_size is already the padded embedding size)."""
     kind = hf.get("model_type")
     if kind not in ("mamba", "falcon_mamba", "mamba2"):
-        raise CheckpointError(f"model_type {kind!r} is not supported; "
-                              "ssmkit loads 'mamba', 'falcon_mamba' and 'mamba2'")
+        raise CheckpointError(
+            f"model_type {kind!r} is not supported; "
+            "ssmkit loads 'mamba', 'falcon_mamba' and 'mamba2'"
+        )
     if kind == "falcon_mamba":
-        hf = {"mixer_rms_eps": 1e-6, **hf}                  # transformers' FalconMambaConfig default
+        hf = {"mixer_rms_eps": 1e-6, **hf}  # transformers' FalconMambaConfig default
         kind = "mamba"
     else:
         hf = {k: v for k, v in hf.items() if k != "mixer_rms_eps"}
     if hf.get("rms_norm", True) is False:
-        raise CheckpointError("rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported")
+        raise CheckpointError(
+            "rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported"
+        )
     if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'")
+        raise CheckpointError(
+            f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'"
+        )
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in hf]
-    if missing:   # ModelConfig's defaults are a 130M model: never guess the size of someone's checkpoint
-        raise CheckpointError(f"fields {missing} are missing; a transformers config states the model's size")
+    if (
+        missing
+    ):  # ModelConfig's defaults are a 130M model: never guess the size of someone's checkpoint
+        raise CheckpointError(
+            f"fields {missing} are missing; a transformers config states the model's size"
+        )
     mixer = "mamba1" if kind == "mamba" else "mamba2"
     fields = _hf_fields(mixer)
-    nulls = [theirs for theirs in fields if theirs in hf and hf[theirs] is None and theirs != "mixer_rms_eps"]
-    if nulls:     # null would silently fall back to a default that may not match the weights
-        raise CheckpointError(f"fields {nulls} are null; give them values or leave them out for the defaults")
+    nulls = [
+        theirs
+        for theirs in fields
+        if theirs in hf and hf[theirs] is None and theirs != "mixer_rms_eps"
+    ]
+    if nulls:  # null would silently fall back to a default that may not match the weights
+        raise CheckpointError(
+            f"fields {nulls} are null; give them values or leave them out for the defaults"
+        )
     kwargs = {ours: hf[theirs] for theirs, ours in fields.items() if theirs in hf}
     kwargs.update(mixer=mixer, pad_vocab_size_multiple=1)
-    kwargs.setdefault("tie_embeddings", kind == "mamba")        # transformers' defaults differ per model
+    kwargs.setdefault("tie_embeddings", kind == "mamba")  # transformers' defaults differ per model
     if kwargs.get("mamba2.dt_limit") is not None:
         kwargs["mamba2.dt_limit"] = _floats(kwargs["mamba2.dt_limit"], "time_step_limit")
     cfg = _build_config(kwargs, {ours: theirs for theirs, ours in fields.items()})
     group = cfg.mixer_cfg(mixer)
     inner = group.d_inner(cfg.d_model)
     if kind == "mamba" and "intermediate_size" in hf and hf["intermediate_size"] != inner:
-        raise CheckpointError(f"field 'intermediate_size' is {hf['intermediate_size']!r}, "
-                              f"but expand * hidden_size = {inner}; "
-                              "ssmkit needs d_inner = expand * d_model")
+        raise CheckpointError(
+            f"field 'intermediate_size' is {hf['intermediate_size']!r}, "
+            f"but expand * hidden_size = {inner}; "
+            "ssmkit needs d_inner = expand * d_model"
+        )
     if kind == "mamba2" and "num_heads" in hf and hf["num_heads"] != group.nheads(cfg.d_model):
-        raise CheckpointError(f"field 'num_heads' is {hf['num_heads']!r}, "
-                              f"but expand * hidden_size / head_dim = {group.nheads(cfg.d_model)}")
+        raise CheckpointError(
+            f"field 'num_heads' is {hf['num_heads']!r}, "
+            f"but expand * hidden_size / head_dim = {group.nheads(cfg.d_model)}"
+        )
     return cfg
 
 
@@ -154,16 +209,24 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """A ModelConfig as a transformers config dict (MambaConfig / Mamba2Config)."""
     if cfg.zamba2 is not None:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
-    extras = [what for what, has in (("attention layers (attn_layer_idx)", cfg.attn_layer_idx),
-                                     ("MLPs (d_intermediate)", cfg.d_intermediate),
-                                     ("Jamba's weighted Δ/B/C norms (mamba1.mixer_rms_weights)",
-                                      _jamba_norms(cfg))) if has]
+    extras = [
+        what
+        for what, has in (
+            ("attention layers (attn_layer_idx)", cfg.attn_layer_idx),
+            ("MLPs (d_intermediate)", cfg.d_intermediate),
+            ("Jamba's weighted Δ/B/C norms (mamba1.mixer_rms_weights)", _jamba_norms(cfg)),
+        )
+        if has
+    ]
     if extras:
-        raise CheckpointError(f"transformers' MambaConfig / Mamba2Config cannot hold {' or '.join(extras)}; "
-                              f"{_formats_for(cfg)}")
+        raise CheckpointError(
+            f"transformers' MambaConfig / Mamba2Config cannot hold {' or '.join(extras)}; "
+            f"{_formats_for(cfg)}"
+        )
     if cfg.layout is not None and len(set(cfg.layout)) > 1:
-        raise CheckpointError("transformers has no model with mixed Mamba-1 / Mamba-2 layers; "
-                              "save format='mamba_ssm'")
+        raise CheckpointError(
+            "transformers has no model with mixed Mamba-1 / Mamba-2 layers; save format='mamba_ssm'"
+        )
     if "mamba3" in cfg.mixers:
         raise CheckpointError("transformers has no Mamba-3 model; save format='mamba_ssm'")
     mixer = cfg.mixers[0]
@@ -172,19 +235,29 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     hf["vocab_size"] = cfg.padded_vocab_size
     if mixer == "mamba1":
         falcon = group.mixer_rms_eps is not None
-        hf.update(model_type="falcon_mamba" if falcon else "mamba",
-                  time_step_rank=group.dt_rank_value(cfg.d_model),
-                  architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
-                  intermediate_size=group.d_inner(cfg.d_model), hidden_act="silu")
+        hf.update(
+            model_type="falcon_mamba" if falcon else "mamba",
+            time_step_rank=group.dt_rank_value(cfg.d_model),
+            architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
+            intermediate_size=group.d_inner(cfg.d_model),
+            hidden_act="silu",
+        )
         if not falcon:
             del hf["mixer_rms_eps"]
     else:
-        if group.D_has_hdim or group.norm_before_gate:   # transformers 5: norm after the gate
-            raise CheckpointError("transformers' Mamba2 has neither D per channel nor norm_before_gate=True; "
-                                  "save format='mamba_ssm'")
-        hf.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"],
-                  num_heads=group.nheads(cfg.d_model), hidden_act="silu",
-                  time_step_limit=[_json_float(v) for v in group.dt_limit], rms_norm=True)
+        if group.D_has_hdim or group.norm_before_gate:  # transformers 5: norm after the gate
+            raise CheckpointError(
+                "transformers' Mamba2 has neither D per channel nor norm_before_gate=True; "
+                "save format='mamba_ssm'"
+            )
+        hf.update(
+            model_type="mamba2",
+            architectures=["Mamba2ForCausalLM"],
+            num_heads=group.nheads(cfg.d_model),
+            hidden_act="silu",
+            time_step_limit=[_json_float(v) for v in group.dt_limit],
+            rms_norm=True,
+        )
     return hf
 
 
@@ -206,9 +279,9 @@ def _ssm_fields(mixer: str) -> tuple[str, ...]:
 
 
 def _formats_for(cfg: ModelConfig) -> str:
-    """Which other format can hold a hybrid ``cfg``, as advice for an error message: Jamba's Δ/B/C norms
-    (mixer_rms_weights) only format "jamba" holds (ssmkit.hub.jamba, which says why not if it cannot);
-    everything else only mamba_ssm's layout."""
+    """Which other format can hold a hybrid ``cfg``, as advice for an error message: Jamba's Δ/B/C
+    norms (mixer_rms_weights) only format "jamba" holds (ssmkit.hub.jamba, which says why not if it
+    cannot); everything else only mamba_ssm's layout."""
     if _jamba_norms(cfg):
         return "save format='jamba'"
     try:
@@ -223,45 +296,63 @@ def _attention_from_mamba_ssm(c: dict) -> dict:
     (mamba_ssm's MHA arguments, checked as mamba_ssm would build them), d_intermediate."""
     idx, attn = c.get("attn_layer_idx") or [], c.get("attn_cfg") or {}
     if not isinstance(idx, list):
-        raise CheckpointError(f"field 'attn_layer_idx' must be a list of layer indices; got {idx!r}")
+        raise CheckpointError(
+            f"field 'attn_layer_idx' must be a list of layer indices; got {idx!r}"
+        )
     if not isinstance(attn, dict):
         raise CheckpointError(f"field 'attn_cfg' must be an object of MHA arguments; got {attn!r}")
     if "window_size" in attn:
-        raise CheckpointError("field 'attn_cfg.window_size' is not an argument of mamba_ssm's MHA (it is "
-                              "ssmkit's sliding window, which the mamba_ssm layout cannot hold)")
+        raise CheckpointError(
+            "field 'attn_cfg.window_size' is not an argument of mamba_ssm's MHA (it is "
+            "ssmkit's sliding window, which the mamba_ssm layout cannot hold)"
+        )
     if idx:
         if attn.get("causal") is not True:
             raise CheckpointError(
                 f"field 'attn_cfg.causal' is {'missing' if 'causal' not in attn else repr(attn['causal'])}: "
                 "mamba_ssm's MHA then builds bidirectional attention layers (its default is causal=False), "
-                "which see later tokens; ssmkit builds causal attention only")
+                "which see later tokens; ssmkit builds causal attention only"
+            )
         if "num_heads" not in attn:
-            raise CheckpointError("field 'attn_cfg.num_heads' is missing; mamba_ssm's MHA requires it")
+            raise CheckpointError(
+                "field 'attn_cfg.num_heads' is missing; mamba_ssm's MHA requires it"
+            )
     elif attn.get("causal") is not True:
-        attn = {}                   # no attention layer: mamba_ssm never reads it
-    return dict(attn_layer_idx=idx, attn_cfg=attn or None, d_intermediate=c.get("d_intermediate", 0))
+        attn = {}  # no attention layer: mamba_ssm never reads it
+    return dict(
+        attn_layer_idx=idx, attn_cfg=attn or None, d_intermediate=c.get("d_intermediate", 0)
+    )
 
 
 def config_from_mamba_ssm(c: dict) -> ModelConfig:
     """mamba_ssm's MambaConfig dict as a ModelConfig."""
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in c]
     if missing:
-        raise CheckpointError(f"fields {missing} are missing; a mamba_ssm config states the model's size")
+        raise CheckpointError(
+            f"fields {missing} are missing; a mamba_ssm config states the model's size"
+        )
     if not isinstance(c.get("ssm_cfg") or {}, dict):
-        raise CheckpointError(f"field 'ssm_cfg' must be an object of mixer fields; got {c['ssm_cfg']!r}")
+        raise CheckpointError(
+            f"field 'ssm_cfg' must be an object of mixer fields; got {c['ssm_cfg']!r}"
+        )
     ssm = dict(c.get("ssm_cfg") or {})
     layer = ssm.pop("layer", "Mamba1")
     if layer not in _LAYERS:
-        raise CheckpointError(f"ssm_cfg.layer {layer!r} is not supported; valid: {', '.join(_LAYERS)}")
+        raise CheckpointError(
+            f"ssm_cfg.layer {layer!r} is not supported; valid: {', '.join(_LAYERS)}"
+        )
     mixer = _LAYERS[layer]
     known = set(_ssm_fields(mixer))
     ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
-    if mixer == "mamba3":   # a kernel fusion switch (the same sums) and an argument Mamba3 only absorbs
+    if (
+        mixer == "mamba3"
+    ):  # a kernel fusion switch (the same sums) and an argument Mamba3 only absorbs
         ignored |= {"fuse_pregate_headwise_norm", "dropout"}
     unknown = sorted(set(ssm) - known - ignored)
     if unknown:
-        raise CheckpointError(f"ssm_cfg fields {unknown} cannot be represented by ssmkit; "
-                              f"known: {sorted(known)}")
+        raise CheckpointError(
+            f"ssm_cfg fields {unknown} cannot be represented by ssmkit; known: {sorted(known)}"
+        )
     if ssm.get("rmsnorm", True) is False:
         raise CheckpointError("ssm_cfg.rmsnorm=False (gate inside the scan) is not supported")
     group = {k: ssm[k] for k in known if k in ssm}
@@ -269,11 +360,18 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
         if k in group:
             group[k] = _floats(group[k], f"ssm_cfg.{k}")
     kwargs = {f"{mixer}.{k}": v for k, v in group.items()}
-    kwargs.update(d_model=c["d_model"], n_layer=c["n_layer"], vocab_size=c["vocab_size"], mixer=mixer,
-                  pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8),
-                  rms_norm=c.get("rms_norm", True), residual_in_fp32=c.get("residual_in_fp32", True),
-                  tie_embeddings=c.get("tie_embeddings", True), norm_epsilon=c.get("norm_epsilon", 1e-5),
-                  **_attention_from_mamba_ssm(c))
+    kwargs.update(
+        d_model=c["d_model"],
+        n_layer=c["n_layer"],
+        vocab_size=c["vocab_size"],
+        mixer=mixer,
+        pad_vocab_size_multiple=c.get("pad_vocab_size_multiple", 8),
+        rms_norm=c.get("rms_norm", True),
+        residual_in_fp32=c.get("residual_in_fp32", True),
+        tie_embeddings=c.get("tie_embeddings", True),
+        norm_epsilon=c.get("norm_epsilon", 1e-5),
+        **_attention_from_mamba_ssm(c),
+    )
     return _build_config(kwargs, {f"{mixer}.{k}": f"ssm_cfg.{k}" for k in known})
 
 
@@ -283,33 +381,48 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
     ssm_kinds = sorted({m for m in cfg.mixers if m in SSM_MIXERS})
     if len(ssm_kinds) > 1:
-        raise CheckpointError("mamba_ssm's MambaLMHeadModel has one SSM layer type; "
-                              "mixed layouts cannot be saved")
+        raise CheckpointError(
+            "mamba_ssm's MambaLMHeadModel has one SSM layer type; mixed layouts cannot be saved"
+        )
     if "swa" in cfg.mixers:
-        raise CheckpointError("attn_cfg.window_size (sliding-window attention, 'swa' layers) is not an "
-                              "argument of mamba_ssm's MHA: this model cannot be saved in the mamba_ssm "
-                              "layout")
+        raise CheckpointError(
+            "attn_cfg.window_size (sliding-window attention, 'swa' layers) is not an "
+            "argument of mamba_ssm's MHA: this model cannot be saved in the mamba_ssm "
+            "layout"
+        )
     if "mamba1" in cfg.ssm_kinds and cfg.mamba1.mixer_rms_eps is not None:
-        raise CheckpointError("mamba_ssm has no norms on Δ, B, C (mamba1.mixer_rms_eps); save "
-                              + ("format='jamba'" if _jamba_norms(cfg)
-                                 else "format='hf' (FalconMamba)"))
-    if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:    # MambaLMHeadModel builds RMSNorm(eps=1e-5)
-        raise CheckpointError("mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; "
-                              "save format='hf'")
+        raise CheckpointError(
+            "mamba_ssm has no norms on Δ, B, C (mamba1.mixer_rms_eps); save "
+            + ("format='jamba'" if _jamba_norms(cfg) else "format='hf' (FalconMamba)")
+        )
+    if cfg.norm_epsilon != 1e-5 or not cfg.rms_norm:  # MambaLMHeadModel builds RMSNorm(eps=1e-5)
+        raise CheckpointError(
+            "mamba_ssm's MambaLMHeadModel always uses RMSNorm with eps 1e-5; save format='hf'"
+        )
     mixer = ssm_kinds[0] if ssm_kinds else cfg.mixer if cfg.mixer in SSM_MIXERS else "mamba1"
     group = cfg.mixer_cfg(mixer).to_dict()
     ssm = {k: group[k] for k in _ssm_fields(mixer)}
     ssm["layer"] = {v: k for k, v in _LAYERS.items()}[mixer]
-    if "dt_limit" in ssm:   # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
+    if (
+        "dt_limit" in ssm
+    ):  # JSON has no infinity: the default (0, inf) is left to mamba_ssm's own default
         if ssm["dt_limit"] == [0.0, math.inf]:
             del ssm["dt_limit"]
         else:
             ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
     # every MHA argument written out, causal=True above all (mamba_ssm's default is False)
     attn = {k: v for k, v in (cfg.attn_cfg or {}).items() if k != "window_size"}
-    return dict(d_model=cfg.d_model, d_intermediate=cfg.d_intermediate, n_layer=cfg.n_layer,
-                vocab_size=cfg.vocab_size, ssm_cfg=ssm, attn_layer_idx=list(cfg.attn_layer_idx),
-                attn_cfg=attn, rms_norm=cfg.rms_norm,
-                residual_in_fp32=cfg.residual_in_fp32, fused_add_norm=True,
-                pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
-                tie_embeddings=cfg.tie_embeddings)   # exactly MambaConfig's fields: it is built with **config
+    return dict(
+        d_model=cfg.d_model,
+        d_intermediate=cfg.d_intermediate,
+        n_layer=cfg.n_layer,
+        vocab_size=cfg.vocab_size,
+        ssm_cfg=ssm,
+        attn_layer_idx=list(cfg.attn_layer_idx),
+        attn_cfg=attn,
+        rms_norm=cfg.rms_norm,
+        residual_in_fp32=cfg.residual_in_fp32,
+        fused_add_norm=True,
+        pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+        tie_embeddings=cfg.tie_embeddings,
+    )  # exactly MambaConfig's fields: it is built with **config

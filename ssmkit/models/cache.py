@@ -6,8 +6,8 @@ A Mamba layer keeps two tensors, independent of how many tokens were seen (:clas
 * ``ssm``:  the SSM state h_t, (batch, d_inner, d_state) for Mamba-1 and
   (batch, nheads, headdim, d_state) for Mamba-2, kept in fp32.
 
-A Mamba-3 layer keeps four (:class:`Mamba3State`): the rotation angle, the state h, and the previous token's
-rotated key and input, which its trapezoid rule mixes into the next step.
+A Mamba-3 layer keeps four (:class:`Mamba3State`): the rotation angle, the state h, and the previous
+token's rotated key and input, which its trapezoid rule mixes into the next step.
 
 An attention layer keeps its keys and values (:class:`KVState`): all of them for full attention
 (memory grows with the sequence), or the last ``window`` of them in a ring buffer for sliding-window
@@ -32,11 +32,11 @@ class LayerState:
 
 @dataclass
 class Mamba3State:
-    angle: torch.Tensor     # θ, (batch, nheads, nangles), fp32
-    ssm: torch.Tensor       # h, (batch, nheads, headdim, d_state), fp32
-    k: torch.Tensor         # the last rotated key B, (batch, rank, nheads, d_state)
-    v: torch.Tensor         # the last input x, (batch, nheads, headdim)
-    seen: int = 0           # tokens folded in (0: a fresh state, which the kernels take as "none")
+    angle: torch.Tensor  # θ, (batch, nheads, nangles), fp32
+    ssm: torch.Tensor  # h, (batch, nheads, headdim, d_state), fp32
+    k: torch.Tensor  # the last rotated key B, (batch, rank, nheads, d_state)
+    v: torch.Tensor  # the last input x, (batch, nheads, headdim)
+    seen: int = 0  # tokens folded in (0: a fresh state, which the kernels take as "none")
 
     def tensors(self) -> tuple:
         return self.angle, self.ssm, self.k, self.v
@@ -49,17 +49,29 @@ class KVState:
     """Keys and values of one attention layer, (batch, heads_kv, capacity, head_dim) each.
 
     ``append(k, v)`` adds new positions and returns the keys and values the new queries attend to,
-    with ``key_pos`` (capacity,) the absolute position of each slot (-1: empty), so the caller builds
-    its causal / window mask from positions, never from slot order. Full attention grows its buffers by
-    doubling (amortised O(1) per token, no reallocation per step); with ``window`` the buffer is a ring
-    of exactly ``window`` slots and a token's key overwrites the one ``window`` positions before it.
-    ``conv`` holds the last ``d_conv`` qkv inputs when the layer has a short conv (else None).
+    with ``key_pos`` (capacity,) the absolute position of each slot (-1: empty), so the caller
+    builds its causal / window mask from positions, never from slot order. Full attention grows its
+    buffers by doubling (amortised O(1) per token, no reallocation per step); with ``window`` the
+    buffer is a ring of exactly ``window`` slots and a token's key overwrites the one ``window``
+    positions before it. ``conv`` holds the last ``d_conv`` qkv inputs when the layer has a short
+    conv (else None).
     """
 
-    def __init__(self, batch_size: int, heads_kv: int, head_dim: int, dtype, device,
-                 window: int | None = None, conv: torch.Tensor | None = None, capacity: int = 256):
+    def __init__(
+        self,
+        batch_size: int,
+        heads_kv: int,
+        head_dim: int,
+        dtype,
+        device,
+        window: int | None = None,
+        conv: torch.Tensor | None = None,
+        capacity: int = 256,
+    ):
         self.window, self.conv, self.length = window, conv, 0
-        self.start: torch.Tensor | None = None      # (batch,) first real position per row (left padding)
+        self.start: torch.Tensor | None = (
+            None  # (batch,) first real position per row (left padding)
+        )
         cap = window if window else capacity
         self.k = torch.zeros(batch_size, heads_kv, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -74,25 +86,27 @@ class KVState:
         self.k, self.v = torch.nn.functional.pad(self.k, pad), torch.nn.functional.pad(self.v, pad)
         self.key_pos = torch.cat([self.key_pos, self.key_pos.new_full((new - cap,), -1)])
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """k, v: (batch, heads_kv, n, head_dim) at positions length..length+n-1.
 
         Returns (keys, values, key_pos) to attend over. For a ring buffer and a block of n > 1 new
         tokens (a prefill), the returned tensors are the previous window followed by the new block
-        (window + n slots) so every new query still sees its own last ``window`` keys; the ring keeps
-        only the last ``window`` afterwards."""
+        (window + n slots) so every new query still sees its own last ``window`` keys; the ring
+        keeps only the last ``window`` afterwards."""
         n, start = k.shape[2], self.length
         pos = torch.arange(start, start + n, device=self.key_pos.device)
         self.length += n
         if self.window is None:
             self._grow(start + n)
-            self.k[:, :, start:start + n], self.v[:, :, start:start + n] = k, v
-            self.key_pos[start:start + n] = pos
-            return self.k[:, :, :start + n], self.v[:, :, :start + n], self.key_pos[:start + n]
+            self.k[:, :, start : start + n], self.v[:, :, start : start + n] = k, v
+            self.key_pos[start : start + n] = pos
+            return self.k[:, :, : start + n], self.v[:, :, : start + n], self.key_pos[: start + n]
         if n > 1:
             keys, values = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
             key_pos = torch.cat([self.key_pos, pos])
-        keep = min(n, self.window)                              # only the last `window` new keys survive
+        keep = min(n, self.window)  # only the last `window` new keys survive
         slots = pos[-keep:] % self.window
         self.k[:, :, slots], self.v[:, :, slots] = k[:, :, -keep:], v[:, :, -keep:]
         self.key_pos[slots] = pos[-keep:]
@@ -107,8 +121,10 @@ class KVState:
 
 @dataclass
 class InferenceCache:
-    layers: list = field(default_factory=list)   # a LayerState / Mamba3State / KVState (or a backbone's own)
-    seqlen_offset: int = 0          # tokens already folded into the states
+    layers: list = field(
+        default_factory=list
+    )  # a LayerState / Mamba3State / KVState (or a backbone's own)
+    seqlen_offset: int = 0  # tokens already folded into the states
 
     @classmethod
     def allocate(cls, model, batch_size: int, dtype=None, device=None) -> InferenceCache:
@@ -119,6 +135,6 @@ class InferenceCache:
         return cls(model.backbone.allocate_states(batch_size, dtype, device))
 
     def nbytes(self) -> int:
-        """Memory held by the cache: constant in the sequence length for SSM and sliding-window layers,
-        growing with it for full-attention layers."""
+        """Memory held by the cache: constant in the sequence length for SSM and sliding-window
+        layers, growing with it for full-attention layers."""
         return sum(s.nbytes() for s in self.layers)

@@ -41,57 +41,91 @@ from .ssm_config import (
 )
 from .zamba2_config import TINY_ZAMBA2, Zamba2ConfigError, check_zamba2
 
-MIXERS = ("mamba1", "mamba2", "mamba3", "attn", "swa")   # "swa": attention over the last attn_cfg.window_size
-SSM_MIXERS = ("mamba1", "mamba2", "mamba3")   # the state-space mixers; the others attend
-# mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's default False
-# trains a model that sees the future) and ssmkit's window_size (Samba's sliding window; None = full).
-ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
-                     out_proj_bias=True, softmax_scale=None, causal=True, d_conv=0, rotary_emb_dim=0,
-                     rotary_emb_base=10000.0, rotary_emb_interleaved=False, window_size=None)
+MIXERS = (
+    "mamba1",
+    "mamba2",
+    "mamba3",
+    "attn",
+    "swa",
+)  # "swa": attention over the last attn_cfg.window_size
+SSM_MIXERS = ("mamba1", "mamba2", "mamba3")  # the state-space mixers; the others attend
+# mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's
+# default False trains a model that sees the future) and ssmkit's window_size (Samba's sliding
+# window; None = full).
+ATTN_DEFAULTS = dict(
+    num_heads=None,
+    num_heads_kv=None,
+    head_dim=None,
+    mlp_dim=0,
+    qkv_proj_bias=True,
+    out_proj_bias=True,
+    softmax_scale=None,
+    causal=True,
+    d_conv=0,
+    rotary_emb_dim=0,
+    rotary_emb_base=10000.0,
+    rotary_emb_interleaved=False,
+    window_size=None,
+)
 
 
 def check_attn_cfg(attn_cfg: dict | None, d_model: int, needs_window: bool = False) -> dict:
-    """``attn_cfg`` with every key of :data:`ATTN_DEFAULTS` filled in and checked; num_heads defaults to
-    d_model / 64 (4 below d_model 256)."""
+    """``attn_cfg`` with every key of :data:`ATTN_DEFAULTS` filled in and checked; num_heads
+    defaults to d_model / 64 (4 below d_model 256)."""
     cfg = dict(attn_cfg or {})
     unknown = sorted(set(cfg) - set(ATTN_DEFAULTS))
     if unknown:
-        raise ConfigError("attn_cfg", f"has unknown keys {unknown}; valid keys: {', '.join(ATTN_DEFAULTS)}")
+        raise ConfigError(
+            "attn_cfg", f"has unknown keys {unknown}; valid keys: {', '.join(ATTN_DEFAULTS)}"
+        )
     cfg = {**ATTN_DEFAULTS, **cfg}
     if cfg["causal"] is not True:
-        raise ConfigError("attn_cfg.causal", "must be true: a language model may not attend to later tokens "
-                                             f"(mamba_ssm's MHA defaults to causal=False); "
-                                             f"got {cfg['causal']!r}")
+        raise ConfigError(
+            "attn_cfg.causal",
+            "must be true: a language model may not attend to later tokens "
+            f"(mamba_ssm's MHA defaults to causal=False); "
+            f"got {cfg['causal']!r}",
+        )
     if cfg["num_heads"] is None:
         cfg["num_heads"] = d_model // 64 if d_model >= 256 else 4
     field = lambda name, **kw: _field(f"attn_cfg.{name}", checks.integer, cfg[name], **kw)  # noqa: E731
     heads = cfg["num_heads"] = field("num_heads", minimum=1)
-    cfg["num_heads_kv"] = kv = field("num_heads_kv", minimum=1) if cfg["num_heads_kv"] is not None else heads
+    cfg["num_heads_kv"] = kv = (
+        field("num_heads_kv", minimum=1) if cfg["num_heads_kv"] is not None else heads
+    )
     if heads % kv:
         raise ConfigError("attn_cfg.num_heads_kv", f"must divide num_heads={heads}; got {kv}")
     if cfg["head_dim"] is None and d_model % heads:
-        raise ConfigError("attn_cfg.num_heads", f"must divide d_model={d_model} (or give head_dim); "
-                                                f"got {heads}")
+        raise ConfigError(
+            "attn_cfg.num_heads", f"must divide d_model={d_model} (or give head_dim); got {heads}"
+        )
     head_dim = field("head_dim", minimum=1) if cfg["head_dim"] is not None else d_model // heads
     cfg["head_dim"] = head_dim
     for name in ("mlp_dim", "d_conv", "rotary_emb_dim"):
         cfg[name] = field(name, minimum=0)
     if cfg["rotary_emb_dim"] % 2 or cfg["rotary_emb_dim"] > head_dim:
-        raise ConfigError("attn_cfg.rotary_emb_dim", f"must be even and <= head_dim={head_dim}; "
-                                                     f"got {cfg['rotary_emb_dim']}")
+        raise ConfigError(
+            "attn_cfg.rotary_emb_dim",
+            f"must be even and <= head_dim={head_dim}; got {cfg['rotary_emb_dim']}",
+        )
     if cfg["window_size"] is not None:
         cfg["window_size"] = field("window_size", minimum=1)
     elif needs_window:
-        raise ConfigError("attn_cfg.window_size", "is needed by the layout's 'swa' layers (sliding-window "
-                                                  "attention over the last window_size positions)")
+        raise ConfigError(
+            "attn_cfg.window_size",
+            "is needed by the layout's 'swa' layers (sliding-window "
+            "attention over the last window_size positions)",
+        )
     for name in ("qkv_proj_bias", "out_proj_bias", "rotary_emb_interleaved"):
         if not isinstance(cfg[name], bool):
             raise ConfigError(f"attn_cfg.{name}", f"must be true or false; got {cfg[name]!r}")
-    cfg["rotary_emb_base"] = _field("attn_cfg.rotary_emb_base", checks.number, cfg["rotary_emb_base"],
-                                    low=0, low_open=True)
+    cfg["rotary_emb_base"] = _field(
+        "attn_cfg.rotary_emb_base", checks.number, cfg["rotary_emb_base"], low=0, low_open=True
+    )
     if cfg["softmax_scale"] is not None:
-        cfg["softmax_scale"] = _field("attn_cfg.softmax_scale", checks.number, cfg["softmax_scale"],
-                                      low=0, low_open=True)
+        cfg["softmax_scale"] = _field(
+            "attn_cfg.softmax_scale", checks.number, cfg["softmax_scale"], low=0, low_open=True
+        )
     return cfg
 
 
@@ -136,8 +170,11 @@ def migrate_flat(kwargs: dict) -> dict:
         if value is None and key in ("d_state", "chunk_size"):
             continue
         if key == "bias" and value is True and "mamba3" in used:
-            raise ConfigError("bias", "must be false for mamba3: mamba_ssm's Mamba3 has no "
-                                      "in_proj / out_proj bias; got True")
+            raise ConfigError(
+                "bias",
+                "must be false for mamba3: mamba_ssm's Mamba3 has no "
+                "in_proj / out_proj bias; got True",
+            )
         owners = [kind for kind in used if kind in GROUP_FIELDS[key]]
         if not owners:
             try:
@@ -160,33 +197,35 @@ class ModelConfig:
     grouped form (YAML, JSON)."""
 
     # --- the language model ---
-    d_model: int = 768                    # residual stream width
-    n_layer: int = 24                     # number of blocks
-    vocab_size: int = 50277               # tokenizer size (GPT-NeoX for the official models)
-    pad_vocab_size_multiple: int = 8      # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
-    mixer: str = "mamba1"                 # "mamba1" | "mamba2" | "mamba3" | "attn": every layer's mixer ...
-    layout: list[str] | None = None       # ... unless given per layer, e.g. ["mamba3", "attn", "swa"]
-    d_intermediate: int = 0               # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
-    attn_layer_idx: list[int] | None = None   # mamba_ssm: the layers that are attention (MHA) ...
-    attn_every: int = 0                   # ... or every N-th (Jamba: i % N == attn_offset); 0 = none
+    d_model: int = 768  # residual stream width
+    n_layer: int = 24  # number of blocks
+    vocab_size: int = 50277  # tokenizer size (GPT-NeoX for the official models)
+    pad_vocab_size_multiple: int = 8  # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
+    mixer: str = "mamba1"  # "mamba1" | "mamba2" | "mamba3" | "attn": every layer's mixer ...
+    layout: list[str] | None = None  # ... unless given per layer, e.g. ["mamba3", "attn", "swa"]
+    d_intermediate: int = 0  # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
+    attn_layer_idx: list[int] | None = None  # mamba_ssm: the layers that are attention (MHA) ...
+    attn_every: int = 0  # ... or every N-th (Jamba: i % N == attn_offset); 0 = none
     attn_offset: int = 0
-    attn_cfg: dict | None = None          # mamba_ssm's MHA arguments, see ATTN_DEFAULTS (filled in)
-    zamba2: dict | None = None            # Zamba2's shared attention blocks (zamba2_config.py); None = off
-    tie_embeddings: bool = True           # LM head shares the embedding matrix
-    rms_norm: bool = True                 # RMSNorm (True) or LayerNorm (False) before each mixer
-    norm_epsilon: float = 1e-5            # of every norm (and of Mamba-2's gated RMSNorm)
-    residual_in_fp32: bool = True         # keep the residual stream in fp32 under bf16/fp16
-    initializer_range: float = 0.02       # std of the embedding init
+    attn_cfg: dict | None = None  # mamba_ssm's MHA arguments, see ATTN_DEFAULTS (filled in)
+    zamba2: dict | None = None  # Zamba2's shared attention blocks (zamba2_config.py); None = off
+    tie_embeddings: bool = True  # LM head shares the embedding matrix
+    rms_norm: bool = True  # RMSNorm (True) or LayerNorm (False) before each mixer
+    norm_epsilon: float = 1e-5  # of every norm (and of Mamba-2's gated RMSNorm)
+    residual_in_fp32: bool = True  # keep the residual stream in fp32 under bf16/fp16
+    initializer_range: float = 0.02  # std of the embedding init
     rescale_prenorm_residual: bool = True  # out_proj init scaled by 1/sqrt(n_layer) (GPT-2 style)
 
     # --- each SSM mixer's knobs (mamba_ssm's ssm_cfg), read by the layers of that mixer only ---
-    mamba1: Mamba1Config = field(default_factory=Mamba1Config)   # d_state 16, d_conv 4, expand 2
-    mamba2: Mamba2Config = field(default_factory=Mamba2Config)   # d_state 128, headdim 64, Q 256
-    mamba3: Mamba3Config = field(default_factory=Mamba3Config)   # d_state 128, headdim 64, Q 64
+    mamba1: Mamba1Config = field(default_factory=Mamba1Config)  # d_state 16, d_conv 4, expand 2
+    mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # d_state 128, headdim 64, Q 256
+    mamba3: Mamba3Config = field(default_factory=Mamba3Config)  # d_state 128, headdim 64, Q 64
 
     def __post_init__(self):
         if self.mixer not in MIXERS:
-            raise ValueError(f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}")
+            raise ValueError(
+                f"mixer={self.mixer!r} is not supported; valid mixers: {', '.join(MIXERS)}"
+            )
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
         for name in ("d_intermediate", "attn_every"):
@@ -203,12 +242,14 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
         # a zero epsilon gives NaN logits
-        self.norm_epsilon = _field("norm_epsilon", checks.number, self.norm_epsilon, low=0,
-                                   low_open=True)
-        self.initializer_range = _field("initializer_range", checks.number, self.initializer_range,
-                                        low=0)
+        self.norm_epsilon = _field(
+            "norm_epsilon", checks.number, self.norm_epsilon, low=0, low_open=True
+        )
+        self.initializer_range = _field(
+            "initializer_range", checks.number, self.initializer_range, low=0
+        )
         used = self.ssm_kinds
-        if self.mamba3.chunk_size is None:   # one chunk for a stack with Mamba-2 layers, else 64
+        if self.mamba3.chunk_size is None:  # one chunk for a stack with Mamba-2 layers, else 64
             chunk = self.mamba2.chunk_size if "mamba2" in used else 64
             self.mamba3 = dataclasses.replace(self.mamba3, chunk_size=chunk)
         for kind in ("mamba2", "mamba3"):
@@ -216,26 +257,37 @@ class ModelConfig:
                 getattr(self, kind).check_width(self.d_model)
 
     def _resolve_attention_layers(self):
-        """One answer to "which layers are attention": ``layout`` names them; else ``attn_every`` (Jamba:
-        layer i when i % attn_every == attn_offset) or mamba_ssm's ``attn_layer_idx``; else none (all when
-        mixer is "attn"). ``attn_layer_idx`` is filled in, and given twice the answers must agree."""
+        """One answer to "which layers are attention": ``layout`` names them; else ``attn_every``
+        (Jamba: layer i when i % attn_every == attn_offset) or mamba_ssm's ``attn_layer_idx``; else
+        none (all when mixer is "attn"). ``attn_layer_idx`` is filled in, and given twice the
+        answers must agree."""
         n, given = self.n_layer, self.attn_layer_idx
         if given is not None:
             given = list(given)
-            if not all(checks.is_integer(i) and 0 <= i < n for i in given) or len(set(given)) != len(given):
-                raise ConfigError("attn_layer_idx", f"must be distinct layer indices in 0..{n - 1}; "
-                                                    f"got {given!r}")
+            if not all(checks.is_integer(i) and 0 <= i < n for i in given) or len(
+                set(given)
+            ) != len(given):
+                raise ConfigError(
+                    "attn_layer_idx", f"must be distinct layer indices in 0..{n - 1}; got {given!r}"
+                )
             given = sorted(given)
         if self.attn_every:
-            self.attn_offset = _field("attn_offset", checks.integer, self.attn_offset, minimum=0,
-                                      maximum=self.attn_every - 1)
+            self.attn_offset = _field(
+                "attn_offset",
+                checks.integer,
+                self.attn_offset,
+                minimum=0,
+                maximum=self.attn_every - 1,
+            )
         if self.layout is not None:
             self.layout = list(self.layout)
             if len(self.layout) != n:
                 raise ValueError(f"layout has {len(self.layout)} entries but n_layer={n}")
             bad = [m for m in self.layout if m not in MIXERS]
             if bad:
-                raise ValueError(f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}")
+                raise ValueError(
+                    f"layout names unknown mixers {bad}; valid mixers: {', '.join(MIXERS)}"
+                )
             found = [i for i, m in enumerate(self.layout) if m in ("attn", "swa")]
         elif self.mixer in ("attn", "swa"):
             found = list(range(n))
@@ -243,21 +295,32 @@ class ModelConfig:
             found = [i for i in range(n) if i % self.attn_every == self.attn_offset]
         else:
             found = given or []
-        for name, other in (("attn_layer_idx", given),
-                            ("attn_every", [i for i in range(n) if i % self.attn_every == self.attn_offset]
-                             if self.attn_every else None)):
+        for name, other in (
+            ("attn_layer_idx", given),
+            (
+                "attn_every",
+                [i for i in range(n) if i % self.attn_every == self.attn_offset]
+                if self.attn_every
+                else None,
+            ),
+        ):
             if other is not None and other != found:
-                raise ConfigError(name, f"gives attention layers {other}, but the config's other fields give "
-                                        f"{found}: set one of layout / attn_every / attn_layer_idx")
+                raise ConfigError(
+                    name,
+                    f"gives attention layers {other}, but the config's other fields give "
+                    f"{found}: set one of layout / attn_every / attn_layer_idx",
+                )
         self.attn_layer_idx = found
         if found or self.attn_cfg is not None:
-            self.attn_cfg = check_attn_cfg(self.attn_cfg, self.d_model, needs_window="swa" in self.mixers)
+            self.attn_cfg = check_attn_cfg(
+                self.attn_cfg, self.d_model, needs_window="swa" in self.mixers
+            )
 
     # --- the layers ---
     @property
     def mixers(self) -> list[str]:
-        """The mixer of each layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa"
-        (attention over the last attn_cfg.window_size positions)."""
+        """The mixer of each layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or
+        "swa" (attention over the last attn_cfg.window_size positions)."""
         if self.layout is not None:
             return list(self.layout)
         attn = "swa" if (self.attn_cfg or {}).get("window_size") else "attn"
@@ -274,8 +337,10 @@ class ModelConfig:
         ``kind``, that of the one SSM mixer the layers use (an error for none or several)."""
         if kind is None:
             if len(self.ssm_kinds) != 1:
-                raise ValueError(f"the model's SSM layers are {self.ssm_kinds or 'none'}: name the "
-                                 f"mixer, mixer_cfg(kind) with kind one of {', '.join(SSM_MIXERS)}")
+                raise ValueError(
+                    f"the model's SSM layers are {self.ssm_kinds or 'none'}: name the "
+                    f"mixer, mixer_cfg(kind) with kind one of {', '.join(SSM_MIXERS)}"
+                )
             kind = self.ssm_kinds[0]
         if kind not in SSM_MIXERS:
             raise ValueError(f"mixer_cfg({kind!r}): valid SSM mixers: {', '.join(SSM_MIXERS)}")
@@ -300,27 +365,41 @@ class ModelConfig:
         if mixer not in SSM_MIXERS:
             raise ValueError(f"with_mixer({mixer!r}): valid SSM mixers: {', '.join(SSM_MIXERS)}")
         if not self.ssm_kinds:
-            raise ValueError(f"the model has no SSM layer to make a {mixer} layer (its layers: "
-                             f"{sorted(set(self.mixers))})")
+            raise ValueError(
+                f"the model has no SSM layer to make a {mixer} layer (its layers: "
+                f"{sorted(set(self.mixers))})"
+            )
         if self.zamba2 is not None and mixer != "mamba2":
-            raise ValueError(f"a Zamba2 model's layers are Mamba-2 (its shared blocks are built "
-                             f"around them); got mixer={mixer!r}")
+            raise ValueError(
+                f"a Zamba2 model's layers are Mamba-2 (its shared blocks are built "
+                f"around them); got mixer={mixer!r}"
+            )
         old = self.mixer_cfg(self.ssm_kinds[0]).to_dict()
         fair = fair_sizes(mixer, old["expand"] * self.d_model)
-        kept = {f.name for f in dataclasses.fields(GROUPS[mixer])} - {"d_state", "headdim",
-                                                                      "chunk_size"}
+        kept = {f.name for f in dataclasses.fields(GROUPS[mixer])} - {
+            "d_state",
+            "headdim",
+            "chunk_size",
+        }
         group = GROUPS[mixer](**{k: v for k, v in old.items() if k in kept}, **fair)
         layout = None
         if self.layout is not None:
             layout = [mixer if m in SSM_MIXERS else m for m in self.layout]
-        return dataclasses.replace(self, mixer=mixer if self.mixer in SSM_MIXERS else self.mixer,
-                                   layout=layout, **{mixer: group})
+        return dataclasses.replace(
+            self,
+            mixer=mixer if self.mixer in SSM_MIXERS else self.mixer,
+            layout=layout,
+            **{mixer: group},
+        )
 
     # --- (de)serialisation and presets ---
     def to_dict(self) -> dict:
         """The fields as plain values, each group a nested mapping (YAML, JSON)."""
-        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
-             if f.name not in SSM_MIXERS}
+        d = {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in SSM_MIXERS
+        }
         return {**d, **{kind: getattr(self, kind).to_dict() for kind in SSM_MIXERS}}
 
     @classmethod
@@ -329,9 +408,11 @@ class ModelConfig:
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid) - set(GROUP_FIELDS))
         if unknown:
-            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {', '.join(valid)} "
-                             "(and, in the short form, a field of the mixer groups: "
-                             f"{', '.join(sorted(GROUP_FIELDS))})")
+            raise ValueError(
+                f"unknown ModelConfig keys {unknown}; valid keys: {', '.join(valid)} "
+                "(and, in the short form, a field of the mixer groups: "
+                f"{', '.join(sorted(GROUP_FIELDS))})"
+            )
         return cls(**d)
 
     @classmethod
@@ -358,8 +439,10 @@ def _init(self, *args, **kwargs):
     given = dict(zip(names, args))
     twice = sorted(set(given) & set(kwargs))
     if len(args) > len(names) or twice:
-        raise TypeError(f"ModelConfig() got {len(args)} positional arguments"
-                        f"{f' and {twice} again as keywords' if twice else ''}")
+        raise TypeError(
+            f"ModelConfig() got {len(args)} positional arguments"
+            f"{f' and {twice} again as keywords' if twice else ''}"
+        )
     _dataclass_init(self, **migrate_flat({**given, **kwargs}))
 
 
@@ -368,41 +451,78 @@ ModelConfig.__init__ = _init
 
 def _mamba1(d_model, n_layer):
     # state-spaces/mamba-*: GPT-NeoX vocabulary 50277 padded to a multiple of 8
-    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=8,
-                mixer="mamba1", mamba1=dict(d_state=16, d_conv=4, expand=2))
+    return dict(
+        d_model=d_model,
+        n_layer=n_layer,
+        vocab_size=50277,
+        pad_vocab_size_multiple=8,
+        mixer="mamba1",
+        mamba1=dict(d_state=16, d_conv=4, expand=2),
+    )
 
 
 def _mamba2(d_model, n_layer):
-    # state-spaces/mamba2-*: config.json has ssm_cfg {"layer": "Mamba2"} and pad_vocab_size_multiple 16
-    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=16,
-                mixer="mamba2", mamba2=dict(d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1,
-                                            chunk_size=256))
+    # state-spaces/mamba2-*: config.json has ssm_cfg {"layer": "Mamba2"} and pad_vocab_size_multiple
+    # 16
+    return dict(
+        d_model=d_model,
+        n_layer=n_layer,
+        vocab_size=50277,
+        pad_vocab_size_multiple=16,
+        mixer="mamba2",
+        mamba2=dict(d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256),
+    )
 
 
 def _mamba3(d_model, n_layer):
-    # No Mamba-3 checkpoint is published: mamba2-* sizes (GPT-3's widths and depths, GPT-NeoX vocabulary
-    # padded to 16) with mamba_ssm's Mamba3 defaults (d_state 128, headdim 64, rope_fraction 0.5, chunk 64)
-    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, pad_vocab_size_multiple=16,
-                mixer="mamba3", mamba3=dict(d_state=128, expand=2, headdim=64, ngroups=1,
-                                            chunk_size=64, rope_fraction=0.5))
+    # No Mamba-3 checkpoint is published: mamba2-* sizes (GPT-3's widths and depths, GPT-NeoX
+    # vocabulary padded to 16) with mamba_ssm's Mamba3 defaults (d_state 128, headdim 64,
+    # rope_fraction 0.5, chunk 64)
+    return dict(
+        d_model=d_model,
+        n_layer=n_layer,
+        vocab_size=50277,
+        pad_vocab_size_multiple=16,
+        mixer="mamba3",
+        mamba3=dict(d_state=128, expand=2, headdim=64, ngroups=1, chunk_size=64, rope_fraction=0.5),
+    )
 
 
 PRESETS: dict[str, dict] = {
     # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
     "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", mamba1=dict(d_state=16)),
-    # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with adapters
+    # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with
+    # adapters
     "tiny-zamba2": TINY_ZAMBA2,
-    "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2",
-                        mamba2=dict(d_state=32, headdim=16, chunk_size=64)),
-    "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3",
-                        mamba3=dict(d_state=32, headdim=16, chunk_size=64)),
-    # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at attn_offset,
-    # Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention beat Mamba-2 +
-    # attention).
-    # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them give order.
-    "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1",
-                        mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
-                        attn_cfg=dict(num_heads=4)),
+    "tiny-mamba2": dict(
+        d_model=64,
+        n_layer=4,
+        vocab_size=256,
+        mixer="mamba2",
+        mamba2=dict(d_state=32, headdim=16, chunk_size=64),
+    ),
+    "tiny-mamba3": dict(
+        d_model=64,
+        n_layer=4,
+        vocab_size=256,
+        mixer="mamba3",
+        mamba3=dict(d_state=32, headdim=16, chunk_size=64),
+    ),
+    # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at
+    # attn_offset, Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention
+    # beat Mamba-2 + attention).
+    # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them
+    # give order.
+    "tiny-hybrid": dict(
+        d_model=64,
+        n_layer=4,
+        vocab_size=256,
+        mixer="mamba1",
+        mamba1=dict(d_state=16),
+        attn_every=4,
+        attn_offset=2,
+        attn_cfg=dict(num_heads=4),
+    ),
     # Mamba-1, Gu & Dao 2023, table 12 / the state-spaces/mamba-* checkpoints
     "mamba-130m": _mamba1(768, 24),
     "mamba-370m": _mamba1(1024, 48),
@@ -415,12 +535,17 @@ PRESETS: dict[str, dict] = {
     "mamba2-780m": _mamba2(1536, 48),
     "mamba2-1.3b": _mamba2(2048, 48),
     "mamba2-2.7b": _mamba2(2560, 64),
-    # Mamba-3 (Lahoti et al. 2026) at mamba2-130m's size: ~130M parameters; see _mamba3 for the sizes' source
+    # Mamba-3 (Lahoti et al. 2026) at mamba2-130m's size: ~130M parameters; see _mamba3 for the
+    # sizes' source
     "mamba3-130m": _mamba3(768, 24),
     # the plan's stage-3 default: mamba-130m's 24 layers with attention every 8 (Jamba's period and
     # offset 4: layers 4, 12, 20), 12 heads of 64; Jamba's MLPs left out to stay at the 130M class
-    "hybrid-130m": dict(_mamba1(768, 24), attn_every=8, attn_offset=4,
-                        attn_cfg=dict(num_heads=12, qkv_proj_bias=False, out_proj_bias=False)),
+    "hybrid-130m": dict(
+        _mamba1(768, 24),
+        attn_every=8,
+        attn_offset=4,
+        attn_cfg=dict(num_heads=12, qkv_proj_bias=False, out_proj_bias=False),
+    ),
 }
 
 
@@ -429,5 +554,16 @@ def presets() -> list[str]:
     return list(PRESETS)
 
 
-__all__ = ["ConfigError", "MIXERS", "Mamba1Config", "Mamba2Config", "Mamba3Config", "ModelConfig",
-           "PRESETS", "SSM_MIXERS", "fair_sizes", "migrate_flat", "presets"]
+__all__ = [
+    "ConfigError",
+    "MIXERS",
+    "Mamba1Config",
+    "Mamba2Config",
+    "Mamba3Config",
+    "ModelConfig",
+    "PRESETS",
+    "SSM_MIXERS",
+    "fair_sizes",
+    "migrate_flat",
+    "presets",
+]

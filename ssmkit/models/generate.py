@@ -20,16 +20,26 @@ from .lm import check_attention_mask, check_token_ids
 
 def check_sampling(temperature, top_k, top_p):
     """temperature: a number >= 0; top_k: None or an int >= 1; top_p: None or a number in (0, 1]."""
-    if not (is_number(temperature) and temperature >= 0
-            and (top_k is None or (is_integer(top_k) and top_k >= 1))
-            and (top_p is None or (is_number(top_p) and 0 < top_p <= 1))):
-        raise ValueError("need temperature a number >= 0, top_k None or an int >= 1, top_p None or a number "
-                         f"with 0 < top_p <= 1; got temperature={temperature!r}, top_k={top_k!r}, "
-                         f"top_p={top_p!r}")
+    if not (
+        is_number(temperature)
+        and temperature >= 0
+        and (top_k is None or (is_integer(top_k) and top_k >= 1))
+        and (top_p is None or (is_number(top_p) and 0 < top_p <= 1))
+    ):
+        raise ValueError(
+            "need temperature a number >= 0, top_k None or an int >= 1, top_p None or a number "
+            f"with 0 < top_p <= 1; got temperature={temperature!r}, top_k={top_k!r}, "
+            f"top_p={top_p!r}"
+        )
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Pick one token per row. logits: (batch, vocab) -> (batch,) int64.
 
     temperature 0 or top_k 1 is greedy (argmax). top_k keeps the k most likely tokens; top_p keeps
@@ -45,17 +55,27 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs                     # mass of the strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p, -torch.inf)   # the top token always stays
+        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        sorted_logits = sorted_logits.masked_fill(
+            before >= top_p, -torch.inf
+        )  # the top token always stays
         logits = torch.full_like(logits, -torch.inf).scatter(-1, order, sorted_logits)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             use_cache: bool = True, generator: torch.Generator | None = None,
-             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Continue ``input_ids`` (batch, prompt_len) by up to ``max_new_tokens`` tokens (an int >= 0;
     0 returns the prompt as it is).
 
@@ -69,21 +89,33 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
     """
     cfg = model.config
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a (batch, prompt_len) tensor with prompt_len >= 1; got {got}")
+        got = (
+            tuple(input_ids.shape)
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
+        raise ValueError(
+            f"input_ids must be a (batch, prompt_len) tensor with prompt_len >= 1; got {got}"
+        )
     check_token_ids(input_ids, cfg)
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
-    if eos_token_id is not None and not (is_integer(eos_token_id) and 0 <= eos_token_id < cfg.vocab_size):
-        raise ValueError(f"eos_token_id must be None or a token id in 0..{cfg.vocab_size - 1}; "
-                         f"got {eos_token_id!r}")
+    if eos_token_id is not None and not (
+        is_integer(eos_token_id) and 0 <= eos_token_id < cfg.vocab_size
+    ):
+        raise ValueError(
+            f"eos_token_id must be None or a token id in 0..{cfg.vocab_size - 1}; "
+            f"got {eos_token_id!r}"
+        )
     if attention_mask is not None:
         check_attention_mask(attention_mask, input_ids)
         empty = (~attention_mask.bool().any(dim=1)).nonzero()
         if len(empty):
-            raise ValueError(f"attention_mask row {int(empty[0])} is all padding: "
-                             "every prompt needs a real token")
+            raise ValueError(
+                f"attention_mask row {int(empty[0])} is all padding: "
+                "every prompt needs a real token"
+            )
         # no padding: plain path
         attention_mask = None if attention_mask.bool().all() else attention_mask.long()
     if max_new_tokens == 0:
@@ -96,7 +128,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
     cache = model.allocate_cache(ids.shape[0]) if use_cache else None
     try:
         # prefill
-        logits = model(ids, cache=cache, logits_to_keep=1, attention_mask=mask).logits[:, -1, :vocab]
+        logits = model(ids, cache=cache, logits_to_keep=1, attention_mask=mask).logits[
+            :, -1, :vocab
+        ]
         for step in range(max_new_tokens):
             token = sample_next(logits, temperature, top_k, top_p, generator)
             if eos_token_id is not None:
@@ -106,9 +140,15 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
             if done.all() or step == max_new_tokens - 1:
                 break
             if use_cache:
-                logits = model(token[:, None], cache=cache).logits[:, -1, :vocab]      # one recurrent step
-            else:                                                                    # full re-run
-                mask = None if mask is None else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                logits = model(token[:, None], cache=cache).logits[
+                    :, -1, :vocab
+                ]  # one recurrent step
+            else:  # full re-run
+                mask = (
+                    None
+                    if mask is None
+                    else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                )
                 logits = model(ids, logits_to_keep=1, attention_mask=mask).logits[:, -1, :vocab]
     finally:
         model.train(was_training)

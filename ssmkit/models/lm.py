@@ -9,19 +9,19 @@ attention and MLPs included) load by name. Each block computes
     residual = residual + hidden;  hidden = mlp(norm2(residual))        (only with d_intermediate > 0)
 
 with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
-Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this same
-stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. With
+Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this
+same stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. With
 ``cfg.zamba2`` the backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
 
 For long sequences two switches trade compute for memory: ``model.gradient_checkpointing = True``
 recomputes each block in the backward pass (activations of one block live at a time), and
-``loss_chunk_size`` computes the LM head and the loss over chunks of positions, so the (L x V) logits
-never exist at once (same loss and gradients as the plain loss).
+``loss_chunk_size`` computes the LM head and the loss over chunks of positions, so the (L x V)
+logits never exist at once (same loss and gradients as the plain loss).
 
-Packed samples (SFT): ``model(input_ids, seq_idx=...)`` with seq_idx (batch, seqlen) the index of the sample
-each position belongs to in its row (:mod:`ssmkit.ops.packing`; from position ids with
-:func:`ssmkit.ops.seq_idx_from_position_ids`) restarts every conv, scan and attention at each sample, so a
-packed row gives each sample's logits and loss as if it ran alone.
+Packed samples (SFT): ``model(input_ids, seq_idx=...)`` with seq_idx (batch, seqlen) the index of
+the sample each position belongs to in its row (:mod:`ssmkit.ops.packing`; from position ids with
+:func:`ssmkit.ops.seq_idx_from_position_ids`) restarts every conv, scan and attention at each
+sample, so a packed row gives each sample's logits and loss as if it ran alone.
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ from .norms import RMSNorm
 
 
 def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """The mixer of one layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa" (a
-    sliding window)."""
+    """The mixer of one layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa"
+    (a sliding window)."""
     if kind == "mamba1":
         return Mamba1(cfg.d_model, cfg.mamba1)
     if kind == "mamba2":
         return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_epsilon)
     if kind == "mamba3":
         return Mamba3(cfg.d_model, cfg.mamba3)
-    return Attention(cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None)
+    return Attention(
+        cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None
+    )
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -67,9 +69,9 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 @dataclass
 class LMOutput:
-    logits: torch.Tensor | None          # (batch, seqlen, padded_vocab_size), the last k positions, or None
-                                         # (a chunked loss never holds them all)
-    loss: torch.Tensor | None = None     # mean cross-entropy over labelled positions
+    logits: torch.Tensor | None  # (batch, seqlen, padded_vocab_size), the last k positions, or None
+    # (a chunked loss never holds them all)
+    loss: torch.Tensor | None = None  # mean cross-entropy over labelled positions
     cache: InferenceCache | None = None  # the states after this call, when a cache was passed
 
 
@@ -86,16 +88,23 @@ class Block(nn.Module):
             self.mlp = None
 
     def _add_norm(self, hidden, residual, norm):
-        """residual += hidden; the normed residual, and the residual (fp32 with residual_in_fp32)."""
+        """residual += hidden; the normed residual, and the residual (fp32 with
+        residual_in_fp32)."""
         residual = hidden if residual is None else residual + hidden
         normed = norm(residual.to(norm.weight.dtype))
         return normed, residual.float() if self.residual_in_fp32 else residual
 
-    def forward(self, hidden, residual, state=None, mask: torch.Tensor | None = None,
-                seq_idx: torch.Tensor | None = None):
+    def forward(
+        self,
+        hidden,
+        residual,
+        state=None,
+        mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ):
         """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
-        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`); seq_idx: (batch,
-        seqlen) packed samples (see :func:`check_seq_idx`)."""
+        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`); seq_idx:
+        (batch, seqlen) packed samples (see :func:`check_seq_idx`)."""
         hidden, residual = self._add_norm(hidden, residual, self.norm)
         hidden = self.mixer(hidden, state, mask, seq_idx=seq_idx)
         if self.mlp is not None:
@@ -113,29 +122,44 @@ class Backbone(nn.Module):
         self.gradient_checkpointing = False
 
     def allocate_states(self, batch_size: int, dtype, device) -> list:
-        """Zero states for generation, one per layer: a LayerState (Mamba-1/2), a Mamba3State or a KVState
-        (attention)."""
+        """Zero states for generation, one per layer: a LayerState (Mamba-1/2), a Mamba3State or a
+        KVState (attention)."""
         return [layer.mixer.allocate_state(batch_size, dtype, device) for layer in self.layers]
 
-    def forward(self, input_ids, cache: InferenceCache | None = None, mask: torch.Tensor | None = None,
-                seq_idx: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids,
+        cache: InferenceCache | None = None,
+        mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ):
         hidden, residual = self.embedding(input_ids), None
-        recompute = (self.gradient_checkpointing and self.training and cache is None
-                     and torch.is_grad_enabled())
+        recompute = (
+            self.gradient_checkpointing
+            and self.training
+            and cache is None
+            and torch.is_grad_enabled()
+        )
         for i, layer in enumerate(self.layers):
-            if recompute:   # keep only the block's inputs; its activations are recomputed in the backward
-                hidden, residual = checkpoint(layer, hidden, residual, None, mask, seq_idx,
-                                              use_reentrant=False)
+            if (
+                recompute
+            ):  # keep only the block's inputs; its activations are recomputed in the backward
+                hidden, residual = checkpoint(
+                    layer, hidden, residual, None, mask, seq_idx, use_reentrant=False
+                )
             else:
-                hidden, residual = layer(hidden, residual, None if cache is None else cache.layers[i], mask,
-                                         seq_idx)
+                hidden, residual = layer(
+                    hidden, residual, None if cache is None else cache.layers[i], mask, seq_idx
+                )
         residual = hidden if residual is None else residual + hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor,
-                          chunk_size: int) -> torch.Tensor:
-    """Mean cross-entropy of ``lm_head(hidden)`` against targets, ``chunk_size`` positions at a time.
+def chunked_cross_entropy(
+    hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Mean cross-entropy of ``lm_head(hidden)`` against targets, ``chunk_size`` positions at a
+    time.
 
     hidden: (batch, seqlen, d_model); targets: (batch, seqlen), -100 = no loss. Each chunk's logits
     (chunk_size x V) are made, reduced to a summed loss and freed; the backward pass recomputes them
@@ -143,24 +167,35 @@ def chunked_cross_entropy(hidden: torch.Tensor, lm_head: nn.Module, targets: tor
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
 
     def summed(h_chunk, t_chunk):
-        return F.cross_entropy(lm_head(h_chunk).float(), t_chunk, ignore_index=-100, reduction="sum")
+        return F.cross_entropy(
+            lm_head(h_chunk).float(), t_chunk, ignore_index=-100, reduction="sum"
+        )
 
     total = hidden.new_zeros((), dtype=torch.float32)
     for lo in range(0, t.shape[0], chunk_size):
-        total = total + checkpoint(summed, h[lo:lo + chunk_size], t[lo:lo + chunk_size], use_reentrant=False)
+        total = total + checkpoint(
+            summed, h[lo : lo + chunk_size], t[lo : lo + chunk_size], use_reentrant=False
+        )
     return total / (t != -100).sum()
 
 
 def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):
-    """One clear error for ids the embedding cannot look up (instead of an IndexError deep inside)."""
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+    """One clear error for ids the embedding cannot look up (instead of an IndexError deep
+    inside)."""
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
         raise ValueError(f"input_ids must hold integer token ids; got dtype {input_ids.dtype}")
     rows = cfg.padded_vocab_size
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= rows):
         bad = input_ids[(input_ids < 0) | (input_ids >= rows)]
         padded = f", padded to {rows} rows" if rows != cfg.vocab_size else ""
-        raise ValueError(f"input_ids holds token id {int(bad[0])}, outside the model's vocabulary: "
-                         f"valid ids are 0..{rows - 1} (vocab_size {cfg.vocab_size}{padded})")
+        raise ValueError(
+            f"input_ids holds token id {int(bad[0])}, outside the model's vocabulary: "
+            f"valid ids are 0..{rows - 1} (vocab_size {cfg.vocab_size}{padded})"
+        )
 
 
 def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
@@ -170,45 +205,63 @@ def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bo
     would be the state of the padding, and generation continues from the last position."""
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids "
-                         f"{tuple(input_ids.shape)}; got {got}")
+        raise ValueError(
+            f"attention_mask must be a tensor of the shape of input_ids "
+            f"{tuple(input_ids.shape)}; got {got}"
+        )
     if not values:
         return
-    if mask.dtype.is_floating_point or mask.dtype.is_complex or not ((mask == 0) | (mask == 1)).all():
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), "
-                         "as an integer or bool tensor")
+    if (
+        mask.dtype.is_floating_point
+        or mask.dtype.is_complex
+        or not ((mask == 0) | (mask == 1)).all()
+    ):
+        raise ValueError(
+            "attention_mask must hold only 0 (padding) and 1 (real token), "
+            "as an integer or bool tensor"
+        )
     m = mask.to(torch.int8)
-    after_token = (m[:, 1:] < m[:, :-1]).nonzero()          # a 0 right after a 1: padding after a token
+    after_token = (m[:, 1:] < m[:, :-1]).nonzero()  # a 0 right after a 1: padding after a token
     if len(after_token):
         row, pos = (int(v) for v in after_token[0])
-        raise ValueError(f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: "
-                         "only LEFT padding is supported (each row 0s, then 1s; "
-                         "tokenizer.padding_side = 'left'), since a recurrent state runs left to right")
+        raise ValueError(
+            f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: "
+            "only LEFT padding is supported (each row 0s, then 1s; "
+            "tokenizer.padding_side = 'left'), since a recurrent state runs left to right"
+        )
 
 
 def check_seq_idx(seq_idx: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
     """seq_idx: an integer tensor of input_ids' shape (batch, seqlen), each row non-negative and
-    non-decreasing (the sample index of every position of a packed row, e.g. [0, 0, 0, 1, 1, 2]); the
-    kernels' convention (mamba_ssm, causal-conv1d). ``values``: also read the values (a sync on a GPU)."""
+    non-decreasing (the sample index of every position of a packed row, e.g. [0, 0, 0, 1, 1, 2]);
+    the kernels' convention (mamba_ssm, causal-conv1d). ``values``: also read the values (a sync on
+    a GPU)."""
     if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != input_ids.shape:
         got = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
-        raise ValueError(f"seq_idx must be a tensor of the shape of input_ids {tuple(input_ids.shape)}; "
-                         f"got {got}")
+        raise ValueError(
+            f"seq_idx must be a tensor of the shape of input_ids {tuple(input_ids.shape)}; "
+            f"got {got}"
+        )
     if seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool:
-        raise ValueError(f"seq_idx must hold integer sample indices (int32 or int64); "
-                         f"got dtype {seq_idx.dtype}")
+        raise ValueError(
+            f"seq_idx must hold integer sample indices (int32 or int64); got dtype {seq_idx.dtype}"
+        )
     if not values or not seq_idx.numel():
         return
     if int(seq_idx.min()) < 0:
         row = int((seq_idx < 0).any(dim=1).nonzero()[0])
-        raise ValueError(f"seq_idx row {row} holds a negative index: sample indices are 0, 1, 2, ... "
-                         "(give padding its own sample, with labels -100)")
+        raise ValueError(
+            f"seq_idx row {row} holds a negative index: sample indices are 0, 1, 2, ... "
+            "(give padding its own sample, with labels -100)"
+        )
     down = (seq_idx[:, 1:] < seq_idx[:, :-1]).nonzero()
     if len(down):
         row, pos = (int(v) for v in down[0])
-        raise ValueError(f"seq_idx row {row} decreases at position {pos + 1} ({int(seq_idx[row, pos])} -> "
-                         f"{int(seq_idx[row, pos + 1])}): each row must be non-decreasing, the samples "
-                         "packed one after another")
+        raise ValueError(
+            f"seq_idx row {row} decreases at position {pos + 1} ({int(seq_idx[row, pos])} -> "
+            f"{int(seq_idx[row, pos + 1])}): each row must be non-decreasing, the samples "
+            "packed one after another"
+        )
 
 
 # What writes MambaLM.save_pretrained's files: ssmkit.hub.save.save_pretrained, registered by the
@@ -236,7 +289,7 @@ class MambaLM(nn.Module):
             self.backbone = Zamba2Backbone(cfg)
         else:
             self.backbone = Backbone(cfg)
-        self.loss_chunk_size = 0            # > 0: the loss over chunks of this many positions (long context)
+        self.loss_chunk_size = 0  # > 0: the loss over chunks of this many positions (long context)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
@@ -247,13 +300,21 @@ class MambaLM(nn.Module):
         GPT-2 rescaling of every residual branch's last matrix (mixers' out_proj, MLPs' fc2) by
         1/sqrt(n_residuals), n_residuals = n_layer (2 * n_layer with an MLP in each block)."""
         cfg = self.config
-        if (isinstance(module, nn.Linear) and module.bias is not None
-                and not getattr(module.bias, "_no_reinit", False)):
+        if (
+            isinstance(module, nn.Linear)
+            and module.bias is not None
+            and not getattr(module.bias, "_no_reinit", False)
+        ):
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=cfg.initializer_range)
-        last = {Mamba1: "out_proj", Mamba2: "out_proj", Mamba3: "out_proj", Attention: "out_proj",
-                GatedMLP: "fc2"}.get(type(module))
+        last = {
+            Mamba1: "out_proj",
+            Mamba2: "out_proj",
+            Mamba3: "out_proj",
+            Attention: "out_proj",
+            GatedMLP: "fc2",
+        }.get(type(module))
         if cfg.rescale_prenorm_residual and last is not None:
             weight = getattr(module, last).weight
             with torch.no_grad():
@@ -264,17 +325,24 @@ class MambaLM(nn.Module):
         """Fresh zero states for generation; see :class:`ssmkit.models.cache.InferenceCache`."""
         return InferenceCache.allocate(self, batch_size, dtype, device)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, logits_to_keep: int = 0, shift_labels: bool = True,
-                attention_mask: torch.Tensor | None = None, loss_chunk_size: int | None = None,
-                seq_idx: torch.Tensor | None = None) -> LMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: InferenceCache | None = None,
+        logits_to_keep: int = 0,
+        shift_labels: bool = True,
+        attention_mask: torch.Tensor | None = None,
+        loss_chunk_size: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
         labels: (batch, seqlen) aligned with input_ids as in transformers (shifted here, so
         ``labels=input_ids`` trains next-token prediction); with ``shift_labels=False`` they are
         already the targets of each position. -100 marks positions without a loss. With seq_idx and
-        shift_labels the last position of each packed sample gets no target (the next token belongs to
-        another sample), as when the sample runs alone.
+        shift_labels the last position of each packed sample gets no target (the next token belongs
+        to another sample), as when the sample runs alone.
         cache: continue from and update these states (prefill or one-token steps).
         logits_to_keep: compute logits for the last k positions only (0 = all).
         attention_mask: (batch, seqlen), 1 for real tokens and 0 for LEFT padding: the logits of the
@@ -282,32 +350,40 @@ class MambaLM(nn.Module):
         prefill): padding in the middle of a sequence has no such meaning for a recurrent state.
         Labels at padded positions are not masked here: set them to -100.
         loss_chunk_size: with labels, compute logits and loss over chunks of this many positions
-        (default ``self.loss_chunk_size``; 0 = at once): the output's logits are then None, since the
-        point is never to hold all of them (see :func:`chunked_cross_entropy`).
-        seq_idx: (batch, seqlen) integer, the index of the sample each position belongs to in its packed
-        row, non-decreasing (:func:`check_seq_idx`): every mixer restarts at each sample, so each sample's
-        logits are those of the sample run alone. Not with a cache or an attention_mask. Its values are
-        checked (one sync on a GPU) except under torch.compile.
+        (default ``self.loss_chunk_size``; 0 = at once): the output's logits are then None, since
+        the point is never to hold all of them (see :func:`chunked_cross_entropy`).
+        seq_idx: (batch, seqlen) integer, the index of the sample each position belongs to in its
+        packed row, non-decreasing (:func:`check_seq_idx`): every mixer restarts at each sample, so
+        each sample's logits are those of the sample run alone. Not with a cache or an
+        attention_mask. Its values are checked (one sync on a GPU) except under torch.compile.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}")
-        # Checking values reads the tensor: on a GPU that is a sync, under torch.compile a graph break.
-        # So only CPU tensors outside compilation are checked here; generate() checks always.
+            raise ValueError(
+                f"input_ids must be (batch, seqlen); got shape {tuple(input_ids.shape)}"
+            )
+        # Checking values reads the tensor: on a GPU that is a sync, under torch.compile a graph
+        # break. So only CPU tensors outside compilation are checked here; generate() checks always.
         check_values = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()
         if check_values:
             check_token_ids(input_ids, self.config)
         if attention_mask is not None:
             if cache is not None and cache.seqlen_offset > 0:
-                raise ValueError("attention_mask applies to the first call on a cache (the prefill) only; "
-                                 "the steps after it continue real tokens: pass attention_mask=None")
+                raise ValueError(
+                    "attention_mask applies to the first call on a cache (the prefill) only; "
+                    "the steps after it continue real tokens: pass attention_mask=None"
+                )
             check_attention_mask(attention_mask, input_ids, values=check_values)
         if seq_idx is not None:
             if cache is not None:
-                raise ValueError("seq_idx (packed samples) cannot be combined with an inference cache: a "
-                                 "cache continues one sequence per row; pass cache=None for packed rows")
+                raise ValueError(
+                    "seq_idx (packed samples) cannot be combined with an inference cache: a "
+                    "cache continues one sequence per row; pass cache=None for packed rows"
+                )
             if attention_mask is not None:
-                raise ValueError("seq_idx (packed samples) cannot be combined with attention_mask (left "
-                                 "padding): pack without padding, or give padding its own sample in seq_idx")
+                raise ValueError(
+                    "seq_idx (packed samples) cannot be combined with attention_mask (left "
+                    "padding): pack without padding, or give padding its own sample in seq_idx"
+                )
             check_seq_idx(seq_idx, input_ids, values=not torch.compiler.is_compiling())
         hidden = self.backbone(input_ids, cache, attention_mask, seq_idx=seq_idx)
         if cache is not None:
@@ -318,25 +394,36 @@ class MambaLM(nn.Module):
         if labels is None:
             return LMOutput(logits=self.lm_head(hidden), cache=cache)
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
         if logits_to_keep:
             raise ValueError("labels need logits for every position; use logits_to_keep=0")
-        if shift_labels:   # position t predicts token t+1; the last position has no target
+        if shift_labels:  # position t predicts token t+1; the last position has no target
             labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-            if seq_idx is not None:     # nor the last of each packed sample
+            if seq_idx is not None:  # nor the last of each packed sample
                 labels = labels.masked_fill(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1)), -100)
         if chunk:
-            return LMOutput(logits=None, loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
-                            cache=cache)
+            return LMOutput(
+                logits=None,
+                loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
+                cache=cache,
+            )
         logits = self.lm_head(hidden)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=-100)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
         return LMOutput(logits=logits, loss=loss, cache=cache)
 
-    def save_pretrained(self, directory: str | os.PathLike, format: str | None = None,
-                        tokenizer_from: str | os.PathLike | None = None,
-                        state_dict: dict | None = None, overwrite: bool = False) -> Path:
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike,
+        format: str | None = None,
+        tokenizer_from: str | os.PathLike | None = None,
+        state_dict: dict | None = None,
+        overwrite: bool = False,
+    ) -> Path:
         """Write this model as a checkpoint directory transformers ("hf": Mamba / Mamba2, "jamba",
         "zamba2") or mamba_ssm ("mamba_ssm") loads unchanged; ``format=None``: the model's natural
         format ("hf" for pure Mamba). Returns ``directory``.
@@ -347,26 +434,38 @@ class MambaLM(nn.Module):
         imports it; the hub hands its writer to :func:`register_save_pretrained` when it is
         imported, as ``import ssmkit`` does."""
         if _save_pretrained is None:
-            raise RuntimeError("MambaLM.save_pretrained is written by ssmkit.hub, which is not "
-                               "imported: import ssmkit (or ssmkit.hub) first")
-        return _save_pretrained(self, directory, format=format, tokenizer_from=tokenizer_from,
-                                state_dict=state_dict, overwrite=overwrite)
+            raise RuntimeError(
+                "MambaLM.save_pretrained is written by ssmkit.hub, which is not "
+                "imported: import ssmkit (or ssmkit.hub) first"
+            )
+        return _save_pretrained(
+            self,
+            directory,
+            format=format,
+            tokenizer_from=tokenizer_from,
+            state_dict=state_dict,
+            overwrite=overwrite,
+        )
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        params = {id(p): p for p in self.parameters()}          # tied weights counted once
+        params = {id(p): p for p in self.parameters()}  # tied weights counted once
         if exclude_embeddings:
             params.pop(id(self.backbone.embedding.weight), None)
             params.pop(id(self.lm_head.weight), None)
         return sum(p.numel() for p in params.values())
 
 
-def build_model(cfg: ModelConfig | str, device=None, dtype=None, seed: int | None = None) -> MambaLM:
+def build_model(
+    cfg: ModelConfig | str, device=None, dtype=None, seed: int | None = None
+) -> MambaLM:
     """A freshly initialised :class:`MambaLM` from a config or a preset name. ``seed``: the weights
-    drawn under ``torch.manual_seed(seed)`` (the same model on every call and every rank); None: from
-    the global generator as it stands."""
+    drawn under ``torch.manual_seed(seed)`` (the same model on every call and every rank); None:
+    from the global generator as it stands."""
     if isinstance(cfg, str):
         cfg = ModelConfig.preset(cfg)
     if seed is not None:
         torch.manual_seed(seed)
     model = MambaLM(cfg)
-    return model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
+    return (
+        model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
+    )

@@ -1,33 +1,36 @@
 """Weights read raw, with a LoRA adapter on top: the one place that knows what peft's wrapper adds.
 
-Most of ssmkit's projections are called as modules (``self.in_proj(x)``), so when peft replaces one by
-its ``LoraLayer`` wrapper the adapter takes part by itself. A few weights are read raw instead, because
-the op wants the tensor, not the module:
+Most of ssmkit's projections are called as modules (``self.in_proj(x)``), so when peft replaces one
+by its ``LoraLayer`` wrapper the adapter takes part by itself. A few weights are read raw instead,
+because the op wants the tensor, not the module:
 
     Mamba-1    F.linear(dt, dt_proj.weight)      Δ before its bias (the bias goes into the scan)
                dt_proj.bias                       the scan's delta_bias
-    every conv conv1d.weight (d, 1, w) -> (d, w)  the causal conv op (on the cuda backend: the kernel)
+    every conv conv1d.weight (d, 1, w) -> (d, w) the causal conv op (on the cuda backend: the
+    kernel)
 
-A raw ``.weight`` of a peft wrapper is its BASE weight (peft's ``BaseTunerLayer.weight``): read that way,
-the adapter would be silently bypassed and its parameters would get no gradient (the trap of peft issue
-2274 and state-spaces/mamba issue 279, where fused kernels read the projections' weights). So those reads
-go through :func:`weight`, :func:`bias` and :func:`linear_no_bias` here, which give what peft's own
-forward computes (LoRA, Hu et al. 2021, eq. 3):
+A raw ``.weight`` of a peft wrapper is its BASE weight (peft's ``BaseTunerLayer.weight``): read that
+way, the adapter would be silently bypassed and its parameters would get no gradient (the trap of
+peft issue 2274 and state-spaces/mamba issue 279, where fused kernels read the projections'
+weights). So those reads go through :func:`weight`, :func:`bias` and :func:`linear_no_bias` here,
+which give what peft's own forward computes (LoRA, Hu et al. 2021, eq. 3):
 
     W_eff = W + Σ_a (α_a / r_a) · B_a A_a          over the active, unmerged adapters a
     b_eff = b + Σ_a (α_a / r_a) · bias(B_a)        only with peft's ``lora_bias=True``
 
-Duck-typed on peft's ``LoraLayer`` (``base_layer``, ``get_delta_weight``, ``active_adapters``, ``merged``,
-``disable_adapters``, ``lora_dropout``, ``scaling``): peft is never imported here. A merged adapter is
-already inside W; disabled adapters add nothing (a merged one is first unmerged, as peft's forward does).
+Duck-typed on peft's ``LoraLayer`` (``base_layer``, ``get_delta_weight``, ``active_adapters``,
+``merged``, ``disable_adapters``, ``lora_dropout``, ``scaling``): peft is never imported here. A
+merged adapter is already inside W; disabled adapters add nothing (a merged one is first unmerged,
+as peft's forward does).
 
 What cannot be a weight is computed otherwise or refused, never dropped silently:
 
-* LoRA dropout (p > 0, training mode) drops the adapter's INPUT, which no fixed weight expresses. For a
-  linear layer :func:`linear_no_bias` then computes the adapter on the input, as peft does:
-  x W^T + Σ_a (α_a / r_a) · B_a A_a dropout(x). For a conv the op (kernel) takes a weight: ValueError.
-* peft's conv LoRA on a depthwise conv (``groups > 1``, every conv here) is a full channel-mixing conv,
-  not a depthwise one: no (d, w) weight holds it, so ValueError (peft cannot merge it either).
+* LoRA dropout (p > 0, training mode) drops the adapter's INPUT, which no fixed weight expresses.
+  For a linear layer :func:`linear_no_bias` then computes the adapter on the input, as peft does:
+  x W^T + Σ_a (α_a / r_a) · B_a A_a dropout(x). For a conv the op (kernel) takes a weight:
+  ValueError.
+* peft's conv LoRA on a depthwise conv (``groups > 1``, every conv here) is a full channel-mixing
+  conv, not a depthwise one: no (d, w) weight holds it, so ValueError (peft cannot merge it either).
 * LoRA variants (DoRA, ...) are not W + ΔW: ValueError naming the layer.
 """
 
@@ -47,18 +50,22 @@ def _active(module: nn.Module) -> list[str]:
     """The adapters of a LoRA wrapper that add to its output now: active, present on this layer, not
     merged into the base weight, adapters not disabled."""
     if module.disable_adapters:
-        if module.merged:                       # peft's forward unmerges in this case too
+        if module.merged:  # peft's forward unmerges in this case too
             module.unmerge()
         return []
     if module.merged:
         return []
-    present = set(getattr(module, "lora_A", {}).keys()) | set(getattr(module, "lora_embedding_A", {}).keys())
+    present = set(getattr(module, "lora_A", {}).keys()) | set(
+        getattr(module, "lora_embedding_A", {}).keys()
+    )
     names = [a for a in module.active_adapters if a in present]
     variants = [a for a in names if a in getattr(module, "lora_variant", {})]
     if variants:
-        raise ValueError(f"{type(module).__name__} has the LoRA variant adapter(s) {variants} (DoRA or "
-                         "another variant), which is not W + (alpha/r) B A; ssmkit reads this layer's weight "
-                         "raw (for a kernel), so only plain LoRA works here: use_dora=False")
+        raise ValueError(
+            f"{type(module).__name__} has the LoRA variant adapter(s) {variants} (DoRA or "
+            "another variant), which is not W + (alpha/r) B A; ssmkit reads this layer's weight "
+            "raw (for a kernel), so only plain LoRA works here: use_dora=False"
+        )
     return names
 
 
@@ -69,31 +76,35 @@ def _dropping(module: nn.Module, adapter: str) -> bool:
 
 
 def weight(module: nn.Module, what: str = "layer") -> torch.Tensor:
-    """The effective weight of ``module`` (a Linear or Conv1d, or peft's wrapper of one), in the base
-    weight's shape and dtype: W + Σ_a scaling_a · ΔW_a (see the module docstring). ``what`` names the
-    layer in errors. Live dropout or a depthwise conv adapter is a ValueError."""
+    """The effective weight of ``module`` (a Linear or Conv1d, or peft's wrapper of one), in the
+    base weight's shape and dtype: W + Σ_a scaling_a · ΔW_a (see the module docstring). ``what``
+    names the layer in errors. Live dropout or a depthwise conv adapter is a ValueError."""
     if not is_lora_layer(module):
         return module.weight
-    w = weight(module.base_layer, what)              # a wrapper of a wrapper: the inner one's effective W
+    w = weight(module.base_layer, what)  # a wrapper of a wrapper: the inner one's effective W
     adapters = _active(module)
     groups = getattr(module.get_base_layer(), "groups", 1)
     if adapters and groups > 1:
-        raise ValueError(f"LoRA on {what} ({type(module.get_base_layer()).__name__} with groups={groups}, "
-                         "depthwise) cannot work: peft's conv adapter mixes channels, so no depthwise weight "
-                         "holds W + (alpha/r) B A and the conv op cannot receive it. Remove 'conv1d' from "
-                         "target_modules, or train the conv itself with modules_to_save=['conv1d']")
+        raise ValueError(
+            f"LoRA on {what} ({type(module.get_base_layer()).__name__} with groups={groups}, "
+            "depthwise) cannot work: peft's conv adapter mixes channels, so no depthwise weight "
+            "holds W + (alpha/r) B A and the conv op cannot receive it. Remove 'conv1d' from "
+            "target_modules, or train the conv itself with modules_to_save=['conv1d']"
+        )
     for a in adapters:
         if _dropping(module, a):
-            raise ValueError(f"LoRA dropout p={module.lora_dropout[a].p} on {what}, whose weight goes to an "
-                             "op as a tensor: dropout of the adapter's input is no weight. Set "
-                             "lora_dropout=0 for this target, or call model.eval()")
+            raise ValueError(
+                f"LoRA dropout p={module.lora_dropout[a].p} on {what}, whose weight goes to an "
+                "op as a tensor: dropout of the adapter's input is no weight. Set "
+                "lora_dropout=0 for this target, or call model.eval()"
+            )
         w = w + module.get_delta_weight(a).to(w.dtype)
     return w
 
 
 def bias(module: nn.Module) -> torch.Tensor | None:
-    """The effective bias of ``module`` (None when it has none): b + Σ_a scaling_a · bias(B_a) for adapters
-    made with peft's ``lora_bias=True``, else b."""
+    """The effective bias of ``module`` (None when it has none): b + Σ_a scaling_a · bias(B_a) for
+    adapters made with peft's ``lora_bias=True``, else b."""
     if not is_lora_layer(module):
         return module.bias
     b = bias(module.base_layer)
@@ -105,11 +116,12 @@ def bias(module: nn.Module) -> torch.Tensor | None:
 
 
 def linear_no_bias(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """x W_eff^T for a Linear (or peft's wrapper of one) whose bias is applied elsewhere (Mamba-1's Δ: the
-    scan adds dt_proj's bias). x: (..., in_features) -> (..., out_features).
+    """x W_eff^T for a Linear (or peft's wrapper of one) whose bias is applied elsewhere (Mamba-1's
+    Δ: the scan adds dt_proj's bias). x: (..., in_features) -> (..., out_features).
 
     With live LoRA dropout the adapter is computed on the input, as peft's forward does:
-    x W^T + Σ_a scaling_a · B_a(A_a(dropout(x))) (B_a's own bias, with lora_bias, left to :func:`bias`)."""
+    x W^T + Σ_a scaling_a · B_a(A_a(dropout(x))) (B_a's own bias, with lora_bias, left to
+    :func:`bias`)."""
     if not is_lora_layer(module):
         return F.linear(x, module.weight)
     adapters = _active(module)

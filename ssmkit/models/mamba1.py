@@ -34,7 +34,9 @@ def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
 
 def init_dt_bias(n: int, cfg: Mamba1Config | Mamba2Config | Mamba3Config) -> torch.Tensor:
     """softplus⁻¹ of Δ drawn log-uniformly in [dt_min, dt_max] (floored at dt_init_floor): (n,)."""
-    dt = torch.exp(torch.rand(n) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+    dt = torch.exp(
+        torch.rand(n) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
+    )
     return inverse_softplus(dt.clamp(min=cfg.dt_init_floor))
 
 
@@ -53,32 +55,45 @@ def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def check_packed(state, mask: torch.Tensor | None, seq_idx: torch.Tensor | None) -> None:
-    """A mixer's ``seq_idx`` (batch, seqlen) marks packed samples (:mod:`ssmkit.ops.packing`) of a forward
-    from scratch: never with a state (which continues one sequence) nor with a left-padding mask."""
+    """A mixer's ``seq_idx`` (batch, seqlen) marks packed samples (:mod:`ssmkit.ops.packing`) of a
+    forward from scratch: never with a state (which continues one sequence) nor with a left-padding
+    mask."""
     if seq_idx is not None and (state is not None or mask is not None):
-        conflict = "an inference state (cache)" if state is not None else "a padding mask (attention_mask)"
-        raise ValueError(f"seq_idx (packed samples) cannot be combined with {conflict}: pass one of them")
+        conflict = (
+            "an inference state (cache)" if state is not None else "a padding mask (attention_mask)"
+        )
+        raise ValueError(
+            f"seq_idx (packed samples) cannot be combined with {conflict}: pass one of them"
+        )
 
 
-def conv_with_state(x: torch.Tensor, conv: nn.Conv1d, state, activation: str | None = "silu",
-                    seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """activation(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if a state is
-    given, which is then replaced by the last d_conv inputs. seq_idx: (batch, seqlen) packed samples (no
-    state then): each sees zeros left of its first token."""
-    weight = rearrange(lora_aware.weight(conv, "conv1d"), "d 1 w -> d w")   # LoRA-aware: see lora_aware
+def conv_with_state(
+    x: torch.Tensor,
+    conv: nn.Conv1d,
+    state,
+    activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """activation(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if a
+    state is given, which is then replaced by the last d_conv inputs. seq_idx: (batch, seqlen)
+    packed samples (no state then): each sees zeros left of its first token."""
+    weight = rearrange(
+        lora_aware.weight(conv, "conv1d"), "d 1 w -> d w"
+    )  # LoRA-aware: see lora_aware
     conv_bias = lora_aware.bias(conv)
     if state is None:
         return ops.causal_conv1d(x, weight, conv_bias, activation=activation, seq_idx=seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
-    x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)     # previous W-1 inputs first
+    x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)  # previous W-1 inputs first
     state.conv.copy_(x_ext[:, :, -width:])
     return ops.causal_conv1d(x_ext, weight, conv_bias, activation=activation)[:, :, -seqlen:]
 
 
 class Mamba1(nn.Module):
     """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x));
-    Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z); out_proj(y).
-    (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's ``mamba1`` group."""
+    Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z);
+    out_proj(y). (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's
+    ``mamba1`` group."""
 
     def __init__(self, d_model: int, cfg: Mamba1Config):
         super().__init__()
@@ -86,14 +101,20 @@ class Mamba1(nn.Module):
         self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value(d_model)
         self.mixer_rms_eps = cfg.mixer_rms_eps
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.bias)
-        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, cfg.d_conv, groups=self.d_inner,
-                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.d_inner,
+            self.d_inner,
+            cfg.d_conv,
+            groups=self.d_inner,
+            padding=cfg.d_conv - 1,
+            bias=cfg.conv_bias,
+        )
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
-        if cfg.mixer_rms_weights:      # Jamba: RMSNorm with weights on Δ, B, C (transformers' names)
+        if cfg.mixer_rms_weights:  # Jamba: RMSNorm with weights on Δ, B, C (transformers' names)
             self.dt_layernorm = RMSNorm(self.dt_rank, cfg.mixer_rms_eps)
             self.b_layernorm = RMSNorm(self.d_state, cfg.mixer_rms_eps)
             self.c_layernorm = RMSNorm(self.d_state, cfg.mixer_rms_eps)
@@ -104,44 +125,58 @@ class Mamba1(nn.Module):
 
     @torch.no_grad()
     def reset_ssm_parameters(self, cfg: Mamba1Config):
-        """mamba_ssm's init: dt_proj uniform/constant in ±dt_rank^-0.5 * dt_scale, S4D-real A, D = 1."""
-        std = self.dt_rank ** -0.5 * cfg.dt_scale
+        """mamba_ssm's init: dt_proj uniform/constant in ±dt_rank^-0.5 * dt_scale, S4D-real A, D
+        = 1."""
+        std = self.dt_rank**-0.5 * cfg.dt_scale
         if cfg.dt_init == "constant":
             nn.init.constant_(self.dt_proj.weight, std)
         else:
             nn.init.uniform_(self.dt_proj.weight, -std, std)
         self.dt_proj.bias.copy_(init_dt_bias(self.d_inner, cfg))
-        A = torch.arange(1, self.d_state + 1, dtype=torch.float32).repeat(self.d_inner, 1)  # A_n = -(n+1)
+        A = torch.arange(1, self.d_state + 1, dtype=torch.float32).repeat(
+            self.d_inner, 1
+        )  # A_n = -(n+1)
         self.A_log.copy_(torch.log(A))
         self.D.fill_(1.0)
 
     def _select(self, x):
-        """The selection (section 3.2): Δ (rank dt_rank), B, C from x (..., d_inner), each (..., ·)."""
+        """The selection (section 3.2): Δ (rank dt_rank), B, C from x (..., d_inner), each (...,
+        ·)."""
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        if hasattr(self, "dt_layernorm"):                                    # Jamba
+        if hasattr(self, "dt_layernorm"):  # Jamba
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        elif self.mixer_rms_eps is not None:                                 # FalconMamba
+        elif self.mixer_rms_eps is not None:  # FalconMamba
             dt, B, C = (weightless_rms(t, self.mixer_rms_eps) for t in (dt, B, C))
         return dt, B, C
 
     def allocate_state(self, batch_size, dtype, device) -> LayerState:
-        return LayerState(conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
-                          ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=torch.float32,
-                                          device=device))
+        return LayerState(
+            conv=torch.zeros(batch_size, self.d_inner, self.d_conv, dtype=dtype, device=device),
+            ssm=torch.zeros(
+                batch_size, self.d_inner, self.d_state, dtype=torch.float32, device=device
+            ),
+        )
 
-    def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
-                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        state: LayerState | None = None,
+        mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model). With ``state`` the layer
         continues from it and leaves the new conv and SSM state there. mask: (batch, seqlen), 0 at
         left padding, which then leaves the conv and SSM states as if the row started later.
-        seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every sample."""
+        seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every
+        sample."""
         check_packed(state, mask, seq_idx)
         if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
-        A = -torch.exp(self.A_log.float())                                   # (d_inner, d_state)
-        # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels, seqlen)
-        # views of them, which the scan turns time-major cheaply (rows of channels stay contiguous).
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)                         # (batch, seqlen, d_inner)
+        A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
+        # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels,
+        # seqlen) views of them, which the scan turns time-major cheaply (rows of channels stay
+        # contiguous).
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (batch, seqlen, d_inner)
         # the conv sees zeros left of a row
         x = zero_padding(x, mask)
         # (batch, seqlen, d_inner)
@@ -152,9 +187,17 @@ class Mamba1(nn.Module):
         # Δ before its bias: (b, l, d_inner)
         dt = lora_aware.linear_no_bias(dt, self.dt_proj)
         out = ops.selective_scan(
-            x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(),
-            z=z.transpose(1, 2), delta_bias=lora_aware.bias(self.dt_proj).float(), delta_softplus=True,
-            initial_state=None if state is None else state.ssm, return_final_state=state is not None,
+            x.transpose(1, 2),
+            dt.transpose(1, 2),
+            A,
+            B.transpose(1, 2),
+            C.transpose(1, 2),
+            D=self.D.float(),
+            z=z.transpose(1, 2),
+            delta_bias=lora_aware.bias(self.dt_proj).float(),
+            delta_softplus=True,
+            initial_state=None if state is None else state.ssm,
+            return_final_state=state is not None,
             seq_idx=seq_idx,
         )
         if state is not None:
@@ -163,13 +206,26 @@ class Mamba1(nn.Module):
         return self.out_proj(out.transpose(1, 2))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)                   # (batch, d_inner)
+        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence
+        length."""
+        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)  # (batch, d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
-        x = ops.causal_conv1d_update(x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu")
+        x = ops.causal_conv1d_update(
+            x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
+        )
         dt, B, C = self._select(x)
-        dt = lora_aware.linear_no_bias(dt, self.dt_proj)                     # (batch, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, d_inner)
         A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(state.ssm, x, dt, A, B, C, D=self.D.float(), z=z,
-                                       dt_bias=lora_aware.bias(self.dt_proj).float(), dt_softplus=True)
+        y = ops.selective_state_update(
+            state.ssm,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D=self.D.float(),
+            z=z,
+            dt_bias=lora_aware.bias(self.dt_proj).float(),
+            dt_softplus=True,
+        )
         return self.out_proj(y)[:, None]

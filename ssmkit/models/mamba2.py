@@ -39,14 +39,25 @@ class Mamba2(nn.Module):
         self.dt_limit = cfg.dt_limit
         self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
         self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + self.nheads, bias=cfg.bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.d_conv, groups=self.conv_dim,
-                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            cfg.d_conv,
+            groups=self.conv_dim,
+            padding=cfg.d_conv - 1,
+            bias=cfg.conv_bias,
+        )
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.A_log = nn.Parameter(torch.empty(self.nheads))
-        self.D = nn.Parameter(torch.empty((self.nheads, self.headdim) if cfg.D_has_hdim else (self.nheads,)))
-        self.norm = RMSNormGated(self.d_inner, eps=norm_epsilon,
-                                 group_size=self.d_inner // self.ngroups,
-                                 norm_before_gate=cfg.norm_before_gate)
+        self.D = nn.Parameter(
+            torch.empty((self.nheads, self.headdim) if cfg.D_has_hdim else (self.nheads,))
+        )
+        self.norm = RMSNormGated(
+            self.d_inner,
+            eps=norm_epsilon,
+            group_size=self.d_inner // self.ngroups,
+            norm_before_gate=cfg.norm_before_gate,
+        )
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=cfg.bias)
         for p in (self.dt_bias, self.A_log, self.D):
             p._no_weight_decay = True
@@ -64,41 +75,63 @@ class Mamba2(nn.Module):
     def allocate_state(self, batch_size, dtype, device) -> LayerState:
         return LayerState(
             conv=torch.zeros(batch_size, self.conv_dim, self.d_conv, dtype=dtype, device=device),
-            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32,
-                            device=device),
+            ssm=torch.zeros(
+                batch_size,
+                self.nheads,
+                self.headdim,
+                self.d_state,
+                dtype=torch.float32,
+                device=device,
+            ),
         )
 
-    def forward(self, hidden: torch.Tensor, state: LayerState | None = None,
-                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if given.
-        mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or SSM state.
-        seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every sample."""
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        state: LayerState | None = None,
+        mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if
+        given. mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or
+        SSM state. seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at
+        every sample."""
         check_packed(state, mask, seq_idx)
         if state is not None and hidden.shape[1] == 1 and mask is None:
             return self.step(hidden, state)
-        A = -torch.exp(self.A_log.float())                                   # (nheads,)
-        z, xBC, dt = torch.split(self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        A = -torch.exp(self.A_log.float())  # (nheads,)
+        z, xBC, dt = torch.split(
+            self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1
+        )
         # the conv sees zeros left of a row
         xBC = zero_padding(xBC, mask)
-        xBC = rearrange(conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state,
-                                        seq_idx=seq_idx),
-                        "b d l -> b l d")
-        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
-                              dim=-1)
+        xBC = rearrange(
+            conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state, seq_idx=seq_idx),
+            "b d l -> b l d",
+        )
+        x, B, C = torch.split(
+            xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
+        )
         dt_args = dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         if mask is not None:
-            # Δ = 0 at padding: such a step neither feeds nor decays the state, an exact identity (the
-            # scan pads its own tail the same way), so what the conv left there (SiLU of its bias) never
-            # enters it. Zeroing x instead would keep the padding's decay in the chunk's prefix sums of
-            # Δ·A, which costs precision when the padding is long.
+            # Δ = 0 at padding: such a step neither feeds nor decays the state, an exact identity
+            # (the scan pads its own tail the same way), so what the conv left there (SiLU of its
+            # bias) never enters it. Zeroing x instead would keep the padding's decay in the chunk's
+            # prefix sums of Δ·A, which costs precision when the padding is long.
             dt = ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit) * mask[:, :, None]
             dt_args = dict(dt_bias=None, dt_softplus=False)
         out = ops.ssd_scan(
-            rearrange(x, "b l (h p) -> b l h p", p=self.headdim), dt, A,
+            rearrange(x, "b l (h p) -> b l h p", p=self.headdim),
+            dt,
+            A,
             rearrange(B, "b l (g n) -> b l g n", g=self.ngroups),
             rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
-            self.chunk_size, D=self.D, initial_states=None if state is None else state.ssm,
-            return_final_states=state is not None, seq_idx=seq_idx, **dt_args,
+            self.chunk_size,
+            D=self.D,
+            initial_states=None if state is None else state.ssm,
+            return_final_states=state is not None,
+            seq_idx=seq_idx,
+            **dt_args,
         )
         if state is not None:
             out, h = out
@@ -108,23 +141,39 @@ class Mamba2(nn.Module):
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        z, xBC, dt = torch.split(self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads],
-                                 dim=-1)
-        xBC = ops.causal_conv1d_update(xBC, state.conv, rearrange(lora_aware.weight(self.conv1d, "conv1d"),
-                                                                  "d 1 w -> d w"),
-                                       lora_aware.bias(self.conv1d), activation="silu")
-        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state],
-                              dim=-1)
+        z, xBC, dt = torch.split(
+            self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads], dim=-1
+        )
+        xBC = ops.causal_conv1d_update(
+            xBC,
+            state.conv,
+            rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w"),
+            lora_aware.bias(self.conv1d),
+            activation="silu",
+        )
+        x, B, C = torch.split(
+            xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
+        )
         P, N = self.headdim, self.d_state
         A = (-torch.exp(self.A_log.float()))[:, None, None].expand(self.nheads, P, N)
         D = self.D if self.D.dim() == 2 else self.D[:, None].expand(self.nheads, P)
         dt_bias, softplus = self.dt_bias[:, None].expand(self.nheads, P), True
-        if tuple(self.dt_limit) != (0.0, float("inf")):     # clamp Δ here, as the chunked scan does
-            dt, dt_bias, softplus = ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit), None, False
+        if tuple(self.dt_limit) != (0.0, float("inf")):  # clamp Δ here, as the chunked scan does
+            dt, dt_bias, softplus = (
+                ops.discretize_dt(dt, self.dt_bias, True, self.dt_limit),
+                None,
+                False,
+            )
         y = ops.selective_state_update(
-            state.ssm, rearrange(x, "b (h p) -> b h p", p=P), dt[:, :, None].expand(-1, -1, P), A,
+            state.ssm,
+            rearrange(x, "b (h p) -> b h p", p=P),
+            dt[:, :, None].expand(-1, -1, P),
+            A,
             rearrange(B, "b (g n) -> b g n", g=self.ngroups),
-            rearrange(C, "b (g n) -> b g n", g=self.ngroups), D=D, dt_bias=dt_bias, dt_softplus=softplus,
+            rearrange(C, "b (g n) -> b g n", g=self.ngroups),
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=softplus,
         )
         y = self.norm(rearrange(y, "b h p -> b (h p)"), z)
         return self.out_proj(y)[:, None]

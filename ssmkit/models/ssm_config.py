@@ -22,7 +22,7 @@ from typing import ClassVar
 from .. import checks
 from ..ops.mamba3_ref import A_ACTIVATIONS
 
-ROPE_FRACTIONS = (0.5, 1.0)           # mamba_ssm's Mamba3 asserts one of these
+ROPE_FRACTIONS = (0.5, 1.0)  # mamba_ssm's Mamba3 asserts one of these
 DT_INITS = ("random", "constant")
 
 
@@ -44,20 +44,28 @@ def _field(name: str, check, value, **kwargs):
         raise ConfigError(name, str(exc).removeprefix(f"{name} ")) from None
 
 
-def _pair(name: str, value, low_min: float, low_strict: bool,
-          high_may_be_inf: bool = False) -> tuple[float, float]:
+def _pair(
+    name: str, value, low_min: float, low_strict: bool, high_may_be_inf: bool = False
+) -> tuple[float, float]:
     """``value`` as a (low, high) pair of numbers with low > low_min (>= with ``low_strict=False``)
     and low <= high, else ConfigError naming ``name`` and the valid range."""
     pair = tuple(value) if isinstance(value, (list, tuple)) else ()
     finite = lambda v: checks.is_number(v) and math.isfinite(v)  # noqa: E731
-    ok = (len(pair) == 2 and finite(pair[0])
-          and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
-          and (pair[0] > low_min if low_strict else pair[0] >= low_min) and pair[0] <= pair[1])
+    ok = (
+        len(pair) == 2
+        and finite(pair[0])
+        and (finite(pair[1]) or (high_may_be_inf and pair[1] == math.inf))
+        and (pair[0] > low_min if low_strict else pair[0] >= low_min)
+        and pair[0] <= pair[1]
+    )
     if not ok:
         bound = f"{'>' if low_strict else '>='} {low_min:g}"
-        raise ConfigError(name, f"must be a pair (low, high) of numbers with low {bound} and "
-                                f"low <= high{' (high may be inf)' if high_may_be_inf else ''}; "
-                                f"got {value!r}")
+        raise ConfigError(
+            name,
+            f"must be a pair (low, high) of numbers with low {bound} and "
+            f"low <= high{' (high may be inf)' if high_may_be_inf else ''}; "
+            f"got {value!r}",
+        )
     return float(pair[0]), float(pair[1])
 
 
@@ -71,17 +79,24 @@ class _MixerConfig:
         return f"{self.kind}.{field}"
 
     def _int(self, field: str, minimum: int = 1):
-        setattr(self, field, _field(self._name(field), checks.integer, getattr(self, field),
-                                    minimum=minimum))
+        setattr(
+            self,
+            field,
+            _field(self._name(field), checks.integer, getattr(self, field), minimum=minimum),
+        )
 
     def _bool(self, field: str):
         if not isinstance(getattr(self, field), bool):
-            raise ConfigError(self._name(field),
-                              f"must be true or false; got {getattr(self, field)!r}")
+            raise ConfigError(
+                self._name(field), f"must be true or false; got {getattr(self, field)!r}"
+            )
 
     def _positive(self, field: str, strict: bool = True):
-        setattr(self, field, _field(self._name(field), checks.number, getattr(self, field), low=0,
-                                    low_open=strict))
+        setattr(
+            self,
+            field,
+            _field(self._name(field), checks.number, getattr(self, field), low=0, low_open=strict),
+        )
 
     def _check_common(self):
         """d_state, expand, and Δ's init range [dt_min, dt_max] with 0 < dt_min (log-uniform)."""
@@ -97,8 +112,9 @@ class _MixerConfig:
 
     def to_dict(self) -> dict:
         """The fields as plain values (pairs as lists), as YAML and JSON write them."""
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
 
 
 class _HeadsConfig(_MixerConfig):
@@ -111,11 +127,17 @@ class _HeadsConfig(_MixerConfig):
     def check_width(self, d_model: int):
         """headdim must divide d_inner, and ngroups the number of heads."""
         if self.d_inner(d_model) % self.headdim:
-            raise ConfigError(self._name("headdim"), f"must divide d_inner = expand * d_model = "
-                                                     f"{self.d_inner(d_model)}; got {self.headdim}")
+            raise ConfigError(
+                self._name("headdim"),
+                f"must divide d_inner = expand * d_model = "
+                f"{self.d_inner(d_model)}; got {self.headdim}",
+            )
         if self.nheads(d_model) % self.ngroups:
-            raise ConfigError(self._name("ngroups"), f"must divide nheads = d_inner / headdim = "
-                                                     f"{self.nheads(d_model)}; got {self.ngroups}")
+            raise ConfigError(
+                self._name("ngroups"),
+                f"must divide nheads = d_inner / headdim = "
+                f"{self.nheads(d_model)}; got {self.ngroups}",
+            )
 
 
 @dataclass
@@ -123,19 +145,19 @@ class Mamba1Config(_MixerConfig):
     """mamba_ssm's ``Mamba`` (Gu & Dao 2023), and the norms on Δ, B, C of FalconMamba and Jamba."""
 
     kind: ClassVar[str] = "mamba1"
-    d_state: int = 16                     # N, state size per channel
-    d_conv: int = 4                       # W, width of the causal depthwise conv
-    expand: int = 2                       # E: d_inner = expand * d_model
-    dt_rank: int | str = "auto"           # R, rank of the Δ projection; "auto" = ceil(d_model / 16)
-    dt_min: float = 0.001                 # Δ is initialised log-uniform in [dt_min, dt_max] ...
+    d_state: int = 16  # N, state size per channel
+    d_conv: int = 4  # W, width of the causal depthwise conv
+    expand: int = 2  # E: d_inner = expand * d_model
+    dt_rank: int | str = "auto"  # R, rank of the Δ projection; "auto" = ceil(d_model / 16)
+    dt_min: float = 0.001  # Δ is initialised log-uniform in [dt_min, dt_max] ...
     dt_max: float = 0.1
-    dt_init: str = "random"               # dt_proj.weight init, "random" (uniform) | "constant" ...
-    dt_scale: float = 1.0                 # ... of scale dt_rank^-1/2 * dt_scale
-    dt_init_floor: float = 1e-4           # ... and Δ at least this
+    dt_init: str = "random"  # dt_proj.weight init, "random" (uniform) | "constant" ...
+    dt_scale: float = 1.0  # ... of scale dt_rank^-1/2 * dt_scale
+    dt_init_floor: float = 1e-4  # ... and Δ at least this
     conv_bias: bool = True
-    bias: bool = False                    # bias of in_proj / out_proj
-    mixer_rms_eps: float | None = None    # ssmkit: FalconMamba's weightless RMSNorm on Δ, B, C ...
-    mixer_rms_weights: bool = False       # ... with learnable weights (Jamba's dt/b/c_layernorm)
+    bias: bool = False  # bias of in_proj / out_proj
+    mixer_rms_eps: float | None = None  # ssmkit: FalconMamba's weightless RMSNorm on Δ, B, C ...
+    mixer_rms_weights: bool = False  # ... with learnable weights (Jamba's dt/b/c_layernorm)
 
     def __post_init__(self):
         self._check_common()
@@ -149,8 +171,10 @@ class Mamba1Config(_MixerConfig):
         if self.mixer_rms_eps is not None:
             self._positive("mixer_rms_eps")
         elif self.mixer_rms_weights:
-            raise ConfigError(self._name("mixer_rms_weights"),
-                              "needs mixer_rms_eps (the epsilon of the weighted norms)")
+            raise ConfigError(
+                self._name("mixer_rms_weights"),
+                "needs mixer_rms_eps (the epsilon of the weighted norms)",
+            )
 
     def dt_rank_value(self, d_model: int) -> int:
         """R: dt_rank, or ceil(d_model / 16) for "auto"."""
@@ -162,21 +186,21 @@ class Mamba2Config(_HeadsConfig):
     """mamba_ssm's ``Mamba2`` (Dao & Gu 2024): the SSD scan over chunks, a scalar A per head."""
 
     kind: ClassVar[str] = "mamba2"
-    d_state: int = 128                    # N, state size per head
-    d_conv: int = 4                       # W, width of the causal depthwise conv over x, B, C
-    expand: int = 2                       # E: d_inner = expand * d_model
-    headdim: int = 64                     # P, channels per head: nheads = d_inner / headdim
-    ngroups: int = 1                      # G, groups of heads sharing B and C (as GQA's key/values)
-    chunk_size: int = 256                 # Q, the SSD scan's chunk
-    A_init_range: tuple[float, float] = (1.0, 16.0)   # A = -U(A_init_range)
-    dt_min: float = 0.001                 # Δ is initialised log-uniform in [dt_min, dt_max] ...
+    d_state: int = 128  # N, state size per head
+    d_conv: int = 4  # W, width of the causal depthwise conv over x, B, C
+    expand: int = 2  # E: d_inner = expand * d_model
+    headdim: int = 64  # P, channels per head: nheads = d_inner / headdim
+    ngroups: int = 1  # G, groups of heads sharing B and C (as GQA's key/values)
+    chunk_size: int = 256  # Q, the SSD scan's chunk
+    A_init_range: tuple[float, float] = (1.0, 16.0)  # A = -U(A_init_range)
+    dt_min: float = 0.001  # Δ is initialised log-uniform in [dt_min, dt_max] ...
     dt_max: float = 0.1
-    dt_init_floor: float = 1e-4           # ... and at least this
-    dt_limit: tuple[float, float] = (0.0, math.inf)   # Δ clamped to this range
+    dt_init_floor: float = 1e-4  # ... and at least this
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # Δ clamped to this range
     conv_bias: bool = True
-    bias: bool = False                    # bias of in_proj / out_proj
-    D_has_hdim: bool = False              # D per channel (nheads, headdim) instead of per head
-    norm_before_gate: bool = False        # gated RMSNorm order (False in the official models)
+    bias: bool = False  # bias of in_proj / out_proj
+    D_has_hdim: bool = False  # D per channel (nheads, headdim) instead of per head
+    norm_before_gate: bool = False  # gated RMSNorm order (False in the official models)
 
     def __post_init__(self):
         self._check_common()
@@ -184,7 +208,7 @@ class Mamba2Config(_HeadsConfig):
             self._int(field)
         for field in ("conv_bias", "bias", "D_has_hdim", "norm_before_gate"):
             self._bool(field)
-        self.A_init_range = _pair(self._name("A_init_range"), self.A_init_range, 0, True)   # A < 0
+        self.A_init_range = _pair(self._name("A_init_range"), self.A_init_range, 0, True)  # A < 0
         self.dt_limit = _pair(self._name("dt_limit"), self.dt_limit, 0, False, high_may_be_inf=True)
 
 
@@ -194,22 +218,22 @@ class Mamba3Config(_HeadsConfig):
     data-dependent A_t, the exponential-trapezoidal update and rotations of B and C."""
 
     kind: ClassVar[str] = "mamba3"
-    d_state: int = 128                    # N, state size per head (even: rotations turn pairs)
-    expand: int = 2                       # E: d_inner = expand * d_model
-    headdim: int = 64                     # P, channels per head: nheads = d_inner / headdim
-    ngroups: int = 1                      # G, groups of heads sharing B and C
-    chunk_size: int | None = None         # Q; None: 64 (mamba_ssm's), or mamba2.chunk_size in a
-                                          # model with Mamba-2 layers too (ModelConfig fills it in)
-    dt_min: float = 0.001                 # Δ is initialised log-uniform in [dt_min, dt_max] ...
+    d_state: int = 128  # N, state size per head (even: rotations turn pairs)
+    expand: int = 2  # E: d_inner = expand * d_model
+    headdim: int = 64  # P, channels per head: nheads = d_inner / headdim
+    ngroups: int = 1  # G, groups of heads sharing B and C
+    chunk_size: int | None = None  # Q; None: 64 (mamba_ssm's), or mamba2.chunk_size in a
+    # model with Mamba-2 layers too (ModelConfig fills it in)
+    dt_min: float = 0.001  # Δ is initialised log-uniform in [dt_min, dt_max] ...
     dt_max: float = 0.1
-    dt_init_floor: float = 1e-4           # ... and at least this
-    rope_fraction: float = 0.5            # share of the state's dimensions rotated (0.5 or 1.0)
-    A_floor: float = 1e-4                 # the data-dependent A_t is at most -A_floor
-    a_activation: str = "heavy_tail"      # ssmkit: A_t = -f(a_t), "heavy_tail" (mamba_ssm's) or
-                                          # "softplus" (its earlier versions): different models
-    is_outproj_norm: bool = False         # gated RMSNorm per head before out_proj
-    is_mimo: bool = False                 # multi-input multi-output state update ...
-    mimo_rank: int = 4                    # ... of this rank R (mamba_ssm's; 1 without is_mimo)
+    dt_init_floor: float = 1e-4  # ... and at least this
+    rope_fraction: float = 0.5  # share of the state's dimensions rotated (0.5 or 1.0)
+    A_floor: float = 1e-4  # the data-dependent A_t is at most -A_floor
+    a_activation: str = "heavy_tail"  # ssmkit: A_t = -f(a_t), "heavy_tail" (mamba_ssm's) or
+    # "softplus" (its earlier versions): different models
+    is_outproj_norm: bool = False  # gated RMSNorm per head before out_proj
+    is_mimo: bool = False  # multi-input multi-output state update ...
+    mimo_rank: int = 4  # ... of this rank R (mamba_ssm's; 1 without is_mimo)
 
     def __post_init__(self):
         self._check_common()
@@ -220,18 +244,23 @@ class Mamba3Config(_HeadsConfig):
         for field in ("is_outproj_norm", "is_mimo"):
             self._bool(field)
         if isinstance(self.rope_fraction, bool) or self.rope_fraction not in ROPE_FRACTIONS:
-            raise ConfigError(self._name("rope_fraction"),
-                              f"must be one of {', '.join(map(str, ROPE_FRACTIONS))} (mamba_ssm's "
-                              "Mamba3 rotates half or all of the state); "
-                              f"got {self.rope_fraction!r}")
+            raise ConfigError(
+                self._name("rope_fraction"),
+                f"must be one of {', '.join(map(str, ROPE_FRACTIONS))} (mamba_ssm's "
+                "Mamba3 rotates half or all of the state); "
+                f"got {self.rope_fraction!r}",
+            )
         self.rope_fraction = float(self.rope_fraction)
-        self.a_activation = _field(self._name("a_activation"), checks.choice, self.a_activation,
-                                   valid=A_ACTIVATIONS)
+        self.a_activation = _field(
+            self._name("a_activation"), checks.choice, self.a_activation, valid=A_ACTIVATIONS
+        )
         self._positive("A_floor")
         if self.d_state % 2 or int(self.d_state * self.rope_fraction) < 2:
-            raise ConfigError(self._name("d_state"),
-                              f"must be even and at least {int(2 / self.rope_fraction)} for mamba3 "
-                              f"(its rotations turn pairs of state dimensions); got {self.d_state}")
+            raise ConfigError(
+                self._name("d_state"),
+                f"must be even and at least {int(2 / self.rope_fraction)} for mamba3 "
+                f"(its rotations turn pairs of state dimensions); got {self.d_state}",
+            )
 
 
 GROUPS: dict[str, type] = {"mamba1": Mamba1Config, "mamba2": Mamba2Config, "mamba3": Mamba3Config}
@@ -249,17 +278,28 @@ def make_group(kind: str, value) -> _MixerConfig:
     if value is None:
         return cls()
     if isinstance(value, cls):
-        return dataclasses.replace(value)           # a copy: configs never share a group
+        return dataclasses.replace(value)  # a copy: configs never share a group
     if not isinstance(value, dict):
-        raise ConfigError(kind, f"must be a {cls.__name__} or a mapping of its fields; "
-                                f"got {type(value).__name__}")
+        raise ConfigError(
+            kind, f"must be a {cls.__name__} or a mapping of its fields; got {type(value).__name__}"
+        )
     valid = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(value) - set(valid))
     if unknown:
-        raise ConfigError(f"{kind}.{unknown[0]}", f"is not a {kind} field (unknown {unknown}); "
-                                                  f"valid keys of {kind}: {', '.join(valid)}")
+        raise ConfigError(
+            f"{kind}.{unknown[0]}",
+            f"is not a {kind} field (unknown {unknown}); valid keys of {kind}: {', '.join(valid)}",
+        )
     return cls(**value)
 
 
-__all__ = ["ConfigError", "GROUPS", "GROUP_FIELDS", "Mamba1Config", "Mamba2Config",
-           "Mamba3Config", "ROPE_FRACTIONS", "make_group"]
+__all__ = [
+    "ConfigError",
+    "GROUPS",
+    "GROUP_FIELDS",
+    "Mamba1Config",
+    "Mamba2Config",
+    "Mamba3Config",
+    "ROPE_FRACTIONS",
+    "make_group",
+]

@@ -1,4 +1,5 @@
-"""Zamba2 (Zyphra; Glorioso et al. 2024, arXiv 2411.15242): Mamba-2 layers and shared attention blocks.
+"""Zamba2 (Zyphra; Glorioso et al. 2024, arXiv 2411.15242): Mamba-2 layers and shared attention
+blocks.
 
 Computed exactly as transformers' ``Zamba2Model`` (fp32 logits agree to 1e-4,
 tests/unit/models/test_zamba2.py):
@@ -44,7 +45,7 @@ class Zamba2Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, hybrid_index: int | None):
         super().__init__()
         z = cfg.zamba2
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)           # transformers: input_layernorm
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)  # transformers: input_layernorm
         self.mixer = Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_epsilon)
         self.mixer.norm.eps = MIXER_NORM_EPS
         self.hybrid = hybrid_index is not None
@@ -53,12 +54,20 @@ class Zamba2Layer(nn.Module):
             self.linear = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
             self.adapters = Zamba2Adapters(cfg.d_model, z)
 
-    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, shared: Zamba2SharedBlock | None,
-                state: LayerState | HybridState | None, mask: torch.Tensor | None,
-                attn: dict, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden, embeddings: (batch, seqlen, d_model); shared: the block of a hybrid layer; attn: the
-        shared attention's positions, first_real and rope (see :meth:`Zamba2Backbone.forward`); seq_idx:
-        (batch, seqlen) packed samples, for the shared attention and the Mamba-2 mixer alike."""
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeddings: torch.Tensor,
+        shared: Zamba2SharedBlock | None,
+        state: LayerState | HybridState | None,
+        mask: torch.Tensor | None,
+        attn: dict,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden, embeddings: (batch, seqlen, d_model); shared: the block of a hybrid layer; attn:
+        the shared attention's positions, first_real and rope (see :meth:`Zamba2Backbone.forward`);
+        seq_idx: (batch, seqlen) packed samples, for the shared attention and the Mamba-2 mixer
+        alike."""
         x = hidden
         if self.hybrid:
             kv = None if state is None else state.kv
@@ -78,26 +87,32 @@ class Zamba2Backbone(nn.Module):
         if not z:
             raise ValueError("Zamba2Backbone needs cfg.zamba2 (see ssmkit.models.zamba2_config)")
         if set(cfg.mixers) != {"mamba2"} or not cfg.rms_norm or cfg.d_intermediate:
-            raise ValueError(f"zamba2 models are Mamba-2 layers with RMSNorm and no per-layer MLP: need "
-                             f"mixer='mamba2' in every layer, rms_norm=True, d_intermediate=0; got mixers "
-                             f"{sorted(set(cfg.mixers))}, rms_norm={cfg.rms_norm}, "
-                             f"d_intermediate={cfg.d_intermediate}")
+            raise ValueError(
+                f"zamba2 models are Mamba-2 layers with RMSNorm and no per-layer MLP: need "
+                f"mixer='mamba2' in every layer, rms_norm=True, d_intermediate=0; got mixers "
+                f"{sorted(set(cfg.mixers))}, rms_norm={cfg.rms_norm}, "
+                f"d_intermediate={cfg.d_intermediate}"
+            )
         self.config = cfg
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         hybrid = {layer: k for k, layer in enumerate(z["hybrid_layer_ids"])}
-        self.shared = nn.ModuleList(Zamba2SharedBlock(cfg.d_model, z, cfg.norm_epsilon)
-                                    for _ in range(min(z["num_mem_blocks"], len(hybrid))))
+        self.shared = nn.ModuleList(
+            Zamba2SharedBlock(cfg.d_model, z, cfg.norm_epsilon)
+            for _ in range(min(z["num_mem_blocks"], len(hybrid)))
+        )
         self.layers = nn.ModuleList(Zamba2Layer(cfg, hybrid.get(i)) for i in range(cfg.n_layer))
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)        # transformers: final_layernorm
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)  # transformers: final_layernorm
         self.head_dim = 2 * cfg.d_model // z["num_attention_heads"]
-        self.gradient_checkpointing = False          # recompute each layer in the backward (long context)
+        self.gradient_checkpointing = False  # recompute each layer in the backward (long context)
         self._init_shared()
 
     @torch.no_grad()
     def _init_shared(self):
         """transformers' init of the attention, MLP, adapter and ``linear`` weights: N(0,
         initializer_range) (MambaLM's own init then zeroes biases and sets the Mamba layers)."""
-        owned = [part for layer in self.layers if layer.hybrid for part in (layer.linear, layer.adapters)]
+        owned = [
+            part for layer in self.layers if layer.hybrid for part in (layer.linear, layer.adapters)
+        ]
         for part in [*self.shared, *owned]:
             for module in part.modules():
                 if isinstance(module, nn.Linear):
@@ -117,38 +132,68 @@ class Zamba2Backbone(nn.Module):
                 states.append(mamba)
         return states
 
-    def forward(self, input_ids: torch.Tensor, cache: InferenceCache | None = None,
-                mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: InferenceCache | None = None,
+        mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids: (batch, seqlen); cache: continue from and update these states (its
         ``seqlen_offset`` gives the positions); mask: (batch, seqlen), 0 at LEFT padding, or None;
         seq_idx: (batch, seqlen) packed samples (no cache, no mask): RoPE positions restart at each
         sample's first token, attention and scans stay inside each sample."""
         z = self.config.zamba2
-        embeddings = self.embedding(input_ids)          # transformers: original_hidden_states
+        embeddings = self.embedding(input_ids)  # transformers: original_hidden_states
         offset = 0 if cache is None else cache.seqlen_offset
         positions = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
-        first_real = None if mask is None else (mask == 0).sum(dim=1)      # left padding: its length
+        first_real = None if mask is None else (mask == 0).sum(dim=1)  # left padding: its length
         if cache is not None:
             hybrid_states = [s for s in cache.layers if isinstance(s, HybridState)]
-            if offset == 0:                             # the prefill: remember each row's padding
+            if offset == 0:  # the prefill: remember each row's padding
                 for s in hybrid_states:
-                    s.first_real.copy_(torch.zeros_like(s.first_real) if first_real is None else first_real)
+                    s.first_real.copy_(
+                        torch.zeros_like(s.first_real) if first_real is None else first_real
+                    )
             first_real = hybrid_states[0].first_real if hybrid_states else None
-        rope_pos = positions if seq_idx is None else positions_in_sample(seq_idx)     # (L,) or (b, L)
-        rope = (rope_cos_sin(rope_pos, self.head_dim, z["rope_theta"], embeddings.dtype)
-                if z["use_mem_rope"] else None)
+        rope_pos = positions if seq_idx is None else positions_in_sample(seq_idx)  # (L,) or (b, L)
+        rope = (
+            rope_cos_sin(rope_pos, self.head_dim, z["rope_theta"], embeddings.dtype)
+            if z["use_mem_rope"]
+            else None
+        )
         attn = dict(positions=positions, first_real=first_real, rope=rope)
         hidden = embeddings
-        recompute = (self.gradient_checkpointing and self.training and cache is None
-                     and torch.is_grad_enabled())
+        recompute = (
+            self.gradient_checkpointing
+            and self.training
+            and cache is None
+            and torch.is_grad_enabled()
+        )
         for i, layer in enumerate(self.layers):
             shared = self.shared[layer.block] if layer.hybrid else None
             if recompute:
-                hidden = checkpoint(layer, hidden, embeddings, shared, None, mask, attn, seq_idx,
-                                    use_reentrant=False)
+                hidden = checkpoint(
+                    layer,
+                    hidden,
+                    embeddings,
+                    shared,
+                    None,
+                    mask,
+                    attn,
+                    seq_idx,
+                    use_reentrant=False,
+                )
             else:
-                hidden = layer(hidden, embeddings, shared, None if cache is None else cache.layers[i], mask,
-                               attn, seq_idx)
+                hidden = layer(
+                    hidden,
+                    embeddings,
+                    shared,
+                    None if cache is None else cache.layers[i],
+                    mask,
+                    attn,
+                    seq_idx,
+                )
         return self.norm_f(hidden)
 
 

@@ -1,17 +1,18 @@
 """The math of the mixers, as functions (no nn.Module).
 
-Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see :mod:`ssmkit.ops.backend`):
+Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
+:mod:`ssmkit.ops.backend`):
 
 * :func:`selective_scan`, :func:`selective_state_update` -- Mamba-1's S6 scan and its one-step form
 * :func:`ssd_scan` -- Mamba-2's state-space dual; :func:`ssd_reference`, :func:`ssd_quadratic`,
   :func:`ssd_chunked` are its three equivalent views
 * :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution
 * :func:`rms_norm`, :func:`rms_norm_gated` -- RMSNorm and Mamba-2's gated, grouped RMSNorm
-* :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO and
-  MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`, :func:`mamba3_chunked`
-  are its three equivalent views
-* :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes ``seq_idx``
-  (batch, seqlen), the sample index of each position, and restarts at every sample;
+* :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO
+  and MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`,
+  :func:`mamba3_chunked` are its three equivalent views
+* :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes
+  ``seq_idx`` (batch, seqlen), the sample index of each position, and restarts at every sample;
   :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
 * :func:`compile_scan` -- opt-in: the torch backend's S6 and SSD scans through ``torch.compile``
   (:mod:`ssmkit.ops.compiled`; also ``SSMKIT_COMPILE_SCAN=1``)
@@ -31,12 +32,35 @@ from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
 
 __all__ = [
-    "BACKENDS", "BackendError", "compile_scan",
-    "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_torch", "causal_conv1d_update",
-    "rms_norm", "rms_norm_gated",
-    "selective_scan", "selective_scan_reference", "selective_scan_torch", "selective_state_update",
-    "discretize_dt", "segsum", "ssd_chunked", "ssd_quadratic", "ssd_reference", "ssd_scan",
-    "Mamba3States", "a_activation", "heavy_tail", "mamba3_chunked", "mamba3_quadratic", "mamba3_reference",
-    "mamba3_scan", "mamba3_step", "rope_angles",
-    "cu_seqlens", "positions_in_sample", "seq_idx_from_position_ids",
+    "BACKENDS",
+    "BackendError",
+    "compile_scan",
+    "causal_conv1d",
+    "causal_conv1d_reference",
+    "causal_conv1d_torch",
+    "causal_conv1d_update",
+    "rms_norm",
+    "rms_norm_gated",
+    "selective_scan",
+    "selective_scan_reference",
+    "selective_scan_torch",
+    "selective_state_update",
+    "discretize_dt",
+    "segsum",
+    "ssd_chunked",
+    "ssd_quadratic",
+    "ssd_reference",
+    "ssd_scan",
+    "Mamba3States",
+    "a_activation",
+    "heavy_tail",
+    "mamba3_chunked",
+    "mamba3_quadratic",
+    "mamba3_reference",
+    "mamba3_scan",
+    "mamba3_step",
+    "rope_angles",
+    "cu_seqlens",
+    "positions_in_sample",
+    "seq_idx_from_position_ids",
 ]

@@ -31,7 +31,8 @@ KERNEL_MODULES = {
     "causal_conv1d_update": "causal_conv1d",
     "rms_norm": "mamba_ssm.ops.triton.layer_norm",
     "rms_norm_gated": "mamba_ssm.ops.triton.layernorm_gated",
-    # Mamba-3: only in mamba_ssm's source tree (after 2.3.2.post1), with Triton, TileLang and CuTe DSL
+    # Mamba-3: only in mamba_ssm's source tree (after 2.3.2.post1), with Triton, TileLang and CuTe
+    # DSL
     "mamba3_siso": "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined",
     "mamba3_mimo": "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo",
     "mamba3_step": "mamba_ssm.ops.cute.mamba3.mamba3_step_fn",
@@ -65,7 +66,9 @@ def forced_backend() -> str | None:
     if not name:
         return None
     if name not in BACKENDS:
-        raise BackendError(f"SSMKIT_BACKEND={name!r} is not a backend; valid values: {', '.join(BACKENDS)}")
+        raise BackendError(
+            f"SSMKIT_BACKEND={name!r} is not a backend; valid values: {', '.join(BACKENDS)}"
+        )
     return name
 
 
@@ -76,13 +79,15 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
     tensors are on CUDA and the kernel imports, otherwise ``torch``).
     """
     if backend is not None and backend not in BACKENDS:
-        raise BackendError(f"backend={backend!r} is not a backend; valid values: {', '.join(BACKENDS)}")
+        raise BackendError(
+            f"backend={backend!r} is not a backend; valid values: {', '.join(BACKENDS)}"
+        )
     wanted = backend or forced_backend()
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
     if wanted in ("reference", "torch"):
         return wanted
     if wanted is None and not on_cuda:
-        return "torch"                  # no kernel runs on CPU tensors: skip the import check
+        return "torch"  # no kernel runs on CPU tensors: skip the import check
     reason = kernel_import_error(KERNEL_MODULES[op])
     if reason is None and not on_cuda:
         reason = "the tensors are not on a CUDA device"

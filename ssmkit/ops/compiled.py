@@ -1,25 +1,27 @@
 r"""Opt-in: the torch backend's scans through ``torch.compile`` (inductor's generated C++ on CPU).
 
 Why: :class:`ssmkit.ops.s6.SelectiveScanFn` runs the S6 recurrence one time step per PyTorch op and
-everything else in (T, batch, dim, dstate) passes over memory, about twenty of them per chunk in forward
-and backward; on a CPU the profile of a small Mamba-1 train step puts most of the step there
-(``benchmarks/profile_train_step.py`` measures it on this machine). Here each chunk of ``CHUNK`` steps is
-one function with its loops unrolled, which inductor fuses: in forward Ā_t = exp2(Δ_t A log2 e) is
-computed where it is used and h_t stays in registers; backward recomputes the chunk's states, runs the
-adjoint and writes each (T, b, d, n) value once. Mamba-2's :func:`~ssmkit.ops.ssd.ssd_chunked` is
-compiled whole (forward and backward through AOTAutograd). What each saves is measured, as a ratio to
-the eager path, by ``benchmarks/train_step_cpu.py --compile-scan``.
+everything else in (T, batch, dim, dstate) passes over memory, about twenty of them per chunk in
+forward and backward; on a CPU the profile of a small Mamba-1 train step puts most of the step there
+(``benchmarks/profile_train_step.py`` measures it on this machine). Here each chunk of ``CHUNK``
+steps is one function with its loops unrolled, which inductor fuses: in forward Ā_t = exp2(Δ_t A
+log2 e) is computed where it is used and h_t stays in registers; backward recomputes the chunk's
+states, runs the adjoint and writes each (T, b, d, n) value once. Mamba-2's
+:func:`~ssmkit.ops.ssd.ssd_chunked` is compiled whole (forward and backward through AOTAutograd).
+What each saves is measured, as a ratio to the eager path, by
+``benchmarks/train_step_cpu.py --compile-scan``.
 
-The S6 math is :class:`~ssmkit.ops.s6.SelectiveScanFn`'s (its comments derive the backward); the loop
-over chunks, D, the gate and softplus stay in eager PyTorch, and only the state entering each chunk is
-saved. The last chunk is padded with Δ = 0 (Ā = 1, no input: the state passes through unchanged), so every
-chunk has one shape.
+The S6 math is :class:`~ssmkit.ops.s6.SelectiveScanFn`'s (its comments derive the backward); the
+loop over chunks, D, the gate and softplus stay in eager PyTorch, and only the state entering each
+chunk is saved. The last chunk is padded with Δ = 0 (Ā = 1, no input: the state passes through
+unchanged), so every chunk has one shape.
 
 Turn it on with ``ssmkit.ops.compile_scan(True)`` or ``SSMKIT_COMPILE_SCAN=1`` (the CLI reads the
-environment). It needs what inductor needs at run time -- a C++ compiler on CPU, Triton on GPU; without
-one the first call raises :class:`~ssmkit.ops.backend.BackendError` saying so. The first call for each
-shape compiles (20-30 s for S6 forward + backward, ~15 s for SSD), so it pays off in training runs, not
-in short experiments; after torch's recompile limit (8 shapes) the functions run eagerly, unrolled.
+environment). It needs what inductor needs at run time -- a C++ compiler on CPU, Triton on GPU;
+without one the first call raises :class:`~ssmkit.ops.backend.BackendError` saying so. The first
+call for each shape compiles (20-30 s for S6 forward + backward, ~15 s for SSD), so it pays off in
+training runs, not in short experiments; after torch's recompile limit (8 shapes) the functions run
+eagerly, unrolled.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch.nn.functional as F
 from .backend import BackendError
 
 LOG2_E = math.log2(math.e)
-CHUNK = 16                         # unrolled steps per compiled chunk: compile time grows with it
-_ENABLED: bool | None = None       # None: read SSMKIT_COMPILE_SCAN
+CHUNK = 16  # unrolled steps per compiled chunk: compile time grows with it
+_ENABLED: bool | None = None  # None: read SSMKIT_COMPILE_SCAN
 
 
 def compile_scan(enabled: bool = True) -> None:
@@ -46,8 +48,9 @@ def compile_scan(enabled: bool = True) -> None:
 
 
 def enabled() -> bool:
-    """Whether the torch backend of :func:`~ssmkit.ops.selective_scan` and :func:`~ssmkit.ops.ssd_scan` runs
-    compiled; a value of SSMKIT_COMPILE_SCAN other than 0 / 1 / false / true is an error."""
+    """Whether the torch backend of :func:`~ssmkit.ops.selective_scan` and
+    :func:`~ssmkit.ops.ssd_scan` runs compiled; a value of SSMKIT_COMPILE_SCAN other than 0 / 1 /
+    false / true is an error."""
     if _ENABLED is not None:
         return _ENABLED
     value = os.environ.get("SSMKIT_COMPILE_SCAN", "").strip().lower()
@@ -57,15 +60,15 @@ def enabled() -> bool:
 
 
 def chunk_forward(dt, u, A2, B, C, h, keep):
-    """One chunk of the recurrence. dt, u: (T, b, g, c); A2 = A log2 e: (g, c, n); B, C: (T, b, g, n);
-    h: (b, g, c, n) entering state; keep: (T, b), 0 where a packed sample starts.
+    """One chunk of the recurrence. dt, u: (T, b, g, c); A2 = A log2 e: (g, c, n); B, C: (T, b, g,
+    n); h: (b, g, c, n) entering state; keep: (T, b), 0 where a packed sample starts.
     Returns y (T, b, g, c) with y_t = C_t^T h_t, and h_{T-1}."""
-    bx = (dt * u)[..., None]                                        # Δ_t x_t
+    bx = (dt * u)[..., None]  # Δ_t x_t
     ys = []
     for t in range(dt.shape[0]):
-        a = torch.exp2(dt[t, ..., None] * A2) * keep[t, :, None, None, None]   # Ā_t (0 at a reset)
-        h = a * h + bx[t] * B[t, :, :, None, :]                    # h_t = Ā_t h_{t-1} + Δ_t x_t B_t
-        ys.append((h * C[t, :, :, None, :]).sum(-1))                # y_t = C_t^T h_t
+        a = torch.exp2(dt[t, ..., None] * A2) * keep[t, :, None, None, None]  # Ā_t (0 at a reset)
+        h = a * h + bx[t] * B[t, :, :, None, :]  # h_t = Ā_t h_{t-1} + Δ_t x_t B_t
+        ys.append((h * C[t, :, :, None, :]).sum(-1))  # y_t = C_t^T h_t
     return torch.stack(ys), h
 
 
@@ -73,25 +76,25 @@ def chunk_backward(dt, u, A2, B, C, h, keep, dy, carry):
     """Gradients of one chunk (the derivation is above ``SelectiveScanFn.backward``).
 
     dy: (T, b, g, c) = ∂L/∂y; carry: (b, g, c, n) = ∂L/∂h_{T-1} from the chunk after.
-    Returns carry for the chunk before (∂L/∂h_entering), dB, dC (T, b, g, n), ddt, du (T, b, g, c) --
-    du without the skip's D dy -- and ∂L/∂A summed over the chunk (g, c, n)."""
+    Returns carry for the chunk before (∂L/∂h_entering), dB, dC (T, b, g, n), ddt, du (T, b, g,
+    c) -- du without the skip's D dy -- and ∂L/∂A summed over the chunk (g, c, n)."""
     T = dt.shape[0]
-    a = torch.exp2(dt[..., None] * A2) * keep[:, :, None, None, None]       # Ā: (T, b, g, c, n)
-    dtu = dt * u                                                            # Δ x
-    hs = [h]                                                                # h_{t-1} for t = 0 .. T
+    a = torch.exp2(dt[..., None] * A2) * keep[:, :, None, None, None]  # Ā: (T, b, g, c, n)
+    dtu = dt * u  # Δ x
+    hs = [h]  # h_{t-1} for t = 0 .. T
     for t in range(T):
         hs.append(a[t] * hs[-1] + dtu[t, ..., None] * B[t, :, :, None, :])
     H = torch.stack(hs)
     gs, g = [None] * T, carry
-    for t in reversed(range(T)):                                            # g_t = C_t dy_t + Ā_{t+1} g_{t+1}
+    for t in reversed(range(T)):  # g_t = C_t dy_t + Ā_{t+1} g_{t+1}
         g = g + dy[t, ..., None] * C[t, :, :, None, :]
         gs[t] = g
-        g = a[t] * g                                                        # Ā_t g_t: into step t - 1
+        g = a[t] * g  # Ā_t g_t: into step t - 1
     G = torch.stack(gs)
-    dC = (H[1:] * dy[..., None]).sum(-2)                                    # Σ_c h_t dy_t
-    dB = (G * dtu[..., None]).sum(-2)                                       # Σ_c g_t Δ_t x_t
-    dbx = (G * B[:, :, :, None, :]).sum(-1)                                 # ∂L/∂(Δ_t x_t)
-    d_delta_a = G * H[:-1] * a                                              # ∂L/∂(Δ_t A)
+    dC = (H[1:] * dy[..., None]).sum(-2)  # Σ_c h_t dy_t
+    dB = (G * dtu[..., None]).sum(-2)  # Σ_c g_t Δ_t x_t
+    dbx = (G * B[:, :, :, None, :]).sum(-1)  # ∂L/∂(Δ_t x_t)
+    d_delta_a = G * H[:-1] * a  # ∂L/∂(Δ_t A)
     dA = (d_delta_a * dt[..., None]).sum((0, 1))
     ddt = (d_delta_a * (A2 / LOG2_E)).sum(-1) + dbx * u
     return g, dB, dC, ddt, dbx * dt, dA
@@ -103,19 +106,25 @@ def _compiled(fn):
 
 
 def run(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` through ``torch.compile`` (one compiled graph per input shape); a platform
-    where inductor cannot build is a :class:`BackendError` that says how to turn this off."""
+    """``fn(*args, **kwargs)`` through ``torch.compile`` (one compiled graph per input shape); a
+    platform where inductor cannot build is a :class:`BackendError` that says how to turn this
+    off."""
     try:
         return _compiled(fn)(*args, **kwargs)
     except Exception as exc:
         from torch._dynamo.exc import BackendCompilerFailed  # torch.compile has imported both
         from torch._inductor.exc import InductorError
-        if not isinstance(exc, (InductorError, BackendCompilerFailed)):   # no compiler, no Triton, ...
+
+        if not isinstance(
+            exc, (InductorError, BackendCompilerFailed)
+        ):  # no compiler, no Triton, ...
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise BackendError(f"the compiled scan could not be built ({type(exc).__name__}: {first}); it needs "
-                           "a C++ compiler on CPU (Triton on GPU). Turn it off with "
-                           "ssmkit.ops.compile_scan(False) or SSMKIT_COMPILE_SCAN=0") from exc
+        raise BackendError(
+            f"the compiled scan could not be built ({type(exc).__name__}: {first}); it needs "
+            "a C++ compiler on CPU (Triton on GPU). Turn it off with "
+            "ssmkit.ops.compile_scan(False) or SSMKIT_COMPILE_SCAN=0"
+        ) from exc
 
 
 def _padded(M: torch.Tensor, L_pad: int, value: float = 0.0) -> torch.Tensor:
@@ -140,23 +149,31 @@ class CompiledScanFn(torch.autograd.Function):
         # (b, ..., L) -> a contiguous (L, b, ...): the compiled loops read contiguous rows
         tm = lambda M: M.permute(-1, *range(M.dim() - 1)).contiguous()  # noqa: E731
         dt_raw = tm(delta) if delta_bias is None else tm(delta) + delta_bias
-        dt = F.softplus(dt_raw) if softplus else dt_raw                        # Δ: (L, b, d)
+        dt = F.softplus(dt_raw) if softplus else dt_raw  # Δ: (L, b, d)
         grp = lambda M: M.reshape(M.shape[0], *state[:3])  # noqa: E731  (k, b, d) -> (k, b, g, c)
         u_t = tm(u)
-        dt_p, u_p = _padded(grp(dt), Lp), _padded(grp(u_t), Lp)               # padded steps: Δ = 0
+        dt_p, u_p = _padded(grp(dt), Lp), _padded(grp(u_t), Lp)  # padded steps: Δ = 0
         B_p, C_p = _padded(tm(B), Lp), _padded(tm(C), Lp)
         keep_p = _padded(u.new_ones(L, batch) if keep is None else keep.t().contiguous(), Lp, 1.0)
         A2 = A.reshape(state[1:]) * LOG2_E
         h, starts, ys = h0.reshape(state), [], []
         for s in range(0, Lp, T):
             starts.append(h)
-            y, h = run(chunk_forward, dt_p[s:s + T], u_p[s:s + T], A2, B_p[s:s + T], C_p[s:s + T], h,
-                        keep_p[s:s + T])
+            y, h = run(
+                chunk_forward,
+                dt_p[s : s + T],
+                u_p[s : s + T],
+                A2,
+                B_p[s : s + T],
+                C_p[s : s + T],
+                h,
+                keep_p[s : s + T],
+            )
             ys.append(y)
-        ys = torch.cat(ys)[:L].reshape(L, batch, dim)                          # C h, before D and z
-        pre = ys if D is None else ys + u_t * D                               # skip connection
+        ys = torch.cat(ys)[:L].reshape(L, batch, dim)  # C h, before D and z
+        pre = ys if D is None else ys + u_t * D  # skip connection
         z_t = None if z is None else tm(z)
-        out = pre if z is None else pre * F.silu(z_t)                         # gate
+        out = pre if z is None else pre * F.silu(z_t)  # gate
         ctx.save_for_backward(u_t, dt_raw, A, D, z_t, pre, dt_p, u_p, B_p, C_p, keep_p, *starts)
         ctx.softplus, ctx.delta_bias = softplus, delta_bias is not None
         return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
@@ -170,7 +187,7 @@ class CompiledScanFn(torch.autograd.Function):
         T, Lp = CHUNK, dt_p.shape[0]
         dout = torch.zeros_like(u_t) if dout is None else dout.permute(2, 0, 1).contiguous()
         dz = None
-        if z_t is not None:                                                   # out = pre * silu(z)
+        if z_t is not None:  # out = pre * silu(z)
             dz = torch.ops.aten.silu_backward(dout * pre, z_t)
             dout = dout * F.silu(z_t)
         dD = None if D is None else (dout * u_t).sum((0, 1))
@@ -181,17 +198,38 @@ class CompiledScanFn(torch.autograd.Function):
         parts = []
         for k in reversed(range(len(starts))):
             sl = slice(k * T, k * T + T)
-            carry, dB, dC, ddt, du, dA_k = run(chunk_backward, dt_p[sl], u_p[sl], A2, B_p[sl], C_p[sl],
-                                               starts[k], keep_p[sl], dy_p[sl], carry)
+            carry, dB, dC, ddt, du, dA_k = run(
+                chunk_backward,
+                dt_p[sl],
+                u_p[sl],
+                A2,
+                B_p[sl],
+                C_p[sl],
+                starts[k],
+                keep_p[sl],
+                dy_p[sl],
+                carry,
+            )
             dA = dA + dA_k
             parts.append((dB, dC, ddt, du))
         dB, dC, ddt, du = (torch.cat(p[::-1])[:L] for p in zip(*parts))
         ddt, du = ddt.reshape(L, batch, dim), du.reshape(L, batch, dim)
         if D is not None:
             du = du + dout * D
-        if ctx.softplus:                                                      # Δ = softplus(δ + bias)
+        if ctx.softplus:  # Δ = softplus(δ + bias)
             ddt = torch.ops.aten.softplus_backward(ddt, dt_raw, 1.0, 20.0)
         dbias = ddt.sum((0, 1)) if ctx.delta_bias else None
         t_last = lambda M: None if M is None else M.permute(*range(1, M.dim()), 0)  # noqa: E731
-        return (t_last(du), t_last(ddt), dA.reshape(dim, dstate), t_last(dB), t_last(dC), dD,
-                t_last(dz), dbias, carry.reshape(batch, dim, dstate), None, None)
+        return (
+            t_last(du),
+            t_last(ddt),
+            dA.reshape(dim, dstate),
+            t_last(dB),
+            t_last(dC),
+            dD,
+            t_last(dz),
+            dbias,
+            carry.reshape(batch, dim, dstate),
+            None,
+            None,
+        )

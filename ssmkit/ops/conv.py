@@ -10,9 +10,9 @@ each channel as the conv state and produces one output per new input.
 Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weight: (dim, width)``,
 ``bias: (dim,)``, ``conv_state: (batch, dim, width)``.
 
-Packed samples (``seq_idx: (batch, seqlen)``, see :mod:`ssmkit.ops.packing`): tap k of output t counts only
-when ``seq_idx[t-W+1+k] == seq_idx[t]``, as causal-conv1d's kernel: each sample sees zeros left of its
-first token, exactly as if it ran alone.
+Packed samples (``seq_idx: (batch, seqlen)``, see :mod:`ssmkit.ops.packing`): tap k of output t
+counts only when ``seq_idx[t-W+1+k] == seq_idx[t]``, as causal-conv1d's kernel: each sample sees
+zeros left of its first token, exactly as if it ran alone.
 """
 
 from __future__ import annotations
@@ -44,20 +44,21 @@ def _check(x, weight, bias, seq_idx=None):
 
 
 def _same_sample(seq_idx, shift):
-    """(batch, seqlen) bool: position t - shift belongs to t's sample (t < shift: False; a zero input)."""
+    """(batch, seqlen) bool: position t - shift belongs to t's sample (t < shift: False; a zero
+    input)."""
     seqlen = seq_idx.shape[1]
     earlier = F.pad(seq_idx, (shift, 0), value=-1)[:, :seqlen] if shift else seq_idx
     return earlier == seq_idx
 
 
 def causal_conv1d_reference(x, weight, bias=None, activation=None, seq_idx=None):
-    """The sum over the W taps written out (the formula in the module docstring); with ``seq_idx`` a tap
-    counts only inside the output's own sample."""
+    """The sum over the W taps written out (the formula in the module docstring); with ``seq_idx`` a
+    tap counts only inside the output's own sample."""
     _check(x, weight, bias, seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
-    xp = F.pad(x.float(), (width - 1, 0))                       # W-1 zeros before t = 0
+    xp = F.pad(x.float(), (width - 1, 0))  # W-1 zeros before t = 0
     y = 0
-    for k in range(width):                                      # tap k reads x_{t-(W-1)+k}
+    for k in range(width):  # tap k reads x_{t-(W-1)+k}
         tap = weight[:, k, None].float() * xp[:, :, k : k + seqlen]
         if seq_idx is not None:
             tap = tap * _same_sample(seq_idx, width - 1 - k)[:, None, :]
@@ -75,18 +76,23 @@ def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
 
     Precision as the ``causal_conv1d`` kernel: weight, bias, the sum over taps and the activation in
     fp32 whatever x's dtype, one rounding to x's dtype at the end; the weight and bias gradients are
-    accumulated in fp32 too (casting the weight to bf16 first made its gradient ~1e4 times less exact)."""
+    accumulated in fp32 too (casting the weight to bf16 first made its gradient ~1e4 times less
+    exact)."""
     _check(x, weight, bias, seq_idx)
     width, seqlen = weight.shape[1], x.shape[2]
     channels_last = x.stride(1) == 1 and x.shape[1] != 1
-    w, b, xf = weight.float(), None if bias is None else bias.float(), x.float()   # no copies in fp32
+    w, b, xf = (
+        weight.float(),
+        None if bias is None else bias.float(),
+        x.float(),
+    )  # no copies in fp32
     if not channels_last and seq_idx is None:
         y = F.conv1d(F.pad(xf, (width - 1, 0)), w.unsqueeze(1), b, groups=x.shape[1])
         return _activate(y, activation).to(x.dtype)
-    rows = F.pad(xf.transpose(1, 2), (0, 0, width - 1, 0))            # (batch, W-1 + seqlen, dim)
+    rows = F.pad(xf.transpose(1, 2), (0, 0, width - 1, 0))  # (batch, W-1 + seqlen, dim)
 
-    def tap(k):                                                       # tap k reads x_{t-(W-1)+k}
-        if seq_idx is None or k == width - 1:                         # (the current input: its own sample)
+    def tap(k):  # tap k reads x_{t-(W-1)+k}
+        if seq_idx is None or k == width - 1:  # (the current input: its own sample)
             return rows[:, k : k + seqlen]
         return rows[:, k : k + seqlen] * _same_sample(seq_idx, width - 1 - k)[:, :, None]
 
@@ -100,8 +106,9 @@ def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
 
 
 def causal_conv1d_cuda(x, weight, bias=None, activation=None, seq_idx=None):
-    """The ``causal_conv1d`` package's kernel. It reads ``seq_idx`` (int32, contiguous) only for channels-last
-    x (``x.stride(1) == 1``, ``x.stride(2) > 1``): other layouts are copied into it first."""
+    """The ``causal_conv1d`` package's kernel. It reads ``seq_idx`` (int32, contiguous) only for
+    channels-last x (``x.stride(1) == 1``, ``x.stride(2) > 1``): other layouts are copied into it
+    first."""
     fn = _backend.kernel_module("causal_conv1d").causal_conv1d_fn
     if seq_idx is None:
         return fn(x, weight, bias, activation=activation)
@@ -110,19 +117,30 @@ def causal_conv1d_cuda(x, weight, bias=None, activation=None, seq_idx=None):
     return fn(x, weight, bias, seq_idx=seq_idx.to(torch.int32).contiguous(), activation=activation)
 
 
-_IMPLS = {"reference": causal_conv1d_reference, "torch": causal_conv1d_torch, "cuda": causal_conv1d_cuda}
+_IMPLS = {
+    "reference": causal_conv1d_reference,
+    "torch": causal_conv1d_torch,
+    "cuda": causal_conv1d_cuda,
+}
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, backend=None, seq_idx=None):
     """Depthwise causal convolution. x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,);
-    seq_idx: (batch, seqlen) integer sample indices of packed rows, or None (see :mod:`ssmkit.ops.packing`).
+    seq_idx: (batch, seqlen) integer sample indices of packed rows, or None (see
+    :mod:`ssmkit.ops.packing`).
 
     Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish".
     """
     name = _backend.select("causal_conv1d", x, backend=backend)
-    if name == "cuda" and seq_idx is not None and x.shape[1] == 1 and (backend or _backend.forced_backend()) \
-            != "cuda":
-        name = "torch"          # one channel cannot be channels-last, the layout the kernel needs for seq_idx
+    if (
+        name == "cuda"
+        and seq_idx is not None
+        and x.shape[1] == 1
+        and (backend or _backend.forced_backend()) != "cuda"
+    ):
+        name = (
+            "torch"  # one channel cannot be channels-last, the layout the kernel needs for seq_idx
+        )
     if seq_idx is None:
         return _IMPLS[name](x, weight, bias, activation)
     return _IMPLS[name](x, weight, bias, activation, seq_idx=seq_idx)
@@ -131,8 +149,11 @@ def causal_conv1d(x, weight, bias=None, activation=None, backend=None, seq_idx=N
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):
     """One generation step. x: (batch, dim); conv_state: (batch, dim, width), updated in place to
     hold the last ``width`` inputs. Returns (batch, dim): the conv output for the new input."""
-    if (conv_state.dim() != 3 or x.shape != conv_state.shape[:2]
-            or weight.shape != (x.shape[1], conv_state.shape[2])):
+    if (
+        conv_state.dim() != 3
+        or x.shape != conv_state.shape[:2]
+        or weight.shape != (x.shape[1], conv_state.shape[2])
+    ):
         raise ValueError(
             f"expected x (batch, dim), conv_state (batch, dim, width), weight (dim, width); got "
             f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"

@@ -1,6 +1,6 @@
-r"""Mamba-3's scan as chunks (the ``torch`` backend), its quadratic form, one-step generation and the
-``cuda`` dispatch to mamba_ssm's kernels. The recurrence itself, the glossary and the shapes are in
-:mod:`ssmkit.ops.mamba3_ref`.
+r"""Mamba-3's scan as chunks (the ``torch`` backend), its quadratic form, one-step generation and
+the ``cuda`` dispatch to mamba_ssm's kernels. The recurrence itself, the glossary and the shapes are
+in :mod:`ssmkit.ops.mamba3_ref`.
 
 Unrolling the recurrence, input s reaches the state at t >= s with weight
 
@@ -8,15 +8,17 @@ $$ h_t = \sum_{s \le t} \Big(\prod_{j=s+1}^{t} \alpha_j\Big)\, w_{ts}\; x_s k_s^
    w_{ts} = \begin{cases} \lambda_t \Delta_t & s = t \\
                           \lambda_s \Delta_s + (1-\lambda_{s+1}) \Delta_{s+1} & s < t \end{cases} $$
 
-(the previous-input term of step s+1 is input s again, one step late). So y = (L ∘ W ∘ q kᵀ) x: Mamba-2's
-masked "attention" form, with a mask L ∘ W whose diagonal differs, on the rotated queries q (from C) and
-keys k (from B) of each head. :func:`mamba3_chunked` evaluates it by chunks of Q steps as the SSD does
-(quadratic inside a chunk, the state passed between chunks); :func:`mamba3_quadratic` is one chunk of the
-whole sequence. MIMO adds a rank axis: the (t, s) block is a rank x rank matrix of q_{t,r}·k_{s,r'} under the
-same weight, computed as a time axis (t r) of ``rank`` times the length, as mamba_ssm's kernels do.
+(the previous-input term of step s+1 is input s again, one step late). So y = (L ∘ W ∘ q kᵀ) x:
+Mamba-2's masked "attention" form, with a mask L ∘ W whose diagonal differs, on the rotated queries
+q (from C) and keys k (from B) of each head. :func:`mamba3_chunked` evaluates it by chunks of Q
+steps as the SSD does (quadratic inside a chunk, the state passed between chunks);
+:func:`mamba3_quadratic` is one chunk of the whole sequence. MIMO adds a rank axis: the (t, s) block
+is a rank x rank matrix of q_{t,r}·k_{s,r'} under the same weight, computed as a time axis (t r) of
+``rank`` times the length, as mamba_ssm's kernels do.
 
-Packed samples (``seq_idx``): every term is masked to one sample as in the SSD, the previous-input weight
-(1-λ_t) Δ_t is 0 at a sample's first step and the angle restarts there; see :mod:`ssmkit.ops.mamba3_ref`.
+Packed samples (``seq_idx``): every term is masked to one sample as in the SSD, the previous-input
+weight (1-λ_t) Δ_t is 0 at a sample's first step and the angle restarts there; see
+:mod:`ssmkit.ops.mamba3_ref`.
 """
 
 from __future__ import annotations
@@ -44,24 +46,27 @@ from .packing import cu_seqlens, resets
 
 LOG2_E = 1.0 / math.log(2.0)
 
-# The torch backend's chunk on CPUs, in positions x rank (the result does not depend on it, only the cost:
-# per token the diagonal blocks cost ~Q·rank·(N + P) multiply-adds, the states passed between chunks
-# ~2·P·N·rank; as for the SSD, 64 is where the per-chunk overhead stops paying). GPUs keep the model's.
+# The torch backend's chunk on CPUs, in positions x rank (the result does not depend on it, only the
+# cost: per token the diagonal blocks cost ~Q·rank·(N + P) multiply-adds, the states passed between
+# chunks ~2·P·N·rank; as for the SSD, 64 is where the per-chunk overhead stops paying). GPUs keep
+# the model's.
 CPU_CHUNK_SIZE = 64
 
 
 def _angles(angles, dt, start, Q, reset=None):
-    """θ at every position, (batch, L, nheads, S), and the last one: increments summed within chunks of Q
-    steps, plus the angle carried from the previous chunks, everything modulo 2π (a sum over the whole
-    sequence would grow to thousands of radians and lose fp32 digits). reset: (batch, L) bool or None, the
-    angle restarts from 0 there (a packed sample's first step)."""
+    """θ at every position, (batch, L, nheads, S), and the last one: increments summed within chunks
+    of Q steps, plus the angle carried from the previous chunks, everything modulo 2π (a sum over
+    the whole sequence would grow to thousands of radians and lose fp32 digits). reset: (batch, L)
+    bool or None, the angle restarts from 0 there (a packed sample's first step)."""
     b, L, h, S = angles.shape
     pad = (-L) % Q
     turn = F.pad(angle_increments(angles, dt), (0, 0, 0, 0, 0, pad))
     local = rearrange(turn, "b (c l) h s -> b c l h s", l=Q).cumsum(dim=2)
     carry = torch.zeros(b, h, S, device=angles.device) if start is None else start.float()
     if reset is not None:
-        return _angles_packed(local, carry, rearrange(F.pad(reset, (0, pad)), "b (c l) -> b c l", l=Q), L)
+        return _angles_packed(
+            local, carry, rearrange(F.pad(reset, (0, pad)), "b (c l) -> b c l", l=Q), L
+        )
     offsets = []
     for total in local[:, :, -1].unbind(1):
         offsets.append(carry)
@@ -71,29 +76,49 @@ def _angles(angles, dt, start, Q, reset=None):
 
 
 def _angles_packed(local, carry, reset, L):
-    """:func:`_angles` with restarts. local: (b, c, Q, h, S) in-chunk prefix sums of the turns; carry: the
-    start angle; reset: (b, c, Q) bool. Within a chunk, a step after a restart turned by local - (local just
-    before the restart); a step before any restart in its chunk adds the angle carried in."""
+    """:func:`_angles` with restarts. local: (b, c, Q, h, S) in-chunk prefix sums of the turns;
+    carry: the start angle; reset: (b, c, Q) bool. Within a chunk, a step after a restart turned by
+    local - (local just before the restart); a step before any restart in its chunk adds the angle
+    carried in."""
     b, c, Q, h, S = local.shape
     steps = torch.arange(Q, device=local.device).expand_as(reset)
-    last = torch.where(reset, steps, -1).cummax(dim=2).values                  # the last restart <= l, or -1
-    before = F.pad(local, (0, 0, 0, 0, 1, 0))                       # before[:, :, j] = local[:, :, j-1]
+    last = torch.where(reset, steps, -1).cummax(dim=2).values  # the last restart <= l, or -1
+    before = F.pad(local, (0, 0, 0, 0, 1, 0))  # before[:, :, j] = local[:, :, j-1]
     base = before.gather(2, last.clamp(min=0)[..., None, None].expand(b, c, Q, h, S))
-    fresh = (last >= 0)[..., None, None]                                      # (b, c, Q, 1, 1)
-    since = local - base                                                      # turned since the restart
+    fresh = (last >= 0)[..., None, None]  # (b, c, Q, 1, 1)
+    since = local - base  # turned since the restart
     offsets = []
-    for since_c, local_c, fresh_c in zip(since[:, :, -1].unbind(1), local[:, :, -1].unbind(1),
-                                         fresh[:, :, -1].unbind(1)):
+    for since_c, local_c, fresh_c in zip(
+        since[:, :, -1].unbind(1), local[:, :, -1].unbind(1), fresh[:, :, -1].unbind(1)
+    ):
         offsets.append(carry)
         carry = torch.remainder(torch.where(fresh_c, since_c, carry + local_c), TWO_PI)
     theta = torch.where(fresh, since, torch.stack(offsets, dim=1)[:, :, None] + local)
     return rearrange(torch.remainder(theta, TWO_PI), "b c l h s -> b (c l) h s")[:, :L], carry
 
 
-def mamba3_chunked(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None, mimo_z=None,
-                   mimo_o=None, chunk_size=64, initial_states=None, return_final_states=False, seq_idx=None):
-    """Mamba-3 by chunks of ``chunk_size`` steps: the weighted quadratic form inside a chunk, the recurrence
-    between chunks (the SSD's algorithm with Mamba-3's weights). Arguments and results as
+def mamba3_chunked(
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D=None,
+    z=None,
+    mimo_x=None,
+    mimo_z=None,
+    mimo_o=None,
+    chunk_size=64,
+    initial_states=None,
+    return_final_states=False,
+    seq_idx=None,
+):
+    """Mamba-3 by chunks of ``chunk_size`` steps: the weighted quadratic form inside a chunk, the
+    recurrence between chunks (the SSD's algorithm with Mamba-3's weights). Arguments and results as
     :func:`~ssmkit.ops.mamba3_ref.mamba3_reference`; differentiable in everything (autograd)."""
     check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
     b, L, h, p = x.shape
@@ -104,70 +129,82 @@ def mamba3_chunked(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None,
     pad = (-L) % Q
     pairwise = mimo_x is None
     dt, lam = dt.float(), torch.sigmoid(trap.float())
-    reset = None if seq_idx is None else resets(seq_idx)                     # (b, L): a sample starts at t
-    theta, last_angle = _angles(angles, dt, None if initial_states is None else initial_states[0], Q, reset)
-    theta = theta[:, :, None]                                            # the same angle for every rank
+    reset = None if seq_idx is None else resets(seq_idx)  # (b, L): a sample starts at t
+    theta, last_angle = _angles(
+        angles, dt, None if initial_states is None else initial_states[0], Q, reset
+    )
+    theta = theta[:, :, None]  # the same angle for every rank
     cos_sin = (theta.cos(), theta.sin())
-    k = rotate(heads(B, h, B_bias), theta, pairwise, cos_sin)            # (b, L, r, h, n), rotated
+    k = rotate(heads(B, h, B_bias), theta, pairwise, cos_sin)  # (b, L, r, h, n), rotated
     q = rotate(heads(C, h, C_bias), theta, pairwise, cos_sin)
-    v = project(x, mimo_x)                                               # (b, L, r, h, p)
+    v = project(x, mimo_x)  # (b, L, r, h, p)
 
-    gamma = lam * dt                                                     # λ_t Δ_t: input t at step t
-    prev = (1 - lam) * dt                                                # (1-λ_t) Δ_t: input t-1 at step t
+    gamma = lam * dt  # λ_t Δ_t: input t at step t
+    prev = (1 - lam) * dt  # (1-λ_t) Δ_t: input t-1 at step t
     if reset is not None:
-        prev = prev.masked_fill(reset[..., None], 0.0)                  # a sample's first step: no x_{t-1}
-    scale = gamma + F.pad(prev[:, 1:], (0, 0, 0, 1))                     # w_{ts}, s < t (0 after the end)
+        prev = prev.masked_fill(reset[..., None], 0.0)  # a sample's first step: no x_{t-1}
+    scale = gamma + F.pad(prev[:, 1:], (0, 0, 0, 1))  # w_{ts}, s < t (0 after the end)
     if initial_states is None:
         h0 = x.new_zeros(b, h, p, B.shape[4], dtype=torch.float32)
-    else:   # the previous call's last input enters at our first step, decayed with it
+    else:  # the previous call's last input enters at our first step, decayed with it
         _, ssm0, k0, v0 = initial_states
         h0 = ssm0.float() + prev[:, 0, :, None, None] * torch.einsum(
-            "brhp,brhn->bhpn", project(v0, mimo_x), k0.float())
-        if reset is not None:                                            # the initial state is sample 0's
+            "brhp,brhn->bhpn", project(v0, mimo_x), k0.float()
+        )
+        if reset is not None:  # the initial state is sample 0's
             h0 = h0 * (~reset[:, 0]).float()[:, None, None, None]
 
-    def chunks(t):   # (b, L, r, h, d) -> (b, h, c, Q·r, d): position-major, rank-minor
-        return rearrange(F.pad(t, (0, 0, 0, 0, 0, 0, 0, pad)), "b (c l) r h d -> b h c (l r) d", l=Q)
+    def chunks(t):  # (b, L, r, h, d) -> (b, h, c, Q·r, d): position-major, rank-minor
+        return rearrange(
+            F.pad(t, (0, 0, 0, 0, 0, 0, 0, pad)), "b (c l) r h d -> b h c (l r) d", l=Q
+        )
 
     def per_step(t):  # (b, L, h) -> (b, h, c, Q); padded steps have Δ = 0: no input, no decay
         return rearrange(F.pad(t, (0, 0, 0, pad)), "b (c l) h -> b h c l", l=Q)
 
     qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    cum = per_step(A.float() * dt).cumsum(dim=-1)                        # Σ log α within the chunk
+    cum = per_step(A.float() * dt).cumsum(dim=-1)  # Σ log α within the chunk
     sc, gm = per_step(scale), per_step(gamma)
-    ranks = lambda t: t.repeat_interleave(r, dim=-1) if r > 1 else t     # noqa: E731 (per step -> per (l r))
-    if reset is not None:   # segc (b, 1, c, Q): each step's sample (padded: the last's); enter: the entering
+    ranks = lambda t: t.repeat_interleave(r, dim=-1) if r > 1 else t  # noqa: E731 (per step -> per (l r))
+    if (
+        reset is not None
+    ):  # segc (b, 1, c, Q): each step's sample (padded: the last's); enter: the entering
         seg = reset.long().cumsum(dim=1)
-        segc = rearrange(torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1), "b (c l) -> b 1 c l", l=Q)
-        enter = F.pad(segc[..., :-1, -1], (1, 0), value=0)                # (b, 1, c); chunk 0: sample 0
+        segc = rearrange(
+            torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1), "b (c l) -> b 1 c l", l=Q
+        )
+        enter = F.pad(segc[..., :-1, -1], (1, 0), value=0)  # (b, 1, c); chunk 0: sample 0
 
-    # 1. inside each chunk: y = (L ∘ W ∘ q kᵀ) x, L_ts = exp(cum_t - cum_s) (as exp2, cheaper on CPUs)
+    # 1. inside each chunk: y = (L ∘ W ∘ q kᵀ) x, L_ts = exp(cum_t - cum_s) (as exp2, cheaper on
+    #    CPUs)
     strict = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=x.device), diagonal=-1)
-    if reset is not None:                                                # (s, t) of one sample only
+    if reset is not None:  # (s, t) of one sample only
         strict = strict & (segc[..., :, None] == segc[..., None, :])
     cum2 = cum * LOG2_E
     decay = torch.exp2((cum2[..., :, None] - cum2[..., None, :]).masked_fill(~strict, -math.inf))
-    W = decay * sc[..., None, :] + torch.diag_embed(gm)                   # (b, h, c, Q, Q)
+    W = decay * sc[..., None, :] + torch.diag_embed(gm)  # (b, h, c, Q, Q)
     if r > 1:
         W = W.repeat_interleave(r, dim=-2).repeat_interleave(r, dim=-1)
-    y = ((qc @ kc.transpose(-1, -2)) * W) @ vc                           # (b, h, c, Q·r, p)
+    y = ((qc @ kc.transpose(-1, -2)) * W) @ vc  # (b, h, c, Q·r, p)
 
     # 2. each chunk's own final state, as if it started from zero
     to_end = torch.exp(cum[..., -1:] - cum) * sc
-    if reset is not None:                                                # the chunk's last sample only
+    if reset is not None:  # the chunk's last sample only
         to_end = to_end * (segc == segc[..., -1:])
-    states = vc.transpose(-1, -2) @ (kc * ranks(to_end)[..., None])      # (b, h, c, p, n)
+    states = vc.transpose(-1, -2) @ (kc * ranks(to_end)[..., None])  # (b, h, c, p, n)
 
     # 3. the state entering each chunk: h_c = exp(Σ log α over chunk c-1) h_{c-1} + states_{c-1}
     chunk_decay, decay_in = torch.exp(cum[..., -1]), torch.exp(cum)
-    if reset is not None:   # a sample starting inside a chunk cuts the chain; the entering state: its sample
+    if (
+        reset is not None
+    ):  # a sample starting inside a chunk cuts the chain; the entering state: its sample
         chunk_decay = chunk_decay * (segc[..., -1] == enter)
         decay_in = decay_in * (segc == enter[..., None])
     hc, entering = h0, []
     for decay_c, state in zip(chunk_decay.unbind(2), states.unbind(2)):
         entering.append(hc)
         hc = decay_c[..., None, None] * hc + state
-    entering = torch.stack(entering, dim=2)                              # (b, h, c, p, n)
+    entering = torch.stack(entering, dim=2)  # (b, h, c, p, n)
 
     # 4. that state, decayed to each position, read by q
     y = y + (qc * ranks(decay_in)[..., None]) @ entering.transpose(-1, -2)
@@ -179,10 +216,11 @@ def mamba3_chunked(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None,
 
 
 def mamba3_quadratic(x, dt, A, trap, B, C, angles, B_bias, C_bias, chunk_size=None, **kwargs):
-    """y = (L ∘ W ∘ q kᵀ) x over the whole sequence at once: one chunk, O(seqlen²) memory, the "attention"
-    view. ``chunk_size`` is ignored; other arguments as :func:`mamba3_chunked`."""
-    return mamba3_chunked(x, dt, A, trap, B, C, angles, B_bias, C_bias, chunk_size=max(1, x.shape[1]),
-                          **kwargs)
+    """y = (L ∘ W ∘ q kᵀ) x over the whole sequence at once: one chunk, O(seqlen²) memory, the
+    "attention" view. ``chunk_size`` is ignored; other arguments as :func:`mamba3_chunked`."""
+    return mamba3_chunked(
+        x, dt, A, trap, B, C, angles, B_bias, C_bias, chunk_size=max(1, x.shape[1]), **kwargs
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,57 +233,166 @@ def _heads_first(t):
     return t.transpose(1, 2).contiguous()
 
 
-def mamba3_cuda(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None, mimo_z=None,
-                mimo_o=None, chunk_size=64, initial_states=None, return_final_states=False, seq_idx=None):
-    """mamba_ssm's ``mamba3_siso_combined`` (rank 1) or ``mamba3_mimo`` (which takes no initial states).
+def mamba3_cuda(
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D=None,
+    z=None,
+    mimo_x=None,
+    mimo_z=None,
+    mimo_o=None,
+    chunk_size=64,
+    initial_states=None,
+    return_final_states=False,
+    seq_idx=None,
+):
+    """mamba_ssm's ``mamba3_siso_combined`` (rank 1) or ``mamba3_mimo`` (which takes no initial
+    states).
 
-    The kernels take packed samples in their varlen form only: batch 1 and ``cu_seqlens``, each sequence run
-    from a zero state (angle, memory and previous input). So with ``seq_idx`` the rows are flattened into one
-    sequence of batch·seqlen steps cut at every row start and sample start
-    (:func:`ssmkit.ops.packing.cu_seqlens`, which reads seq_idx: a GPU sync). States are per sample in that
-    form: no initial or final states then (:func:`mamba3_scan` takes the torch path for those)."""
+    The kernels take packed samples in their varlen form only: batch 1 and ``cu_seqlens``, each
+    sequence run from a zero state (angle, memory and previous input). So with ``seq_idx`` the rows
+    are flattened into one sequence of batch·seqlen steps cut at every row start and sample start
+    (:func:`ssmkit.ops.packing.cu_seqlens`, which reads seq_idx: a GPU sync). States are per sample
+    in that form: no initial or final states then (:func:`mamba3_scan` takes the torch path for
+    those)."""
     if seq_idx is None:
-        return _kernels(x, dt, A, trap, B, C, angles, B_bias, C_bias, D, z, mimo_x, mimo_z, mimo_o,
-                        chunk_size, initial_states, return_final_states)
+        return _kernels(
+            x,
+            dt,
+            A,
+            trap,
+            B,
+            C,
+            angles,
+            B_bias,
+            C_bias,
+            D,
+            z,
+            mimo_x,
+            mimo_z,
+            mimo_o,
+            chunk_size,
+            initial_states,
+            return_final_states,
+        )
     if initial_states is not None or return_final_states:
-        raise _backend.BackendError("mamba_ssm's Mamba-3 kernels take packed samples (seq_idx) only in their "
-                                    "varlen form, whose states are per sample: no initial_states or "
-                                    "return_final_states with seq_idx; use backend='torch' for those")
+        raise _backend.BackendError(
+            "mamba_ssm's Mamba-3 kernels take packed samples (seq_idx) only in their "
+            "varlen form, whose states are per sample: no initial_states or "
+            "return_final_states with seq_idx; use backend='torch' for those"
+        )
     b, L = x.shape[:2]
-    flat = lambda t: None if t is None else t.reshape(1, b * L, *t.shape[2:])     # noqa: E731
-    y = _kernels(flat(x), flat(dt), flat(A), flat(trap), flat(B), flat(C), flat(angles), B_bias, C_bias, D,
-                 flat(z), mimo_x, mimo_z, mimo_o, chunk_size, None, False, cu_seqlens(seq_idx))
+    flat = lambda t: None if t is None else t.reshape(1, b * L, *t.shape[2:])  # noqa: E731
+    y = _kernels(
+        flat(x),
+        flat(dt),
+        flat(A),
+        flat(trap),
+        flat(B),
+        flat(C),
+        flat(angles),
+        B_bias,
+        C_bias,
+        D,
+        flat(z),
+        mimo_x,
+        mimo_z,
+        mimo_o,
+        chunk_size,
+        None,
+        False,
+        cu_seqlens(seq_idx),
+    )
     return y.reshape(b, L, *y.shape[2:])
 
 
-def _kernels(x, dt, A, trap, B, C, angles, B_bias, C_bias, D, z, mimo_x, mimo_z, mimo_o, chunk_size,
-             initial_states, return_final_states, cu=None):
+def _kernels(
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D,
+    z,
+    mimo_x,
+    mimo_z,
+    mimo_o,
+    chunk_size,
+    initial_states,
+    return_final_states,
+    cu=None,
+):
     """The kernel calls of :func:`mamba3_cuda`; ``cu``: the varlen cu_seqlens (batch 1) or None."""
     dt = dt.float()
-    common = dict(ADT=_heads_first(A.float() * dt), DT=_heads_first(dt), Trap=_heads_first(trap),
-                  Angles=angles.float(), D=D, Z=z, chunk_size=chunk_size)      # MIMO reads fp32 angles
+    common = dict(
+        ADT=_heads_first(A.float() * dt),
+        DT=_heads_first(dt),
+        Trap=_heads_first(trap),
+        Angles=angles.float(),
+        D=D,
+        Z=z,
+        chunk_size=chunk_size,
+    )  # MIMO reads fp32 angles
     if cu is not None:
         common["cu_seqlens"] = cu
     if mimo_x is None:
         fn = _backend.kernel_module("mamba3_siso").mamba3_siso_combined
-        start = None if initial_states is None else (initial_states[0], initial_states[1],
-                                                     initial_states[2][:, 0], initial_states[3])
-        out = fn(Q=C[:, :, 0], K=B[:, :, 0], V=x, Q_bias=C_bias[:, 0], K_bias=B_bias[:, 0],
-                 Input_States=start, return_final_states=return_final_states, **common)
+        start = (
+            None
+            if initial_states is None
+            else (initial_states[0], initial_states[1], initial_states[2][:, 0], initial_states[3])
+        )
+        out = fn(
+            Q=C[:, :, 0],
+            K=B[:, :, 0],
+            V=x,
+            Q_bias=C_bias[:, 0],
+            K_bias=B_bias[:, 0],
+            Input_States=start,
+            return_final_states=return_final_states,
+            **common,
+        )
         if not return_final_states:
             return out
         y, angle, ssm, k, v = out
         return y, Mamba3States(angle, ssm, k[:, None], v)
     if initial_states is not None:
-        raise _backend.BackendError("mamba_ssm's Mamba-3 MIMO kernel takes no initial states; continue a "
-                                    "sequence with backend='torch' (or one step at a time)")
+        raise _backend.BackendError(
+            "mamba_ssm's Mamba-3 MIMO kernel takes no initial states; continue a "
+            "sequence with backend='torch' (or one step at a time)"
+        )
     n, S = B.shape[4], angles.shape[3]
     if n % S or n // S not in (2, 4):
-        raise _backend.BackendError(f"mamba_ssm's MIMO kernel rotates dstate/2 or dstate/4 pairs; "
-                                    f"got {S} angles for dstate {n}")
+        raise _backend.BackendError(
+            f"mamba_ssm's MIMO kernel rotates dstate/2 or dstate/4 pairs; "
+            f"got {S} angles for dstate {n}"
+        )
     fn = _backend.kernel_module("mamba3_mimo").mamba3_mimo
-    out = fn(Q=C, K=B, V=x, Q_bias=C_bias, K_bias=B_bias, MIMO_V=mimo_x, MIMO_Z=mimo_z, MIMO_Out=mimo_o,
-             rotary_dim_divisor=n // S, dtype=x.dtype, return_state=return_final_states, **common)
+    out = fn(
+        Q=C,
+        K=B,
+        V=x,
+        Q_bias=C_bias,
+        K_bias=B_bias,
+        MIMO_V=mimo_x,
+        MIMO_Z=mimo_z,
+        MIMO_Out=mimo_o,
+        rotary_dim_divisor=n // S,
+        dtype=x.dtype,
+        return_state=return_final_states,
+        **common,
+    )
     if not return_final_states:
         return out
     y, angle, ssm, k, v = out
@@ -255,41 +402,83 @@ def _kernels(x, dt, A, trap, B, C, angles, B_bias, C_bias, D, z, mimo_x, mimo_z,
 _IMPLS = {"reference": mamba3_reference, "torch": mamba3_chunked, "cuda": mamba3_cuda}
 
 
-def mamba3_scan(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None, mimo_z=None,
-                mimo_o=None, chunk_size=64, initial_states=None, return_final_states=False, backend=None,
-                seq_idx=None):
-    """The Mamba-3 scan, dispatched to a backend (op "mamba3_siso" for rank 1, "mamba3_mimo" with mimo_x).
+def mamba3_scan(
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D=None,
+    z=None,
+    mimo_x=None,
+    mimo_z=None,
+    mimo_o=None,
+    chunk_size=64,
+    initial_states=None,
+    return_final_states=False,
+    backend=None,
+    seq_idx=None,
+):
+    """The Mamba-3 scan, dispatched to a backend (op "mamba3_siso" for rank 1, "mamba3_mimo" with
+    mimo_x).
 
-    Args (see :mod:`ssmkit.ops.mamba3_ref`): x (batch, seqlen, nheads, headdim); dt, A, trap (batch, seqlen,
-    nheads): Δ > 0, A < 0, λ before its sigmoid; B, C (batch, seqlen, rank, ngroups, dstate); angles (batch,
-    seqlen, nheads, nangles); B_bias, C_bias (nheads, rank, dstate); D (nheads,) or None; z like x or None;
-    mimo_x, mimo_z, mimo_o (nheads, rank, headdim) for MIMO; initial_states: (angle, ssm, k, v) or None;
-    seq_idx: (batch, seqlen) integer sample index of every position of packed rows, non-decreasing along
-    each row, or None: every sample starts from a zero state (:mod:`ssmkit.ops.packing`).
-    Returns y like x in x's dtype ((batch, seqlen, rank, nheads, headdim) for MIMO without mimo_o) and, with
-    ``return_final_states``, the :class:`Mamba3States` after the last step (fp32 from the torch paths).
+    Args (see :mod:`ssmkit.ops.mamba3_ref`): x (batch, seqlen, nheads, headdim); dt, A, trap (batch,
+    seqlen, nheads): Δ > 0, A < 0, λ before its sigmoid; B, C (batch, seqlen, rank, ngroups,
+    dstate); angles (batch, seqlen, nheads, nangles); B_bias, C_bias (nheads, rank, dstate); D
+    (nheads,) or None; z like x or None; mimo_x, mimo_z, mimo_o (nheads, rank, headdim) for MIMO;
+    initial_states: (angle, ssm, k, v) or None; seq_idx: (batch, seqlen) integer sample index of
+    every position of packed rows, non-decreasing along each row, or None: every sample starts from
+    a zero state (:mod:`ssmkit.ops.packing`).
+    Returns y like x in x's dtype ((batch, seqlen, rank, nheads, headdim) for MIMO without mimo_o)
+    and, with ``return_final_states``, the :class:`Mamba3States` after the last step (fp32 from the
+    torch paths).
 
     ``chunk_size`` is the kernels' block length; the torch backend on a CPU uses chunks of at most
     :data:`CPU_CHUNK_SIZE` positions x rank (the same sums, fewer operations).
 
-    With ``seq_idx`` the ``cuda`` backend runs the kernels' varlen form (see :func:`mamba3_cuda`); combined
-    with initial_states or return_final_states an automatic choice takes the torch path, a forced cuda
-    backend raises :class:`~ssmkit.ops.BackendError`.
+    With ``seq_idx`` the ``cuda`` backend runs the kernels' varlen form (see :func:`mamba3_cuda`);
+    combined with initial_states or return_final_states an automatic choice takes the torch path, a
+    forced cuda backend raises :class:`~ssmkit.ops.BackendError`.
     """
     mimo = mimo_x is not None
     name = _backend.select("mamba3_mimo" if mimo else "mamba3_siso", x, backend=backend)
     forced = backend or _backend.forced_backend()
     if name == "cuda" and mimo and initial_states is not None and forced is None:
-        name = "torch"                  # the MIMO kernel cannot continue a sequence: no error unless forced
-    if name == "cuda" and seq_idx is not None and (initial_states is not None or return_final_states) \
-            and forced is None:
-        name = "torch"                  # the varlen kernels keep states per sample: no error unless forced
+        name = "torch"  # the MIMO kernel cannot continue a sequence: no error unless forced
+    if (
+        name == "cuda"
+        and seq_idx is not None
+        and (initial_states is not None or return_final_states)
+        and forced is None
+    ):
+        name = "torch"  # the varlen kernels keep states per sample: no error unless forced
     if name == "torch" and x.device.type == "cpu":
         chunk_size = max(1, min(int(chunk_size), CPU_CHUNK_SIZE // B.shape[2]))
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
-    return _IMPLS[name](x, dt, A, trap, B, C, angles, B_bias, C_bias, D=D, z=z, mimo_x=mimo_x, mimo_z=mimo_z,
-                        mimo_o=mimo_o, chunk_size=chunk_size, initial_states=initial_states,
-                        return_final_states=return_final_states, **extra)
+    return _IMPLS[name](
+        x,
+        dt,
+        A,
+        trap,
+        B,
+        C,
+        angles,
+        B_bias,
+        C_bias,
+        D=D,
+        z=z,
+        mimo_x=mimo_x,
+        mimo_z=mimo_z,
+        mimo_o=mimo_o,
+        chunk_size=chunk_size,
+        initial_states=initial_states,
+        return_final_states=return_final_states,
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,15 +486,32 @@ def mamba3_scan(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mi
 # --------------------------------------------------------------------------------------------
 
 
-def mamba3_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None,
-                mimo_z=None, mimo_o=None, backend=None):
-    """One step of the recurrence for generation, O(1) in the length so far; ``states`` (angle, ssm, k, v),
-    shaped as :class:`Mamba3States`, are updated in place.
+def mamba3_step(
+    states,
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D=None,
+    z=None,
+    mimo_x=None,
+    mimo_z=None,
+    mimo_o=None,
+    backend=None,
+):
+    """One step of the recurrence for generation, O(1) in the length so far; ``states`` (angle, ssm,
+    k, v), shaped as :class:`Mamba3States`, are updated in place.
 
-    Shapes as :func:`mamba3_scan` without the time axis: x, z (batch, nheads, headdim); dt, A, trap (batch,
-    nheads); B, C (batch, rank, ngroups, dstate); angles (batch, nheads, nangles). Returns y (batch, nheads,
-    headdim) in x's dtype ((batch, rank, nheads, headdim) for MIMO without mimo_o). The ``cuda`` backend runs
-    mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its ``Mamba3.step`` does."""
+    Shapes as :func:`mamba3_scan` without the time axis: x, z (batch, nheads, headdim); dt, A, trap
+    (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch, nheads, nangles). Returns y
+    (batch, nheads, headdim) in x's dtype ((batch, rank, nheads, headdim) for MIMO without mimo_o).
+    The ``cuda`` backend runs mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its
+    ``Mamba3.step`` does."""
     angle, ssm, k_state, v_state = states
     h = x.shape[1]
     pairwise = mimo_x is None
@@ -320,19 +526,49 @@ def mamba3_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=
         r, p = B.shape[1], x.shape[2]
         ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
         xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
-        outproj = ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+        outproj = (
+            ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+        )
         zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
-        out = torch.empty((x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
-                          device=x.device, dtype=x.dtype)
+        out = torch.empty(
+            (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
+            device=x.device,
+            dtype=x.dtype,
+        )
         fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
-        fn(ssm, k_state, v_state, A, k, q, torch.zeros(h, device=x.device) if D is None else D, x, dt, lam,
-           xproj, outproj=outproj, out=out, z=z, zproj=zproj)
+        fn(
+            ssm,
+            k_state,
+            v_state,
+            A,
+            k,
+            q,
+            torch.zeros(h, device=x.device) if D is None else D,
+            x,
+            dt,
+            lam,
+            xproj,
+            outproj=outproj,
+            out=out,
+            z=z,
+            zproj=zproj,
+        )
         angle.copy_(new_angle)
         k_state.copy_(k)
         v_state.copy_(x)
         return out
-    y, xr, new = step(Mamba3States(angle.float(), ssm.float(), k_state.float(), v_state.float()), x, dt, A,
-                      lam, Bh, Ch, turn, mimo_x, pairwise)
+    y, xr, new = step(
+        Mamba3States(angle.float(), ssm.float(), k_state.float(), v_state.float()),
+        x,
+        dt,
+        A,
+        lam,
+        Bh,
+        Ch,
+        turn,
+        mimo_x,
+        pairwise,
+    )
     for old, value in zip(states, new):
         old.copy_(value)
     return finish(y, xr, D, z, mimo_z, mimo_o, siso=pairwise).to(x.dtype)

@@ -1,14 +1,17 @@
-r"""Mamba-3, "Improved Sequence Modeling using State Space Principles" (Lahoti, Li, Chen, Wang, Bick, Kolter,
-Dao & Gu, 2026; arXiv 2603.15569): the recurrence, one step at a time, written to be read.
+r"""Mamba-3, "Improved Sequence Modeling using State Space Principles" (Lahoti, Li, Chen, Wang,
+Bick, Kolter, Dao & Gu, 2026; arXiv 2603.15569): the recurrence, one step at a time, written to be
+read.
 
 Glossary (code name -> paper symbol; mamba_ssm's kernel names in brackets):
 
     x       x_t    input, (batch, seqlen, nheads, headdim): P = headdim channels per head          [V]
-    dt      Δ_t    step size per head and time, already positive (the mixer applies the softplus)  [DT]
+    dt      Δ_t    step size per head and time, already positive (the mixer
+                   applies the softplus) [DT]
     A       A_t    data-dependent decay per head and time, A_t <= -A_floor < 0 (Mamba-2's A was one
                    number per head; Mamba-3's is computed from the input, like Δ)            [ADT = A·Δ]
     trap    λ_t    the trapezoid's weight, given before the sigmoid: λ = sigmoid(trap)            [Trap]
-    B, C    B, C   (batch, seqlen, rank, ngroups, dstate): head h reads group h // (nheads/ngroups) [K, Q]
+    B, C    B, C   (batch, seqlen, rank, ngroups, dstate): head h reads group h
+                   // (nheads/ngroups) [K, Q]
     B_bias  b_B    (nheads, rank, dstate), added per head before the rotation (init 1)             [K_bias]
     angles  θ̇_t    (batch, seqlen, nheads, nangles): rotation speeds; the angle advances by
                    π·tanh(angles)·Δ per step and is kept modulo 2π                                 [Angles]
@@ -21,22 +24,25 @@ The state update (exponential-trapezoidal rule): with α_t = exp(Δ_t A_t),
 $$ h_t = \alpha_t h_{t-1} + (1-\lambda_t)\,\Delta_t\,\alpha_t\, x_{t-1} k_{t-1}^\top
         + \lambda_t\,\Delta_t\, x_t k_t^\top, \qquad y_t = h_t\, q_t + D\, x_t $$
 
-with k_t = R(θ_t)(B_t + b_B), q_t = R(θ_t)(C_t + b_C): the "complex-valued" state is real pairs of state
-dimensions rotated by the angle θ_t = θ_{t-1} + π tanh(θ̇_t) Δ_t (a data-dependent rotary embedding). λ = 1
-is Mamba-2's exponential-Euler step; λ = 1/2 the trapezoid rule. SISO (rank 1) rotates adjacent pairs
-(2i, 2i+1); MIMO pairs i with i + N/2 (mamba_ssm's TileLang kernel): a checkpoint only loads right with
-its own pairing. MIMO replaces the outer products by sums over ``rank`` of them (x_{t,r} = x_t ⊙ mimo_x[r])
-and reads ``rank`` outputs, gated by silu(z ⊙ mimo_z[r]) and summed with weights mimo_o[r].
+with k_t = R(θ_t)(B_t + b_B), q_t = R(θ_t)(C_t + b_C): the "complex-valued" state is real pairs of
+state dimensions rotated by the angle θ_t = θ_{t-1} + π tanh(θ̇_t) Δ_t (a data-dependent rotary
+embedding). λ = 1 is Mamba-2's exponential-Euler step; λ = 1/2 the trapezoid rule. SISO (rank 1)
+rotates adjacent pairs (2i, 2i+1); MIMO pairs i with i + N/2 (mamba_ssm's TileLang kernel): a
+checkpoint only loads right with its own pairing. MIMO replaces the outer products by sums over
+``rank`` of them (x_{t,r} = x_t ⊙ mimo_x[r]) and reads ``rank`` outputs, gated by silu(z ⊙
+mimo_z[r]) and summed with weights mimo_o[r].
 
-The state to continue a sequence is the 4-tuple (angle, ssm, k, v): θ (batch, nheads, nangles), h, the last
-rotated k (batch, rank, nheads, dstate) and the last input x (batch, nheads, headdim): the trapezoid needs
-the previous input. Shapes follow mamba_ssm's ``mamba3_siso_combined`` / ``mamba3_mimo`` but for the time
-axis, which comes second everywhere here (dt, A, trap: (batch, seqlen, nheads), as in ``ssd_scan``).
+The state to continue a sequence is the 4-tuple (angle, ssm, k, v): θ (batch, nheads, nangles), h,
+the last rotated k (batch, rank, nheads, dstate) and the last input x (batch, nheads, headdim): the
+trapezoid needs the previous input. Shapes follow mamba_ssm's ``mamba3_siso_combined`` /
+``mamba3_mimo`` but for the time axis, which comes second everywhere here (dt, A, trap: (batch,
+seqlen, nheads), as in ``ssd_scan``).
 
-Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): where a new sample starts, the whole
-state (angle, ssm, k, v) is zeroed before the step, so the sample's first step sees no memory, no previous
-input for the trapezoid and an angle starting from 0, as if it ran alone (mamba_ssm's kernels do the same
-for each sequence of their varlen ``cu_seqlens`` form). ``initial_states`` reach sample 0 only.
+Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): where a new sample starts,
+the whole state (angle, ssm, k, v) is zeroed before the step, so the sample's first step sees no
+memory, no previous input for the trapezoid and an angle starting from 0, as if it ran alone
+(mamba_ssm's kernels do the same for each sequence of their varlen ``cu_seqlens`` form).
+``initial_states`` reach sample 0 only.
 """
 
 from __future__ import annotations
@@ -54,23 +60,24 @@ A_ACTIVATIONS = ("heavy_tail", "softplus")
 
 
 class Mamba3States(NamedTuple):
-    angle: torch.Tensor      # θ, (batch, nheads, nangles), fp32, in [0, 2π)
-    ssm: torch.Tensor        # h, (batch, nheads, headdim, dstate), fp32
-    k: torch.Tensor          # the last rotated k, (batch, rank, nheads, dstate)
-    v: torch.Tensor          # the last input x, (batch, nheads, headdim)
+    angle: torch.Tensor  # θ, (batch, nheads, nangles), fp32, in [0, 2π)
+    ssm: torch.Tensor  # h, (batch, nheads, headdim, dstate), fp32
+    k: torch.Tensor  # the last rotated k, (batch, rank, nheads, dstate)
+    v: torch.Tensor  # the last input x, (batch, nheads, headdim)
 
 
 def heavy_tail(a: torch.Tensor) -> torch.Tensor:
-    """f(a) = 1 + a for a >= 0, 1 / (1 - a) below: positive, continuous with its first derivative at 0, and
-    only slowly small for a -> -inf (softplus decays exponentially there). mamba_ssm since commit c69aaab.
-    (Its ``clamp_min(0) + 1 / (1 - clamp_max(0))`` has the same values, but autograd gives it the slope 2 at
-    exactly a = 0, both clamps passing the gradient; here the slope is f's, 1.)"""
+    """f(a) = 1 + a for a >= 0, 1 / (1 - a) below: positive, continuous with its first derivative at
+    0, and only slowly small for a -> -inf (softplus decays exponentially there). mamba_ssm since
+    commit c69aaab. (Its ``clamp_min(0) + 1 / (1 - clamp_max(0))`` has the same values, but autograd
+    gives it the slope 2 at exactly a = 0, both clamps passing the gradient; here the slope is f's,
+    1.)"""
     return torch.where(a >= 0, 1 + a.clamp(min=0), 1 / (1 - a.clamp(max=0)))
 
 
 def a_activation(a: torch.Tensor, kind: str = "heavy_tail") -> torch.Tensor:
-    """The positive magnitude of A_t = -f(a_t): ``"heavy_tail"`` (mamba_ssm since June 2026) or ``"softplus"``
-    (before it). The same weights give different models under the two."""
+    """The positive magnitude of A_t = -f(a_t): ``"heavy_tail"`` (mamba_ssm since June 2026) or
+    ``"softplus"`` (before it). The same weights give different models under the two."""
     if kind == "heavy_tail":
         return heavy_tail(a)
     if kind == "softplus":
@@ -79,49 +86,54 @@ def a_activation(a: torch.Tensor, kind: str = "heavy_tail") -> torch.Tensor:
 
 
 def rope_angles(d_state: int, rope_fraction: float) -> int:
-    """How many angles (rotated pairs) a state of ``d_state`` has: mamba_ssm's ``num_rope_angles``, the
-    largest even count of dimensions within ``rope_fraction`` of the state, halved."""
+    """How many angles (rotated pairs) a state of ``d_state`` has: mamba_ssm's ``num_rope_angles``,
+    the largest even count of dimensions within ``rope_fraction`` of the state, halved."""
     size = int(d_state * rope_fraction)
     return (size - size % 2) // 2
 
 
 def rotate(v: torch.Tensor, theta: torch.Tensor, pairwise: bool, cos_sin=None) -> torch.Tensor:
-    """v (..., n) with S = theta.shape[-1] pairs of its dimensions rotated by theta (..., S), S <= n/2:
-    ``pairwise`` pairs (2i, 2i+1), else (i, i + n/2); the other dimensions pass unchanged. ``cos_sin``:
-    (cos θ, sin θ) when already computed (q and k turn by the same angles)."""
+    """v (..., n) with S = theta.shape[-1] pairs of its dimensions rotated by theta (..., S), S <=
+    n/2: ``pairwise`` pairs (2i, 2i+1), else (i, i + n/2); the other dimensions pass unchanged.
+    ``cos_sin``: (cos θ, sin θ) when already computed (q and k turn by the same angles)."""
     S, n = theta.shape[-1], v.shape[-1]
     cos, sin = (theta.cos(), theta.sin()) if cos_sin is None else cos_sin
     if pairwise:
-        a, b = v[..., :2 * S].unflatten(-1, (S, 2)).unbind(-1)
+        a, b = v[..., : 2 * S].unflatten(-1, (S, 2)).unbind(-1)
         turned = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        return torch.cat((turned, v[..., 2 * S:]), dim=-1)
+        return torch.cat((turned, v[..., 2 * S :]), dim=-1)
     half = n // 2
-    a, b = v[..., :S], v[..., half:half + S]
-    return torch.cat((a * cos - b * sin, v[..., S:half], a * sin + b * cos, v[..., half + S:]), dim=-1)
+    a, b = v[..., :S], v[..., half : half + S]
+    return torch.cat(
+        (a * cos - b * sin, v[..., S:half], a * sin + b * cos, v[..., half + S :]), dim=-1
+    )
 
 
 def angle_increments(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """π tanh(θ̇_t) Δ_t: how far each angle turns at step t. angles (..., nheads, S), dt (..., nheads)."""
+    """π tanh(θ̇_t) Δ_t: how far each angle turns at step t. angles (..., nheads, S), dt (...,
+    nheads)."""
     return torch.tanh(angles.float()) * math.pi * dt.float()[..., None]
 
 
 def heads(M: torch.Tensor, nheads: int, bias: torch.Tensor) -> torch.Tensor:
-    """(..., rank, ngroups, dstate) -> (..., rank, nheads, dstate) in fp32: each head reads its group's
-    vector, plus its own bias (nheads, rank, dstate)."""
+    """(..., rank, ngroups, dstate) -> (..., rank, nheads, dstate) in fp32: each head reads its
+    group's vector, plus its own bias (nheads, rank, dstate)."""
     M = M.float().repeat_interleave(nheads // M.shape[-2], dim=-2)
     return M + bias.float().transpose(0, 1)
 
 
 def project(x: torch.Tensor, mimo_x: torch.Tensor | None) -> torch.Tensor:
-    """x (..., nheads, headdim) -> the rank inputs (..., rank, nheads, headdim): x ⊙ mimo_x[r] (SISO: x)."""
+    """x (..., nheads, headdim) -> the rank inputs (..., rank, nheads, headdim): x ⊙ mimo_x[r]
+    (SISO: x)."""
     x = x.float()[..., None, :, :]
     return x if mimo_x is None else x * mimo_x.float().transpose(0, 1)
 
 
 def finish(y, v, D, z, mimo_z, mimo_o, siso: bool):
-    """The rank outputs y (..., rank, nheads, headdim) -> the output: + D ⊙ x_r (v: the rank inputs), gated by
-    silu(z ⊙ mimo_z[r]) when z is given, then the single output taken (SISO) or the rank outputs summed with
-    weights mimo_o[r] (MIMO; without mimo_o they are returned as they are, (..., rank, nheads, headdim))."""
+    """The rank outputs y (..., rank, nheads, headdim) -> the output: + D ⊙ x_r (v: the rank
+    inputs), gated by silu(z ⊙ mimo_z[r]) when z is given, then the single output taken (SISO) or
+    the rank outputs summed with weights mimo_o[r] (MIMO; without mimo_o they are returned as they
+    are, (..., rank, nheads, headdim))."""
     if D is not None:
         y = y + v * D.float()[:, None]
     if z is not None:
@@ -138,21 +150,31 @@ def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, 
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
     b, L, h, p = x.shape
     if B.dim() != 5 or B.shape[:2] != (b, L) or C.shape != B.shape or h % B.shape[3]:
-        raise ValueError(f"B and C must be (batch={b}, seqlen={L}, rank, ngroups, dstate) with ngroups "
-                         f"dividing nheads={h}; got B {tuple(B.shape)}, C {tuple(C.shape)}")
+        raise ValueError(
+            f"B and C must be (batch={b}, seqlen={L}, rank, ngroups, dstate) with ngroups "
+            f"dividing nheads={h}; got B {tuple(B.shape)}, C {tuple(C.shape)}"
+        )
     r, n = B.shape[2], B.shape[4]
     for name, t in (("dt", dt), ("A", A), ("trap", trap)):
         if tuple(t.shape) != (b, L, h):
-            raise ValueError(f"{name} must be (batch={b}, seqlen={L}, nheads={h}); got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be (batch={b}, seqlen={L}, nheads={h}); got {tuple(t.shape)}"
+            )
     if angles.dim() != 4 or angles.shape[:3] != (b, L, h) or not 0 < angles.shape[3] <= n // 2:
-        raise ValueError(f"angles must be (batch={b}, seqlen={L}, nheads={h}, nangles) with 0 < nangles <= "
-                         f"dstate/2 = {n // 2}; got {tuple(angles.shape)}")
+        raise ValueError(
+            f"angles must be (batch={b}, seqlen={L}, nheads={h}, nangles) with 0 < nangles <= "
+            f"dstate/2 = {n // 2}; got {tuple(angles.shape)}"
+        )
     for name, t in (("B_bias", B_bias), ("C_bias", C_bias)):
         if tuple(t.shape) != (h, r, n):
-            raise ValueError(f"{name} must be (nheads={h}, rank={r}, dstate={n}); got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be (nheads={h}, rank={r}, dstate={n}); got {tuple(t.shape)}"
+            )
     if (mimo_x is None and r != 1) or (mimo_x is not None and tuple(mimo_x.shape) != (h, r, p)):
-        raise ValueError(f"rank {r} > 1 needs mimo_x (nheads={h}, rank={r}, headdim={p}); got "
-                         f"{None if mimo_x is None else tuple(mimo_x.shape)}")
+        raise ValueError(
+            f"rank {r} > 1 needs mimo_x (nheads={h}, rank={r}, headdim={p}); got "
+            f"{None if mimo_x is None else tuple(mimo_x.shape)}"
+        )
     if initial_states is not None:
         want = ((b, h, angles.shape[3]), (b, h, p, n), (b, r, h, n), (b, h, p))
         got = tuple(tuple(s.shape) for s in initial_states)
@@ -165,7 +187,9 @@ def zero_states(x: torch.Tensor, rank: int, dstate: int, nangles: int) -> Mamba3
     """The state before the first token: no angle, no memory, no previous input (fp32)."""
     b, h, p = x.shape[0], x.shape[-2], x.shape[-1]
     new = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=x.device)  # noqa: E731
-    return Mamba3States(new(b, h, nangles), new(b, h, p, dstate), new(b, rank, h, dstate), new(b, h, p))
+    return Mamba3States(
+        new(b, h, nangles), new(b, h, p, dstate), new(b, rank, h, dstate), new(b, h, p)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,45 +198,78 @@ def zero_states(x: torch.Tensor, rank: int, dstate: int, nangles: int) -> Mamba3
 
 
 def step(states: Mamba3States, x, dt, A, lam, Bh, Ch, turn, mimo_x, pairwise: bool):
-    """One time step. x (b, h, p); dt, A, lam (b, h); Bh, Ch (b, r, h, n): biased, not yet rotated; turn
-    (b, h, S): the angle increment. Returns (y (b, r, h, p) before D, gate and mimo_o; the rank inputs
-    x_r (b, r, h, p); the next states)."""
-    angle = torch.remainder(states.angle + turn, TWO_PI)                      # θ_t = θ_{t-1} + π tanh(θ̇) Δ
-    k = rotate(Bh, angle[:, None], pairwise)                                  # k_t = R(θ_t)(B_t + b_B)
-    q = rotate(Ch, angle[:, None], pairwise)                                  # q_t = R(θ_t)(C_t + b_C)
-    alpha = torch.exp(A * dt)                                                 # α_t = exp(Δ_t A_t)
-    beta = (1 - lam) * dt * alpha                                             # weight of x_{t-1} k_{t-1}ᵀ
-    gamma = lam * dt                                                          # weight of x_t k_tᵀ
+    """One time step. x (b, h, p); dt, A, lam (b, h); Bh, Ch (b, r, h, n): biased, not yet rotated;
+    turn (b, h, S): the angle increment. Returns (y (b, r, h, p) before D, gate and mimo_o; the rank
+    inputs x_r (b, r, h, p); the next states)."""
+    angle = torch.remainder(states.angle + turn, TWO_PI)  # θ_t = θ_{t-1} + π tanh(θ̇) Δ
+    k = rotate(Bh, angle[:, None], pairwise)  # k_t = R(θ_t)(B_t + b_B)
+    q = rotate(Ch, angle[:, None], pairwise)  # q_t = R(θ_t)(C_t + b_C)
+    alpha = torch.exp(A * dt)  # α_t = exp(Δ_t A_t)
+    beta = (1 - lam) * dt * alpha  # weight of x_{t-1} k_{t-1}ᵀ
+    gamma = lam * dt  # weight of x_t k_tᵀ
     xr, xr_prev = project(x, mimo_x), project(states.v, mimo_x)
-    h = (alpha[..., None, None] * states.ssm
-         + beta[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr_prev, states.k)
-         + gamma[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr, k))
-    y = torch.einsum("bhpn,brhn->brhp", h, q)                                 # y_t = h_t q_t (each rank)
+    h = (
+        alpha[..., None, None] * states.ssm
+        + beta[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr_prev, states.k)
+        + gamma[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr, k)
+    )
+    y = torch.einsum("bhpn,brhn->brhp", h, q)  # y_t = h_t q_t (each rank)
     return y, xr, Mamba3States(angle, h, k, x.float())
 
 
-def mamba3_reference(x, dt, A, trap, B, C, angles, B_bias, C_bias, D=None, z=None, mimo_x=None, mimo_z=None,
-                     mimo_o=None, chunk_size=None, initial_states=None, return_final_states=False,
-                     seq_idx=None):
-    """The recurrence, one time step at a time (``chunk_size`` is ignored). Shapes: see the module docstring;
-    returns y (batch, seqlen, nheads, headdim) in x's dtype ((batch, seqlen, rank, nheads, headdim) for MIMO
-    without mimo_o), and with ``return_final_states`` the :class:`Mamba3States` after the last step.
-    ``seq_idx`` (batch, seqlen) or None: the states are zeroed before each packed sample's first step."""
+def mamba3_reference(
+    x,
+    dt,
+    A,
+    trap,
+    B,
+    C,
+    angles,
+    B_bias,
+    C_bias,
+    D=None,
+    z=None,
+    mimo_x=None,
+    mimo_z=None,
+    mimo_o=None,
+    chunk_size=None,
+    initial_states=None,
+    return_final_states=False,
+    seq_idx=None,
+):
+    """The recurrence, one time step at a time (``chunk_size`` is ignored). Shapes: see the module
+    docstring; returns y (batch, seqlen, nheads, headdim) in x's dtype ((batch, seqlen, rank,
+    nheads, headdim) for MIMO without mimo_o), and with ``return_final_states`` the
+    :class:`Mamba3States` after the last step. ``seq_idx`` (batch, seqlen) or None: the states are
+    zeroed before each packed sample's first step."""
     check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
     h, r, n = x.shape[2], B.shape[2], B.shape[4]
     pairwise = mimo_x is None
     dt, A, lam = dt.float(), A.float(), torch.sigmoid(trap.float())
     Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
     turn = angle_increments(angles, dt)
-    states = (zero_states(x[:, 0], r, n, angles.shape[3]) if initial_states is None
-              else Mamba3States(*(s.float() for s in initial_states)))
-    keep = None if seq_idx is None else (~resets(seq_idx)).float()            # 0 where a new sample starts
+    states = (
+        zero_states(x[:, 0], r, n, angles.shape[3])
+        if initial_states is None
+        else Mamba3States(*(s.float() for s in initial_states))
+    )
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
     ys = []
     for t in range(x.shape[1]):
-        if keep is not None:    # a new sample: no angle, no memory, no previous input
+        if keep is not None:  # a new sample: no angle, no memory, no previous input
             states = Mamba3States(*(s * keep[:, t].view(-1, *[1] * (s.dim() - 1)) for s in states))
-        y, xr, states = step(states, x[:, t], dt[:, t], A[:, t], lam[:, t], Bh[:, t], Ch[:, t], turn[:, t],
-                             mimo_x, pairwise)
+        y, xr, states = step(
+            states,
+            x[:, t],
+            dt[:, t],
+            A[:, t],
+            lam[:, t],
+            Bh[:, t],
+            Ch[:, t],
+            turn[:, t],
+            mimo_x,
+            pairwise,
+        )
         ys.append(finish(y, xr, D, None if z is None else z[:, t], mimo_z, mimo_o, siso=pairwise))
     y = torch.stack(ys, dim=1).to(x.dtype)
     return (y, states) if return_final_states else y

@@ -27,8 +27,9 @@ def _rms_reference(x, eps):
 def rms_norm(x, weight, eps=1e-5, backend=None):
     """x: (..., d), weight: (d,) -> (..., d)."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight must be (d={x.shape[-1]},) for x {tuple(x.shape)}; "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be (d={x.shape[-1]},) for x {tuple(x.shape)}; got {tuple(weight.shape)}"
+        )
     name = _backend.select("rms_norm", x, backend=backend)
     if name == "cuda":
         fn = _backend.kernel_module("rms_norm").rms_norm_fn
@@ -40,7 +41,9 @@ def rms_norm(x, weight, eps=1e-5, backend=None):
     return (y * weight.float()).to(x.dtype)
 
 
-def rms_norm_gated(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=True, backend=None):
+def rms_norm_gated(
+    x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=True, backend=None
+):
     """Gated RMSNorm. x, z: (..., d); weight: (d,); group_size divides d (None: d)."""
     d = x.shape[-1]
     group_size = group_size or d
@@ -53,7 +56,9 @@ def rms_norm_gated(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gat
     name = _backend.select("rms_norm_gated", x, backend=backend)
     if name == "cuda":
         fn = _backend.kernel_module("rms_norm_gated").rmsnorm_fn
-        return fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+        return fn(
+            x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate
+        )
     y = x.float()
     gate = F.silu(z.float()) if z is not None else None
     if gate is not None and not norm_before_gate:

@@ -32,10 +32,10 @@ Shapes follow mamba_ssm's ``selective_scan_fn``: ``u, delta, z: (batch, dim, seq
 ``A: (dim, dstate)``, ``B, C: (batch, dstate, seqlen)`` or grouped ``(batch, ngroups, dstate,
 seqlen)`` where channel d uses group ``d // (dim // ngroups)``.
 
-Packed samples: mamba_ssm's selective_scan_fn has no such input; here ``seq_idx`` (batch, seqlen), the same
-convention as the SSD's and the conv's (:mod:`ssmkit.ops.packing`), zeroes h_{t-1} where it changes:
-h_t = [same sample] Ā_t h_{t-1} + B̄_t x_t. ``initial_state`` reaches only sample 0; the final state is the
-last sample's.
+Packed samples: mamba_ssm's selective_scan_fn has no such input; here ``seq_idx`` (batch, seqlen),
+the same convention as the SSD's and the conv's (:mod:`ssmkit.ops.packing`), zeroes h_{t-1} where it
+changes: h_t = [same sample] Ā_t h_{t-1} + B̄_t x_t. ``initial_state`` reaches only sample 0; the
+final state is the last sample's.
 """
 
 from __future__ import annotations
@@ -52,24 +52,32 @@ from .packing import check_seq_idx, resets
 
 def _check(u, delta, A, B, C, initial_state, seq_idx=None):
     if u.dim() != 3 or delta.shape != u.shape:
-        raise ValueError(f"u and delta must both be (batch, dim, seqlen); got u {tuple(u.shape)}, "
-                         f"delta {tuple(delta.shape)}")
+        raise ValueError(
+            f"u and delta must both be (batch, dim, seqlen); got u {tuple(u.shape)}, "
+            f"delta {tuple(delta.shape)}"
+        )
     batch, dim, seqlen = u.shape
     if A.dim() != 2 or A.shape[0] != dim:
         raise ValueError(f"A must be (dim={dim}, dstate); got {tuple(A.shape)}")
     dstate = A.shape[1]
     for name, M in (("B", B), ("C", C)):
         ok3 = M.dim() == 3 and tuple(M.shape) == (batch, dstate, seqlen)
-        ok4 = (M.dim() == 4 and M.shape[0] == batch and M.shape[2:] == (dstate, seqlen)
-               and dim % M.shape[1] == 0)
+        ok4 = (
+            M.dim() == 4
+            and M.shape[0] == batch
+            and M.shape[2:] == (dstate, seqlen)
+            and dim % M.shape[1] == 0
+        )
         if not (ok3 or ok4):
             raise ValueError(
                 f"{name} must be (batch={batch}, dstate={dstate}, seqlen={seqlen}) or "
                 f"(batch, ngroups, dstate, seqlen) with ngroups dividing dim={dim}; got {tuple(M.shape)}"
             )
     if initial_state is not None and tuple(initial_state.shape) != (batch, dim, dstate):
-        raise ValueError(f"initial_state must be (batch={batch}, dim={dim}, dstate={dstate}); "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be (batch={batch}, dim={dim}, dstate={dstate}); "
+            f"got {tuple(initial_state.shape)}"
+        )
     check_seq_idx(seq_idx, batch, seqlen)
 
 
@@ -100,8 +108,20 @@ def _skip_and_gate(y, u, D, z):
 # --------------------------------------------------------------------------------------------
 
 
-def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                             initial_state=None, return_final_state=False, seq_idx=None):
+def selective_scan_reference(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+):
     """The literal recurrence (Algorithm 2). Slow; the oracle for the other backends.
 
     Returns ``y: (batch, dim, seqlen)`` in u's dtype, and ``h_L: (batch, dim, dstate)`` (fp32)
@@ -117,15 +137,15 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     Cd = Cg.repeat_interleave(heads_per_group, dim=1)
     A, x = A.float(), u.float()
     h = x.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.float()
-    keep = None if seq_idx is None else (~resets(seq_idx)).float()   # 0 where a new sample starts
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
     ys = []
     for t in range(seqlen):
         if keep is not None:
-            h = keep[:, t, None, None] * h                         # a new sample: h_{t-1} = 0
-        dA = torch.exp(delta[:, :, t, None] * A)                   # Ā_t = exp(Δ_t A)      (ZOH)
-        dB = delta[:, :, t, None] * Bd[:, :, :, t]                 # B̄_t = Δ_t B_t
-        h = dA * h + dB * x[:, :, t, None]                         # h_t = Ā_t h_{t-1} + B̄_t x_t
-        ys.append((h * Cd[:, :, :, t]).sum(-1))                    # y_t = C_t^T h_t
+            h = keep[:, t, None, None] * h  # a new sample: h_{t-1} = 0
+        dA = torch.exp(delta[:, :, t, None] * A)  # Ā_t = exp(Δ_t A)      (ZOH)
+        dB = delta[:, :, t, None] * Bd[:, :, :, t]  # B̄_t = Δ_t B_t
+        h = dA * h + dB * x[:, :, t, None]  # h_t = Ā_t h_{t-1} + B̄_t x_t
+        ys.append((h * Cd[:, :, :, t]).sum(-1))  # y_t = C_t^T h_t
     y = _skip_and_gate(torch.stack(ys, dim=-1), u, D, z).to(u.dtype)
     return (y, h) if return_final_state else y
 
@@ -147,7 +167,7 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # dim/groups, ...), so one time step is one contiguous slice and a group's B_t, C_t broadcast
 # over its channels.
 
-_CHUNK_ELEMENTS = 1 << 20          # aim for T * batch * dim * dstate ~ 1M floats (4 MiB) per chunk
+_CHUNK_ELEMENTS = 1 << 20  # aim for T * batch * dim * dstate ~ 1M floats (4 MiB) per chunk
 LOG2_E = math.log2(math.e)
 
 
@@ -163,22 +183,22 @@ def _time_major(M):
 def _chunk_states(delta, u, A, B, h, dA, H, keep=None):
     """Discretise and run the recurrence over one chunk, into the given buffers.
 
-    delta, u: (T, b, g, c); A: (g, c, n); B: (T, b, g, n); h: (b, g, c, n) the entering state; keep: (T, b)
-    or None, 0 where a packed sample starts (Ā_t is then 0: the product keep_t Ā_t h_{t-1} is all the
-    forward and backward ever use of Ā_t, as the adjoint and as ∂(Ā_t h_{t-1})/∂(Δ_t A), so folding the
-    reset into Ā makes both exact with no other change).
+    delta, u: (T, b, g, c); A: (g, c, n); B: (T, b, g, n); h: (b, g, c, n) the entering state; keep:
+    (T, b) or None, 0 where a packed sample starts (Ā_t is then 0: the product keep_t Ā_t h_{t-1} is
+    all the forward and backward ever use of Ā_t, as the adjoint and as ∂(Ā_t h_{t-1})/∂(Δ_t A), so
+    folding the reset into Ā makes both exact with no other change).
     Writes Ā_t = exp(Δ_t A) into dA (T, b, g, c, n) and h_{t-1} for t = 0..T into
     H (T + 1, b, g, c, n), H[0] = h. Returns h_{T-1} (a view of H).
     ``A`` comes pre-multiplied by log2(e): exp(x) = 2^(x log2 e), and torch's exp2 is several
     times faster than its exp on CPU (the CUDA kernel uses exp2f the same way).
     """
-    H[0] = h                                                                  # first: h may be a view of H
+    H[0] = h  # first: h may be a view of H
     torch.mul(delta[..., None], A, out=dA).exp2_()
     if keep is not None:
         dA.mul_(keep[:, :, None, None, None])
-    torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=H[1:])          # B̄_t x_t = Δ_t x_t B_t ...
+    torch.mul((delta * u)[..., None], B[:, :, :, None, :], out=H[1:])  # B̄_t x_t = Δ_t x_t B_t ...
     Hs = H.unbind(0)
-    for a, h_prev, h_out in zip(dA.unbind(0), Hs, Hs[1:]):                      # ... + Ā_t h_{t-1} = h_t
+    for a, h_prev, h_out in zip(dA.unbind(0), Hs, Hs[1:]):  # ... + Ā_t h_{t-1} = h_t
         torch.addcmul(h_out, a, h_prev, out=h_out)
     return Hs[-1]
 
@@ -187,8 +207,8 @@ class SelectiveScanFn(torch.autograd.Function):
     """The torch backend's fused S6 scan, all fp32.
 
     u, delta, z: (b, d, L); A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None;
-    h0: (b, d, n); keep: (b, L) fp32, 0 where a packed sample starts, or None. Returns y: (b, d, L) and
-    h_L: (b, d, n). Inside, every sequence is time-major,
+    h0: (b, d, n); keep: (b, L) fp32, 0 where a packed sample starts, or None. Returns y: (b, d, L)
+    and h_L: (b, d, n). Inside, every sequence is time-major,
     (L, b, ...), and a chunk of steps s..e-1 is the view [s:e] reshaped to (k, b, g, d / g).
     """
 
@@ -198,27 +218,40 @@ class SelectiveScanFn(torch.autograd.Function):
         groups, dstate = B.shape[1], A.shape[1]
         state = (batch, groups, dim // groups, dstate)
         T = min(L, _chunk_len(batch, dim, dstate))
-        u_t, B_t, C_t = _time_major(u), _time_major(B), _time_major(C)       # (L, b, d), (L, b, g, n)
+        u_t, B_t, C_t = _time_major(u), _time_major(B), _time_major(C)  # (L, b, d), (L, b, g, n)
         dt_raw = _time_major(delta) if delta_bias is None else _time_major(delta) + delta_bias
-        dt = F.softplus(dt_raw) if softplus else dt_raw                       # Δ: (L, b, d)
+        dt = F.softplus(dt_raw) if softplus else dt_raw  # Δ: (L, b, d)
         grp = lambda M: M.view(M.shape[0], *state[:3])  # noqa: E731  (k, b, d) -> (k, b, g, c)
         A2 = A.reshape(state[1:]) * LOG2_E
         dA, H = u.new_empty(T, *state), u.new_empty(T + 1, *state)
-        ys = u.new_empty(L, batch, dim)                                       # C h, before D and z
-        keep_t = None if keep is None else keep.t().contiguous()              # (L, b)
+        ys = u.new_empty(L, batch, dim)  # C h, before D and z
+        keep_t = None if keep is None else keep.t().contiguous()  # (L, b)
         starts, h = [], h0.reshape(state)
         for s in range(0, L, T):
             e = min(L, s + T)
             k = e - s
             starts.append(h.clone())
-            h = _chunk_states(grp(dt[s:e]), grp(u_t[s:e]), A2, B_t[s:e], h, dA[:k], H[: k + 1],
-                              None if keep_t is None else keep_t[s:e])
-            grp(ys[s:e]).copy_(torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], C_t[s:e]))   # y_t = C_t^T h_t
-        pre = ys if D is None else ys + u_t * D                               # skip connection
+            h = _chunk_states(
+                grp(dt[s:e]),
+                grp(u_t[s:e]),
+                A2,
+                B_t[s:e],
+                h,
+                dA[:k],
+                H[: k + 1],
+                None if keep_t is None else keep_t[s:e],
+            )
+            grp(ys[s:e]).copy_(
+                torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], C_t[s:e])
+            )  # y_t = C_t^T h_t
+        pre = ys if D is None else ys + u_t * D  # skip connection
         z_t = None if z is None else z.permute(2, 0, 1)
-        out = pre if z is None else pre * F.silu(z_t)                         # gate
-        # the last chunk's Ā and states are still in the buffers: backward starts there without recompute
-        ctx.save_for_backward(u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, dA, H, keep_t, *starts)
+        out = pre if z is None else pre * F.silu(z_t)  # gate
+        # the last chunk's Ā and states are still in the buffers: backward starts there without
+        # recompute
+        ctx.save_for_backward(
+            u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, dA, H, keep_t, *starts
+        )
         ctx.T, ctx.softplus = T, softplus
         return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
 
@@ -259,8 +292,22 @@ class SelectiveScanFn(torch.autograd.Function):
     # carry have read it, and dDeltaA is scaled by A in place only after dA_param has read it.
     @staticmethod
     def backward(ctx, dout, dh_last):
-        (u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, last_dA, last_H, keep_t,
-         *starts) = ctx.saved_tensors
+        (
+            u_t,
+            dt_raw,
+            A,
+            B_t,
+            C_t,
+            D,
+            z_t,
+            delta_bias,
+            dt,
+            pre,
+            last_dA,
+            last_H,
+            keep_t,
+            *starts,
+        ) = ctx.saved_tensors
         L, batch, dim = u_t.shape
         groups, dstate = B_t.shape[2], A.shape[1]
         state = (batch, groups, dim // groups, dstate)
@@ -273,15 +320,19 @@ class SelectiveScanFn(torch.autograd.Function):
             dz = torch.ops.aten.silu_backward(dout * pre, z_t)
             dout = dout * F.silu(z_t)
         dD = None if D is None else (dout * u_t).sum((0, 1))
-        du = torch.zeros_like(u_t) if D is None else dout * D                 # (L, b, d)
+        du = torch.zeros_like(u_t) if D is None else dout * D  # (L, b, d)
         # the scan, chunk by chunk from the end; dL/dys = dout
         A_ = A.reshape(state[1:])
         A2 = A_ * LOG2_E
         carry = u_t.new_zeros(state) if dh_last is None else dh_last.reshape(state).clone()
-        ddt, dB, dC, dA_param = (torch.empty_like(u_t), torch.empty_like(B_t), torch.empty_like(C_t),
-                                 torch.zeros_like(A_))
+        ddt, dB, dC, dA_param = (
+            torch.empty_like(u_t),
+            torch.empty_like(B_t),
+            torch.empty_like(C_t),
+            torch.zeros_like(A_),
+        )
         work, dH = u_t.new_empty(T, *state), u_t.new_empty(T, *state)
-        if len(starts) > 1:                                                   # room to recompute a chunk
+        if len(starts) > 1:  # room to recompute a chunk
             dA, H = u_t.new_empty(T, *state), u_t.new_empty(T + 1, *state)
         for k in reversed(range(len(starts))):
             s, e = k * T, min(L, k * T + T)
@@ -290,48 +341,91 @@ class SelectiveScanFn(torch.autograd.Function):
             dH_, work_ = dH[:n], work[:n]
             if k == len(starts) - 1:
                 dA_, H_ = last_dA[:n], last_H[: n + 1]
-            else:                                                             # recompute the states
+            else:  # recompute the states
                 dA_, H_ = dA[:n], H[: n + 1]
-                _chunk_states(dt_c, u_c, A2, B_c, starts[k], dA_, H_, None if keep_t is None else keep_t[s:e])
+                _chunk_states(
+                    dt_c, u_c, A2, B_c, starts[k], dA_, H_, None if keep_t is None else keep_t[s:e]
+                )
             # dL/dh_t = C_t dy_t + Ā_{t+1} dL/dh_{t+1}: the only sequential part
             torch.mul(dy_c[..., None], C_t[s:e, :, :, None, :], out=dH_)
             dH_[n - 1] += carry
             dHs, dAs = dH_.unbind(0), dA_.unbind(0)
             for t in range(n - 2, -1, -1):
                 torch.addcmul(dHs[t], dAs[t + 1], dHs[t + 1], out=dHs[t])
-            carry = dA_[0] * dH_[0]                                           # dL/dh_{s-1}
+            carry = dA_[0] * dH_[0]  # dL/dh_{s-1}
             # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
             dB[s:e] = torch.einsum("tbgcn,tbgc->tbgn", dH_, dt_c * u_c)
             dC[s:e] = torch.einsum("tbgcn,tbgc->tbgn", H_[1:], dy_c)
-            dBx = torch.einsum("tbgcn,tbgn->tbgc", dH_, B_c)                   # dL/d(Δ x): (n, b, g, c)
-            dDeltaA = torch.mul(dH_, H_[:n], out=dH_).mul_(dA_)               # dH is no longer needed
+            dBx = torch.einsum("tbgcn,tbgn->tbgc", dH_, B_c)  # dL/d(Δ x): (n, b, g, c)
+            dDeltaA = torch.mul(dH_, H_[:n], out=dH_).mul_(dA_)  # dH is no longer needed
             dA_param += torch.mul(dDeltaA, dt_c[..., None], out=work_).sum((0, 1))
             torch.add(dDeltaA.mul_(A_).sum(-1), dBx * u_c, out=grp(ddt[s:e]))
             grp(du[s:e]).addcmul_(dBx, dt_c)
-        if ctx.softplus:                                                      # Δ = softplus(δ + bias)
+        if ctx.softplus:  # Δ = softplus(δ + bias)
             ddt = torch.ops.aten.softplus_backward(ddt, dt_raw, 1.0, 20.0)
         dbias = None if delta_bias is None else ddt.sum((0, 1))
         # back to (b, ..., L)
         t_last = lambda M: None if M is None else M.permute(*range(1, M.dim()), 0)  # noqa: E731
-        return (t_last(du), t_last(ddt), dA_param.reshape(dim, dstate), t_last(dB), t_last(dC), dD,
-                t_last(dz), dbias, carry.reshape(batch, dim, dstate), None, None)
+        return (
+            t_last(du),
+            t_last(ddt),
+            dA_param.reshape(dim, dstate),
+            t_last(dB),
+            t_last(dC),
+            dD,
+            t_last(dz),
+            dbias,
+            carry.reshape(batch, dim, dstate),
+            None,
+            None,
+        )
 
 
-def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         initial_state=None, return_final_state=False, seq_idx=None):
+def selective_scan_torch(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+):
     """Fast pure-PyTorch selective scan (:class:`SelectiveScanFn`); same arguments and results as
-    the reference. Without ``seq_idx`` the scan runs exactly as before (no reset factor anywhere)."""
+    the reference. Without ``seq_idx`` the scan runs exactly as before (no reset factor
+    anywhere)."""
     _check(u, delta, A, B, C, initial_state, seq_idx)
     batch, dim, _ = u.shape
     f = lambda t: None if t is None else t.float()  # noqa: E731
-    h0 = (u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32) if initial_state is None
-          else initial_state.float())
-    keep = None if seq_idx is None else (~resets(seq_idx)).float()                 # (b, L)
-    fn = _compiled.CompiledScanFn if _compiled.enabled() else SelectiveScanFn  # opt-in: compiled chunks
-    y, h = fn.apply(u.float(), delta.float(), A.float(), _grouped(B).float(),
-                                 _grouped(C).float(), f(D), f(z), f(delta_bias), h0, delta_softplus, keep)
-    # the scan works time-major; y comes back in u's layout (contiguous, or a channels-last view as the
-    # mixers pass), like the reference and the kernel: one copy, which the next matmul would make anyway
+    h0 = (
+        u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32)
+        if initial_state is None
+        else initial_state.float()
+    )
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()  # (b, L)
+    fn = (
+        _compiled.CompiledScanFn if _compiled.enabled() else SelectiveScanFn
+    )  # opt-in: compiled chunks
+    y, h = fn.apply(
+        u.float(),
+        delta.float(),
+        A.float(),
+        _grouped(B).float(),
+        _grouped(C).float(),
+        f(D),
+        f(z),
+        f(delta_bias),
+        h0,
+        delta_softplus,
+        keep,
+    )
+    # the scan works time-major; y comes back in u's layout (contiguous, or a channels-last view as
+    # the mixers pass), like the reference and the kernel: one copy, which the next matmul would
+    # make anyway
     channels_last = u.stride(1) == 1 and u.shape[1] > 1
     y = (y.transpose(1, 2) if channels_last else y).to(u.dtype).contiguous()
     y = y.transpose(1, 2) if channels_last else y
@@ -343,30 +437,72 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
 # --------------------------------------------------------------------------------------------
 
 
-def selective_scan_cuda(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                        initial_state=None, return_final_state=False, seq_idx=None):
+def selective_scan_cuda(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+):
     """mamba_ssm's ``selective_scan_fn`` (no initial state and no seq_idx support there)."""
     if initial_state is not None:
-        raise _backend.BackendError("the cuda selective_scan kernel has no initial_state; "
-                                    "use backend 'torch'")
+        raise _backend.BackendError(
+            "the cuda selective_scan kernel has no initial_state; use backend 'torch'"
+        )
     if seq_idx is not None:
-        raise _backend.BackendError("the cuda selective_scan kernel (mamba_ssm's selective_scan_fn) cannot "
-                                    "reset its state inside a row, so it cannot take seq_idx; use backend "
-                                    "'torch' (what an automatic choice does)")
+        raise _backend.BackendError(
+            "the cuda selective_scan kernel (mamba_ssm's selective_scan_fn) cannot "
+            "reset its state inside a row, so it cannot take seq_idx; use backend "
+            "'torch' (what an automatic choice does)"
+        )
     fn = _backend.kernel_module("selective_scan").selective_scan_fn
-    out = fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-             return_last_state=return_final_state)
+    out = fn(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        return_last_state=return_final_state,
+    )
     if return_final_state:
         y, h = out
         return y, h.float()
     return out
 
 
-_IMPLS = {"reference": selective_scan_reference, "torch": selective_scan_torch, "cuda": selective_scan_cuda}
+_IMPLS = {
+    "reference": selective_scan_reference,
+    "torch": selective_scan_torch,
+    "cuda": selective_scan_cuda,
+}
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   initial_state=None, return_final_state=False, backend=None, seq_idx=None):
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    backend=None,
+    seq_idx=None,
+):
     """The Mamba-1 selective scan (Algorithm 2), dispatched to a backend.
 
     Args:
@@ -374,8 +510,9 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         B, C: (batch, dstate, seqlen) or (batch, ngroups, dstate, seqlen);
         D: (dim,) or None; z: (batch, dim, seqlen) or None; delta_bias: (dim,) or None;
         initial_state: (batch, dim, dstate) or None;
-        seq_idx: (batch, seqlen) integer sample index of every position of packed rows, non-decreasing
-        along each row, or None: the state is zeroed where it changes (:mod:`ssmkit.ops.packing`).
+        seq_idx: (batch, seqlen) integer sample index of every position of packed rows,
+        non-decreasing along each row, or None: the state is zeroed where it changes
+        (:mod:`ssmkit.ops.packing`).
     Returns:
         y: (batch, dim, seqlen) in u's dtype; with ``return_final_state`` also
         h_L: (batch, dim, dstate) in fp32.
@@ -386,8 +523,24 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     name = _backend.select("selective_scan", u, backend=backend)
     if name == "cuda" and seq_idx is not None:
         name = "torch"  # the kernel cannot reset its state inside a row; the torch path can
-    if name == "cuda" and initial_state is not None and (backend or _backend.forced_backend()) != "cuda":
+    if (
+        name == "cuda"
+        and initial_state is not None
+        and (backend or _backend.forced_backend()) != "cuda"
+    ):
         name = "torch"  # the kernel cannot start from a state; the torch path can
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
-    return _IMPLS[name](u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                        initial_state=initial_state, return_final_state=return_final_state, **extra)
+    return _IMPLS[name](
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        initial_state=initial_state,
+        return_final_state=return_final_state,
+        **extra,
+    )

@@ -6,7 +6,8 @@ $$ h_t = \exp(\Delta_t A)\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad
    y_t = (h_t C_t + D x_t) \cdot \mathrm{silu}(z_t) $$
 
 with the state updated in place. Mamba-2 uses it with one scalar A (and Δ) per head broadcast over
-(headdim, dstate), mamba_ssm's ``selective_state_update`` layout; the cuda backend calls that kernel.
+(headdim, dstate), mamba_ssm's ``selective_state_update`` layout; the cuda backend calls that
+kernel.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from . import backend as _backend
 
 
-def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           backend=None):
+def selective_state_update(
+    state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, backend=None
+):
     """One step of the recurrence, updating ``state`` in place (generation, O(1) per token).
 
     Mamba-1 shapes: state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate);
@@ -50,10 +52,12 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if dt_softplus:
         dt = F.softplus(dt)
     xf = x.float()
-    h_prev = state4.to(torch.float32, copy=True)           # a copy: the state is overwritten below
-    h = torch.exp(dt[..., None] * A.float()) * h_prev + (dt * xf)[..., None] * Bh   # eq. 2a, one step
-    state4.copy_(h.to(state4.dtype))                       # differentiable: gradients can flow across steps
-    y = (h * Ch).sum(-1)                                                           # eq. 2b
+    h_prev = state4.to(torch.float32, copy=True)  # a copy: the state is overwritten below
+    h = (
+        torch.exp(dt[..., None] * A.float()) * h_prev + (dt * xf)[..., None] * Bh
+    )  # eq. 2a, one step
+    state4.copy_(h.to(state4.dtype))  # differentiable: gradients can flow across steps
+    y = (h * Ch).sum(-1)  # eq. 2b
     if D is not None:
         y = y + xf * D.float()
     if z is not None:
@@ -63,9 +67,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 
 def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:
-    """B or C, (batch, dstate) or (batch, ngroups, dstate), in fp32 and broadcastable against the state:
-    Mamba-2 heads share their group's (-> (batch, nheads, 1, dstate)); Mamba-1 channels share their group's
-    (-> (batch, 1, dim, dstate))."""
+    """B or C, (batch, dstate) or (batch, ngroups, dstate), in fp32 and broadcastable against the
+    state: Mamba-2 heads share their group's (-> (batch, nheads, 1, dstate)); Mamba-1 channels share
+    their group's (-> (batch, 1, dim, dstate))."""
     Mg = (M if M.dim() == 3 else M.unsqueeze(1)).float()
     if heads:
         return Mg.repeat_interleave(nheads // Mg.shape[1], dim=1)[:, :, None, :]
@@ -73,48 +77,57 @@ def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:
 
 
 def _in_place_ok(state, *tensors) -> bool:
-    """The torch backend's decode step may update an fp32, contiguous state in place when no gradient can
-    flow through it (generation: inference mode / no_grad); otherwise the functional step above runs."""
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (state, *tensors))
+    """The torch backend's decode step may update an fp32, contiguous state in place when no
+    gradient can flow through it (generation: inference mode / no_grad); otherwise the functional
+    step above runs."""
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (state, *tensors)
+    )
     return not grads and state.dtype == torch.float32 and state.is_contiguous()
 
 
 def _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    """The step of :func:`selective_state_update` for generation: the same equations (2a, 2b), with the
-    state read and written in place and no (batch, ..., dstate) temporaries beyond the decay.
+    """The step of :func:`selective_state_update` for generation: the same equations (2a, 2b), with
+    the state read and written in place and no (batch, ..., dstate) temporaries beyond the decay.
 
-    Mamba-2 (A, Δ and dt_bias one scalar per head, broadcast over headdim and dstate as the mixer passes
-    them, like the kernel's ``tie_hdim``): the decay exp(Δ a) is computed once per (batch, head), not per
-    state element, and h += (Δ x) Bᵀ is one batched outer product (``baddbmm_``); y = h C a ``vecdot``."""
+    Mamba-2 (A, Δ and dt_bias one scalar per head, broadcast over headdim and dstate as the mixer
+    passes them, like the kernel's ``tie_hdim``): the decay exp(Δ a) is computed once per (batch,
+    head), not per state element, and h += (Δ x) Bᵀ is one batched outer product (``baddbmm_``); y =
+    h C a ``vecdot``."""
     heads = state.dim() == 4
-    if not heads:      # Mamba-1: (batch, dim, dstate), a single "head" of headdim = dim
+    if not heads:  # Mamba-1: (batch, dim, dstate), a single "head" of headdim = dim
         state, x, dt, A = state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0)
         z = None if z is None else z.unsqueeze(1)
         D = None if D is None else D.unsqueeze(0)
         dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
     batch, nheads, hdim, dstate = state.shape
-    Bg = (B if B.dim() == 3 else B.unsqueeze(1)).float()             # (batch, ngroups, dstate)
+    Bg = (B if B.dim() == 3 else B.unsqueeze(1)).float()  # (batch, ngroups, dstate)
     Cg = (C if C.dim() == 3 else C.unsqueeze(1)).float()
     xf = x.float()
-    tied = heads and A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and (
-        dt_bias is None or dt_bias.stride(-1) == 0)
-    if tied:           # one Δ and one a per (batch, head)
+    tied = (
+        heads
+        and A.stride(-1) == 0
+        and A.stride(-2) == 0
+        and dt.stride(-1) == 0
+        and (dt_bias is None or dt_bias.stride(-1) == 0)
+    )
+    if tied:  # one Δ and one a per (batch, head)
         dt_h = dt[..., 0].float() + (0.0 if dt_bias is None else dt_bias[:, 0].float())
-        dt_h = F.softplus(dt_h) if dt_softplus else dt_h                                  # (batch, nheads)
-        state.mul_(torch.exp(dt_h * A[:, 0, 0].float())[..., None, None])                # a_t h_{t-1}
-        rows = (xf * dt_h[..., None]).reshape(batch * nheads, hdim, 1)                    # Δ x
+        dt_h = F.softplus(dt_h) if dt_softplus else dt_h  # (batch, nheads)
+        state.mul_(torch.exp(dt_h * A[:, 0, 0].float())[..., None, None])  # a_t h_{t-1}
+        rows = (xf * dt_h[..., None]).reshape(batch * nheads, hdim, 1)  # Δ x
         Bh = Bg.repeat_interleave(nheads // Bg.shape[1], dim=1).reshape(batch * nheads, 1, dstate)
-        Ch = Cg.repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]           # (b, h, 1, n)
-        state.view(batch * nheads, hdim, dstate).baddbmm_(rows, Bh)                       # + Δ x Bᵀ
-        y = torch.linalg.vecdot(state, Ch)                                                # h C: (b, h, p)
+        Ch = Cg.repeat_interleave(nheads // Cg.shape[1], dim=1)[:, :, None, :]  # (b, h, 1, n)
+        state.view(batch * nheads, hdim, dstate).baddbmm_(rows, Bh)  # + Δ x Bᵀ
+        y = torch.linalg.vecdot(state, Ch)  # h C: (b, h, p)
         if D is not None:
             y = y + xf * D.float()
     else:
         dtf = dt.float() + (0.0 if dt_bias is None else dt_bias.float())
-        dtf = F.softplus(dtf) if dt_softplus else dtf                                     # (b, h, p)
+        dtf = F.softplus(dtf) if dt_softplus else dtf  # (b, h, p)
         Bh, Ch = _shared(B, heads, nheads, hdim), _shared(C, heads, nheads, hdim)
         state.mul_(torch.exp(dtf[..., None] * A.float())).addcmul_((dtf * xf)[..., None], Bh)
-        y = torch.linalg.vecdot(state, Ch)                                                # (b, h, p)
+        y = torch.linalg.vecdot(state, Ch)  # (b, h, p)
         if D is not None:
             y = y + xf * D.float()
     if z is not None:
@@ -127,27 +140,41 @@ def _check_step(state, x, dt, A, B, C, D, z, dt_bias):
     """Shapes of :func:`selective_state_update`'s arguments, in either layout."""
     if state.dim() == 3:
         batch, dim, dstate = state.shape
-        lead, A_shape, vec = f"(batch={batch}, dim={dim})", f"(dim={dim}, dstate={dstate})", f"(dim={dim},)"
+        lead, A_shape, vec = (
+            f"(batch={batch}, dim={dim})",
+            f"(dim={dim}, dstate={dstate})",
+            f"(dim={dim},)",
+        )
         sizes = {lead: (batch, dim), A_shape: (dim, dstate), vec: (dim,)}
         layout = "Mamba-1: state (batch, dim, dstate)"
     elif state.dim() == 4:
         batch, nheads, hdim, dstate = state.shape
         lead = f"(batch={batch}, nheads={nheads}, headdim={hdim})"
-        A_shape, vec = (f"(nheads={nheads}, headdim={hdim}, dstate={dstate})",
-                        f"(nheads={nheads}, headdim={hdim})")
+        A_shape, vec = (
+            f"(nheads={nheads}, headdim={hdim}, dstate={dstate})",
+            f"(nheads={nheads}, headdim={hdim})",
+        )
         sizes = {lead: (batch, nheads, hdim), A_shape: (nheads, hdim, dstate), vec: (nheads, hdim)}
         layout = "Mamba-2: state (batch, nheads, headdim, dstate)"
     else:
-        raise ValueError(f"state must be (batch, dim, dstate) or (batch, nheads, headdim, dstate); "
-                         f"got {tuple(state.shape)}")
+        raise ValueError(
+            f"state must be (batch, dim, dstate) or (batch, nheads, headdim, dstate); "
+            f"got {tuple(state.shape)}"
+        )
     expected = {"x": lead, "dt": lead, "z": lead, "A": A_shape, "D": vec, "dt_bias": vec}
     for name, t in (("x", x), ("dt", dt), ("A", A), ("z", z), ("D", D), ("dt_bias", dt_bias)):
         if t is not None and tuple(t.shape) != sizes[expected[name]]:
             raise ValueError(f"{name} must be {expected[name]} for {layout}; got {tuple(t.shape)}")
-    split = state.shape[1]          # channels (Mamba-1) or heads (Mamba-2) are split into groups
+    split = state.shape[1]  # channels (Mamba-1) or heads (Mamba-2) are split into groups
     for name, M in (("B", B), ("C", C)):
         ok = (M.dim() == 2 and state.dim() == 3 and tuple(M.shape) == (batch, dstate)) or (
-            M.dim() == 3 and M.shape[0] == batch and M.shape[2] == dstate and split % M.shape[1] == 0)
+            M.dim() == 3
+            and M.shape[0] == batch
+            and M.shape[2] == dstate
+            and split % M.shape[1] == 0
+        )
         if not ok:
-            raise ValueError(f"{name} must be (batch={batch}, dstate={dstate}) or (batch, ngroups, dstate) "
-                             f"with ngroups dividing {split} for {layout}; got {tuple(M.shape)}")
+            raise ValueError(
+                f"{name} must be (batch={batch}, dstate={dstate}) or (batch, ngroups, dstate) "
+                f"with ngroups dividing {split} for {layout}; got {tuple(M.shape)}"
+            )

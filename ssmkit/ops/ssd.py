@@ -4,7 +4,8 @@ Glossary (code name -> paper symbol):
 
     x       x      input, (batch, seqlen, nheads, headdim): P = headdim channels per head
     dt      Δ      step size per head and time, dt = clamp(softplus(dt_raw + dt_bias), *dt_limit)
-    A       a      one negative scalar per head: the state matrix is a * I (section 3.2, "scalar SSM")
+    A       a      one negative scalar per head: the state matrix is a * I
+                   (section 3.2, "scalar SSM")
     B, C    B, C   (batch, seqlen, ngroups, dstate); head h reads group h // (nheads // ngroups)
     D       D      skip connection, per head (nheads,) or per channel (nheads, headdim)
     z       z      gate, y *= silu(z)
@@ -25,10 +26,10 @@ three views and must agree: :func:`ssd_reference` (recurrence), :func:`ssd_quadr
 :func:`ssd_chunked` (the ``torch`` backend). Shapes follow mamba_ssm's
 ``mamba_chunk_scan_combined``.
 
-Packed samples (``seq_idx``, :mod:`ssmkit.ops.packing`): h_{t-1} is replaced by 0 where seq_idx changes, so
-no decay and no input cross a sample boundary; in the dual form L_ts = 0 unless s and t are one sample.
-``initial_states`` reach only sample 0 (when the row starts with it), and the final state is the last
-sample's: mamba_ssm's semantics.
+Packed samples (``seq_idx``, :mod:`ssmkit.ops.packing`): h_{t-1} is replaced by 0 where seq_idx
+changes, so no decay and no input cross a sample boundary; in the dual form L_ts = 0 unless s and t
+are one sample. ``initial_states`` reach only sample 0 (when the row starts with it), and the final
+state is the last sample's: mamba_ssm's semantics.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ from .packing import check_seq_idx, resets, segments
 
 LOG2_E = 1.0 / math.log(2.0)
 
-# The torch backend's chunk on CPUs. The result does not depend on the chunk (each choice computes the same
-# sums), only the cost does: per token the diagonal blocks cost ~Q (N + H P) multiply-adds and the states
-# passed between chunks ~2 H P N, so a short chunk does less work; below ~64 the per-chunk loop's overhead
-# wins. Measured fwd+bwd at L = 16K (8 heads of 32, N = 64, 2 cores): Q = 256 0.85 s, 128 0.39 s, 64 0.21 s,
-# 32 0.26 s. GPUs and the kernels keep the model's chunk_size (256: tensor-core tiles).
+# The torch backend's chunk on CPUs. The result does not depend on the chunk (each choice computes
+# the same sums), only the cost does: per token the diagonal blocks cost ~Q (N + H P) multiply-adds
+# and the states passed between chunks ~2 H P N, so a short chunk does less work; below ~64 the
+# per-chunk loop's overhead wins. Measured fwd+bwd at L = 16K (8 heads of 32, N = 64, 2 cores): Q =
+# 256 0.85 s, 128 0.39 s, 64 0.21 s, 32 0.26 s. GPUs and the kernels keep the model's chunk_size
+# (256: tensor-core tiles).
 CPU_CHUNK_SIZE = 64
 
 
@@ -59,18 +61,29 @@ def _check(x, dt, A, B, C, initial_states, seq_idx=None):
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim); got {tuple(x.shape)}")
     batch, seqlen, nheads, headdim = x.shape
     if tuple(dt.shape) != (batch, seqlen, nheads):
-        raise ValueError(f"dt must be (batch={batch}, seqlen={seqlen}, nheads={nheads}); "
-                         f"got {tuple(dt.shape)}")
+        raise ValueError(
+            f"dt must be (batch={batch}, seqlen={seqlen}, nheads={nheads}); got {tuple(dt.shape)}"
+        )
     if tuple(A.shape) != (nheads,):
         raise ValueError(f"A must be (nheads={nheads},); got {tuple(A.shape)}")
     for name, M in (("B", B), ("C", C)):
-        if M.dim() != 4 or M.shape[:2] != (batch, seqlen) or nheads % M.shape[2] != 0 or M.shape != B.shape:
+        if (
+            M.dim() != 4
+            or M.shape[:2] != (batch, seqlen)
+            or nheads % M.shape[2] != 0
+            or M.shape != B.shape
+        ):
             raise ValueError(
                 f"{name} must be (batch={batch}, seqlen={seqlen}, ngroups, dstate) with ngroups dividing "
                 f"nheads={nheads}, and B and C alike; got B {tuple(B.shape)}, C {tuple(C.shape)}"
             )
     dstate = B.shape[3]
-    if initial_states is not None and tuple(initial_states.shape) != (batch, nheads, headdim, dstate):
+    if initial_states is not None and tuple(initial_states.shape) != (
+        batch,
+        nheads,
+        headdim,
+        dstate,
+    ):
         raise ValueError(
             f"initial_states must be (batch={batch}, nheads={nheads}, headdim={headdim}, dstate={dstate}); "
             f"got {tuple(initial_states.shape)}"
@@ -92,12 +105,14 @@ def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf))
 
 
 def _heads_view(M, nheads):
-    """(batch, L, ngroups, dstate) -> (batch, L, nheads, dstate): each head sees its group's vector."""
+    """(batch, L, ngroups, dstate) -> (batch, L, nheads, dstate): each head sees its group's
+    vector."""
     return M.float().repeat_interleave(nheads // M.shape[2], dim=2)
 
 
 def _skip_and_gate(y, x, D, z):
-    """y + D x, then y * silu(z). y, x, z: (batch, L, nheads, headdim); D: (nheads,) or (nheads, headdim)."""
+    """y + D x, then y * silu(z). y, x, z: (batch, L, nheads, headdim); D: (nheads,) or (nheads,
+    headdim)."""
     if D is not None:
         Dv = D.float() if D.dim() == 2 else D.float()[:, None]
         y = y + x.float() * Dv
@@ -111,24 +126,41 @@ def _skip_and_gate(y, x, D, z):
 # --------------------------------------------------------------------------------------------
 
 
-def ssd_reference(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
-    """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t (h_{t-1} = 0 where ``seq_idx`` changes).
-    ``chunk_size`` is ignored here."""
+def ssd_reference(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=None,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    seq_idx=None,
+):
+    """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t (h_{t-1} = 0 where ``seq_idx``
+    changes). ``chunk_size`` is ignored here."""
     _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
-    h = (xf.new_zeros(batch, nheads, headdim, B.shape[3]) if initial_states is None
-         else initial_states.float())
-    keep = None if seq_idx is None else (~resets(seq_idx)).float()            # 0: a new sample starts at t
+    h = (
+        xf.new_zeros(batch, nheads, headdim, B.shape[3])
+        if initial_states is None
+        else initial_states.float()
+    )
+    keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0: a new sample starts at t
     ys = []
     for t in range(seqlen):
-        a = torch.exp(dt[:, t] * A.float())                                    # a_t: (batch, nheads)
+        a = torch.exp(dt[:, t] * A.float())  # a_t: (batch, nheads)
         if keep is not None:
             h = keep[:, t, None, None, None] * h
         h = a[:, :, None, None] * h + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
-        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))                  # y_t = h_t C_t
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))  # y_t = h_t C_t
     y = _skip_and_gate(torch.stack(ys, dim=1), x, D, z).to(x.dtype)
     return (y, h) if return_final_states else y
 
@@ -145,36 +177,50 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     Computed as a masked cumulative sum (not as a difference of prefix sums, which cancels badly).
     """
     T = a.shape[-1]
-    a = a[..., None].expand(*a.shape, T)                                       # a[..., k, s] = a_k
+    a = a[..., None].expand(*a.shape, T)  # a[..., k, s] = a_k
     strict = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)
-    out = torch.cumsum(a.masked_fill(~strict, 0), dim=-2)                      # sum over s < k <= t
+    out = torch.cumsum(a.masked_fill(~strict, 0), dim=-2)  # sum over s < k <= t
     causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
     return out.masked_fill(~causal, -math.inf)
 
 
-def ssd_quadratic(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
+def ssd_quadratic(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=None,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    seq_idx=None,
+):
     """y = (L ∘ C Bᵀ)(Δ x) over the whole sequence: O(seqlen²) memory, the "attention" view. With
     ``seq_idx`` L is block diagonal: L_ts = 0 unless s and t are one sample."""
     _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
-    logA = rearrange(dt * A.float(), "b l h -> b h l")                         # log a_t
-    L = torch.exp(segsum(logA))                                                # (b, h, t, s)
-    decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))                   # prod_{k<=t} a_k
+    logA = rearrange(dt * A.float(), "b l h -> b h l")  # log a_t
+    L = torch.exp(segsum(logA))  # (b, h, t, s)
+    decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))  # prod_{k<=t} a_k
     if seq_idx is not None:
-        seg = segments(seq_idx)                                                # (b, L)
-        L = L * (seg[:, None, :, None] == seg[:, None, None, :])               # one sample only
-        decay_from_start = decay_from_start * (seg == 0)[:, None, :]           # h_0 reaches sample 0 only
-    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)                           # C_t · B_s
+        seg = segments(seq_idx)  # (b, L)
+        L = L * (seg[:, None, :, None] == seg[:, None, None, :])  # one sample only
+        decay_from_start = decay_from_start * (seg == 0)[:, None, :]  # h_0 reaches sample 0 only
+    scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)  # C_t · B_s
     y = torch.einsum("bhts,bsh,bshp->bthp", L * scores, dt, xf)
     if initial_states is not None:
         y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, Ch, initial_states.float())
     y = _skip_and_gate(y, x, D, z).to(x.dtype)
     if not return_final_states:
         return y
-    decay_to_end = L[:, :, -1, :]                                              # prod_{s<k<=L} a_k
+    decay_to_end = L[:, :, -1, :]  # prod_{s<k<=L} a_k
     h = torch.einsum("bhs,bsh,bshp,bshn->bhpn", decay_to_end, dt, xf, Bh)
     if initial_states is not None:
         h = h + decay_from_start[:, :, -1, None, None] * initial_states.float()
@@ -186,14 +232,29 @@ def ssd_quadratic(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
 # --------------------------------------------------------------------------------------------
 
 
-def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
-                initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
+def ssd_chunked(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    seq_idx=None,
+):
     """SSD by chunks of ``chunk_size``: quadratic inside a chunk, recurrence between chunks.
 
     Heads are kept grouped as (ngroups, heads per group) so B and C are never copied per head. With
-    ``seq_idx`` every term is masked to one sample, as mamba_ssm's kernels do: inside a chunk (s, t) pairs of
-    one sample, a chunk's own state from its last sample's steps, the state entering a chunk only to the
-    steps of the sample it belongs to and across a chunk only when no sample starts in it.
+    ``seq_idx`` every term is masked to one sample, as mamba_ssm's kernels do: inside a chunk (s, t)
+    pairs of one sample, a chunk's own state from its last sample's steps, the state entering a
+    chunk only to the steps of the sample it belongs to and across a chunk only when no sample
+    starts in it.
     """
     _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
@@ -202,7 +263,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
     if Q < 1:
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    pad = (-seqlen) % Q                     # padded steps have Δ = 0: no input, no decay
+    pad = (-seqlen) % Q  # padded steps have Δ = 0: no input, no decay
     xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
     dt_p = F.pad(dt, (0, 0, 0, pad))
     Bf = F.pad(B.float(), (0, 0, 0, 0, 0, pad))
@@ -212,49 +273,60 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
     Bc = rearrange(Bf, "b (c l) g n -> b c l g n", l=Q)
     Cc = rearrange(Cf, "b (c l) g n -> b c l g n", l=Q)
     logA = rearrange(dt_p * A.float(), "b (c l) (g h) -> b g h c l", l=Q, g=ngroups)
-    cum = torch.cumsum(logA, dim=-1)                                            # within-chunk prefix
-    if seq_idx is not None:     # segc: each step's sample (padded steps: the last's); enter: the entering
+    cum = torch.cumsum(logA, dim=-1)  # within-chunk prefix
+    if (
+        seq_idx is not None
+    ):  # segc: each step's sample (padded steps: the last's); enter: the entering
         seg = segments(seq_idx)
-        segc = rearrange(torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1), "b (c l) -> b c l", l=Q)
-        enter = F.pad(segc[:, :-1, -1], (1, 0), value=0)                         # (b, c); chunk 0: sample 0
+        segc = rearrange(
+            torch.cat([seg, seg[:, -1:].expand(-1, pad)], dim=1), "b (c l) -> b c l", l=Q
+        )
+        enter = F.pad(segc[:, :-1, -1], (1, 0), value=0)  # (b, c); chunk 0: sample 0
 
-    # 1. diagonal blocks: y = (L ∘ C Bᵀ)(Δ x) inside each chunk. L_ls = exp(cum_l - cum_s) for l >= s: the
-    # official kernel's form (chunk_scan: exp(dA_cs_m - dA_cs_k), fp32). Within one chunk the prefix sums stay
-    # small enough that the difference loses < 1e-5 relative, and it costs one subtraction where segsum's
-    # masked cumsum over (Q, Q) costs a scan and its backward a flip and a second scan.
-    # exp(v) = 2^(v log2 e): on CPUs exp2 is several times cheaper than exp over these (Q, Q) blocks.
+    # 1. diagonal blocks: y = (L ∘ C Bᵀ)(Δ x) inside each chunk. L_ls = exp(cum_l - cum_s) for l >=
+    # s: the official kernel's form (chunk_scan: exp(dA_cs_m - dA_cs_k), fp32). Within one chunk the
+    # prefix sums stay small enough that the difference loses < 1e-5 relative, and it costs one
+    # subtraction where segsum's masked cumsum over (Q, Q) costs a scan and its backward a flip and
+    # a second scan.
+    # exp(v) = 2^(v log2 e): on CPUs exp2 is several times cheaper than exp over these (Q, Q)
+    # blocks.
     causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=x.device))
-    if seq_idx is not None:                                                     # (b, 1, 1, c, l, s)
+    if seq_idx is not None:  # (b, 1, 1, c, l, s)
         causal = (causal & (segc[..., :, None] == segc[..., None, :]))[:, None, None]
     cum2 = cum * LOG2_E
-    L = torch.exp2((cum2[..., :, None] - cum2[..., None, :]).masked_fill(~causal, -math.inf))  # (b,g,h,c,l,s)
-    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)                         # shared by a group's heads
+    L = torch.exp2(
+        (cum2[..., :, None] - cum2[..., None, :]).masked_fill(~causal, -math.inf)
+    )  # (b,g,h,c,l,s)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)  # shared by a group's heads
     y = torch.einsum("bghcls,bgcls,bcsghp->bclghp", L, scores, xc)
 
     # 2. each chunk's own final state, as if it started from zero
-    decay_to_end = torch.exp(cum[..., -1:] - cum)                               # (b, g, h, c, l)
-    if seq_idx is not None:                                                     # the chunk's last sample only
+    decay_to_end = torch.exp(cum[..., -1:] - cum)  # (b, g, h, c, l)
+    if seq_idx is not None:  # the chunk's last sample only
         decay_to_end = decay_to_end * (segc == segc[..., -1:])[:, None, None]
     states = torch.einsum("bghcl,bclgn,bclghp->bcghpn", decay_to_end, Bc, xc)
 
     # 3. pass states across chunk boundaries: h_c = a_chunk(c-1) h_{c-1} + states(c-1)
-    h = (xf.new_zeros(batch, ngroups, nheads // ngroups, headdim, dstate) if initial_states is None
-         else rearrange(initial_states.float(), "b (g h) p n -> b g h p n", g=ngroups))
-    # unbind, not states[:, c]: the backward of an indexed slice writes a zero tensor of the whole input,
-    # which over c chunks is O(c^2) memory traffic; unbind's backward is one stack.
+    h = (
+        xf.new_zeros(batch, ngroups, nheads // ngroups, headdim, dstate)
+        if initial_states is None
+        else rearrange(initial_states.float(), "b (g h) p n -> b g h p n", g=ngroups)
+    )
+    # unbind, not states[:, c]: the backward of an indexed slice writes a zero tensor of the whole
+    # input, which over c chunks is O(c^2) memory traffic; unbind's backward is one stack.
     chunk_decay = torch.exp(cum[..., -1])
-    if seq_idx is not None:                             # a sample starting inside chunk c cuts the chain
+    if seq_idx is not None:  # a sample starting inside chunk c cuts the chain
         chunk_decay = chunk_decay * (segc[..., -1] == enter)[:, None, None]
-    chunk_decay = chunk_decay[..., None, None].unbind(-3)                       # c x (b, g, h, 1, 1)
+    chunk_decay = chunk_decay[..., None, None].unbind(-3)  # c x (b, g, h, 1, 1)
     entering = []
     for decay, state in zip(chunk_decay, states.unbind(1)):
         entering.append(h)
         h = decay * h + state
-    entering = torch.stack(entering, dim=1)                                     # (b, c, g, h, p, n)
+    entering = torch.stack(entering, dim=1)  # (b, c, g, h, p, n)
 
     # 4. off-diagonal blocks: the state entering each chunk, decayed to each position, read by C
     decay_in = torch.exp(cum)
-    if seq_idx is not None:                             # only the steps of the entering state's sample
+    if seq_idx is not None:  # only the steps of the entering state's sample
         decay_in = decay_in * (segc == enter[..., None])[:, None, None]
     y = y + torch.einsum("bclgn,bcghpn,bghcl->bclghp", Cc, entering, decay_in)
     y = rearrange(y, "b c l g h p -> b (c l) (g h) p")[:, :seqlen]
@@ -269,23 +341,64 @@ def ssd_chunked(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt
 # --------------------------------------------------------------------------------------------
 
 
-def ssd_cuda(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
-             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), seq_idx=None):
-    """mamba_ssm's ``mamba_chunk_scan_combined`` (``seq_idx`` passed as the int32, contiguous (batch, seqlen)
-    tensor its Triton kernels read)."""
+def ssd_cuda(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    seq_idx=None,
+):
+    """mamba_ssm's ``mamba_chunk_scan_combined`` (``seq_idx`` passed as the int32, contiguous
+    (batch, seqlen) tensor its Triton kernels read)."""
     fn = _backend.kernel_module("ssd_scan").mamba_chunk_scan_combined
     extra = {} if seq_idx is None else {"seq_idx": seq_idx.to(torch.int32).contiguous()}
-    return fn(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states,
-              **extra)
+    return fn(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        initial_states=initial_states,
+        dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit),
+        return_final_states=return_final_states,
+        **extra,
+    )
 
 
 _IMPLS = {"reference": ssd_reference, "torch": ssd_chunked, "cuda": ssd_cuda}
 
 
-def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-             initial_states=None, return_final_states=False, dt_limit=(0.0, math.inf), backend=None,
-             seq_idx=None):
+def ssd_scan(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    backend=None,
+    seq_idx=None,
+):
     """The Mamba-2 SSD scan, dispatched to a backend.
 
     Args:
@@ -293,8 +406,9 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
         B, C: (batch, seqlen, ngroups, dstate); D: (nheads,) or (nheads, headdim) or None;
         z: like x or None; dt_bias: (nheads,) or None;
         initial_states: (batch, nheads, headdim, dstate) or None;
-        seq_idx: (batch, seqlen) integer sample index of every position of packed rows, non-decreasing
-        along each row, or None: the state restarts at every sample (:mod:`ssmkit.ops.packing`).
+        seq_idx: (batch, seqlen) integer sample index of every position of packed rows,
+        non-decreasing along each row, or None: the state restarts at every sample
+        (:mod:`ssmkit.ops.packing`).
     Returns:
         y like x (x's dtype); with ``return_final_states`` also the final state
         (batch, nheads, headdim, dstate) in fp32.
@@ -307,8 +421,21 @@ def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softpl
         chunk_size = min(int(chunk_size), CPU_CHUNK_SIZE)
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
     impl = _IMPLS[name]
-    if name == "torch" and _compiled.enabled():                 # opt-in: the whole chunked SSD compiled
+    if name == "torch" and _compiled.enabled():  # opt-in: the whole chunked SSD compiled
         impl = functools.partial(_compiled.run, ssd_chunked)
-    return impl(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                initial_states=initial_states, return_final_states=return_final_states, dt_limit=dt_limit,
-                **extra)
+    return impl(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        initial_states=initial_states,
+        return_final_states=return_final_states,
+        dt_limit=dt_limit,
+        **extra,
+    )

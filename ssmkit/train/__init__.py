@@ -8,14 +8,16 @@
     print(plan.table()); print(ssmkit.train.memory_table(ssmkit.train.scale_up_plans()))
     fit = ssmkit.train.train_on_task(model, ssmkit.data.make_task("mqar"), steps=200)   # a synthetic task
 
-Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint (instead of
-``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning), ``freeze_embedding``,
-``precision: bf16-pure`` (bf16 weights, no fp32 master), ``data: sft-arith | sft-docstrings |
-"sft:PATH.jsonl"`` (packed SFT samples; the Trainer passes their seq_idx to the model). A LoRA run's
-checkpoints hold only the adapter (peft's format) and its optimizer state, and resume exactly.
+Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint
+(instead of ``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning),
+``freeze_embedding``, ``precision: bf16-pure`` (bf16 weights, no fp32 master),
+``data: sft-arith | sft-docstrings | "sft:PATH.jsonl"`` (packed SFT samples; the Trainer passes
+their seq_idx to the model). A LoRA run's checkpoints hold only the adapter (peft's format) and its
+optimizer state, and resume exactly.
 
-Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``; the memory
-planner: ``ssmkit plan --model PRESET_OR_YAML [--seq-len N] [--micro-batch N] [--gpus N] ...``.
+Command line: ``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``; the
+memory planner:
+``ssmkit plan --model PRESET_OR_YAML [--seq-len N] [--micro-batch N] [--gpus N] ...``.
 """
 
 from .config import TrainConfig
@@ -25,6 +27,17 @@ from .planner import MemoryPlan, memory_table, plan_memory, scale_up_plans
 from .task import train_on_task
 from .trainer import Trainer, TrainingError
 
-__all__ = ["MemoryPlan", "TrainConfig", "Trainer", "TrainingError", "build_optimizer", "lr_at",
-           "memory_table", "plan_memory", "prepare_data", "scale_up_plans", "split_parameters",
-           "train_on_task"]
+__all__ = [
+    "MemoryPlan",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
+    "build_optimizer",
+    "lr_at",
+    "memory_table",
+    "plan_memory",
+    "prepare_data",
+    "scale_up_plans",
+    "split_parameters",
+    "train_on_task",
+]

@@ -1,4 +1,5 @@
-"""``python -m ssmkit.train`` (what ``torchrun ... -m ssmkit.train`` runs): see :mod:`ssmkit.train.cli`."""
+"""``python -m ssmkit.train`` (what ``torchrun ... -m ssmkit.train`` runs): see
+:mod:`ssmkit.train.cli`."""
 
 from .cli import main
 

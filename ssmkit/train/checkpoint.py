@@ -3,15 +3,19 @@
     out_dir/checkpoints/
         latest                  the name of the newest committed checkpoint, e.g. "step_00000200"
         step_00000200/
-            model/              save_pretrained: loads with ssmkit.from_pretrained, exports to HF; with
-                                the tokenizer's files (trainer.json "tokenizer"), so `ssmkit generate`
-                                and ssmkit.data.get_tokenizer(".../model") need nothing else
-            adapter/            instead of model/ for a LoRA run (``adapter_only``): the adapter in peft's
-                                format (ssmkit.finetune.load_adapter onto the base), with the tokenizer
-            state/              torch.distributed.checkpoint of {"model", "optim"} (sharded under FSDP;
-                                DCP reshards on load, so 2 processes can resume with 1); for a LoRA
-                                run only the trainable tensors (the adapter) and their optimizer state
-            trainer.json        step, tokens seen, data loader position, scaler, skipped steps, config
+            model/              save_pretrained: loads with ssmkit.from_pretrained, exports
+                                to HF; with the tokenizer's files (trainer.json "tokenizer"),
+                                so `ssmkit generate` and
+                                ssmkit.data.get_tokenizer(".../model") need nothing else
+            adapter/            instead of model/ for a LoRA run (``adapter_only``): the
+                                adapter in peft's format (ssmkit.finetune.load_adapter
+                                onto the base), with the tokenizer
+            state/              torch.distributed.checkpoint of {"model", "optim"} (sharded
+                                under FSDP; DCP reshards on load, so 2 processes can resume
+                                with 1); for a LoRA run only the trainable tensors (the
+                                adapter) and their optimizer state
+            trainer.json        step, tokens seen, data loader position, scaler,
+                                skipped steps, config
             rng/rank_00000.json every RNG state of each rank (python, numpy, torch, cuda), as JSON
             manifest.json       bytes and sha256 of every file above; written last
 
@@ -66,11 +70,14 @@ STEP = re.compile(r"step_\d{8}")
 
 
 def _commit_point(where: str):
-    """Called between the steps of the commit sequence; tests replace it to simulate a crash there."""
+    """Called between the steps of the commit sequence; tests replace it to simulate a crash
+    there."""
 
 
 def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():     # "torch.distributed ... uninitialized ... single process": intended
+    with (
+        warnings.catch_warnings()
+    ):  # "torch.distributed ... uninitialized ... single process": intended
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
         return fn(*args, **kwargs)
 
@@ -100,26 +107,44 @@ def _no_hf_bars():
 def is_complete(folder: Path) -> bool:
     """A committed checkpoint directory: named step_N, holding trainer.json and manifest.json."""
     folder = Path(folder)
-    return STEP.fullmatch(folder.name) is not None and (folder / MANIFEST).is_file() and \
-        (folder / "trainer.json").is_file()
+    return (
+        STEP.fullmatch(folder.name) is not None
+        and (folder / MANIFEST).is_file()
+        and (folder / "trainer.json").is_file()
+    )
 
 
 # --- save, recover, latest, load -----------------------------------------------------------
 
+
 def _model_state(model: nn.Module, optimizer, adapter_only: bool):
-    """DCP's (model, optimizer) state dicts; ``adapter_only``: the trainable tensors only (the frozen base,
-    a head tied to a frozen embedding included, is the base checkpoint's, not the run's)."""
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter_only))
+    """DCP's (model, optimizer) state dicts; ``adapter_only``: the trainable tensors only (the
+    frozen base, a head tied to a frozen embedding included, is the base checkpoint's, not the
+    run's)."""
+    msd, osd = get_state_dict(
+        model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter_only)
+    )
     if adapter_only:
-        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        trainable = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
         msd = {k: v for k, v in msd.items() if k in trainable}
     return msd, osd
 
 
-def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, d: Dist,
-         keep_last: int = 3, adapter_only: bool = False) -> Path:
-    """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence above.
-    ``adapter_only`` (a LoRA run): only the trainable tensors, and ``adapter/`` instead of ``model/``."""
+def save(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    trainer_state: dict,
+    d: Dist,
+    keep_last: int = 3,
+    adapter_only: bool = False,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence
+    above. ``adapter_only`` (a LoRA run): only the trainable tensors, and ``adapter/`` instead of
+    ``model/``."""
     root = Path(root)
     name = f"step_{step:08d}"
     final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
@@ -131,9 +156,14 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         msd, osd = _model_state(model, optimizer, adapter_only)
         _quiet(dcp.save, {"model": msd, "optim": osd}, checkpoint_id=str(tmp / "state"))
         write_json(tmp / "rng" / f"rank_{d.rank:05d}.json", rng_state(), indent=None)
-        sharded = d.world_size > 1 and not adapter_only   # gather the full tensors (a collective)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-            if sharded else None
+        sharded = d.world_size > 1 and not adapter_only  # gather the full tensors (a collective)
+        full = (
+            get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if sharded
+            else None
+        )
         if d.is_main:
             if adapter_only:
                 from ..finetune import save_adapter
@@ -141,15 +171,16 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
                 save_adapter(model, tmp / "adapter")
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "adapter", model)
             elif hasattr(model, "save_pretrained"):
-                with _no_hf_bars():                           # no "Writing model shards" bar
-                    model.save_pretrained(tmp / "model",
-                                          **({"state_dict": full} if sharded else {}))
+                with _no_hf_bars():  # no "Writing model shards" bar
+                    model.save_pretrained(
+                        tmp / "model", **({"state_dict": full} if sharded else {})
+                    )
                 save_tokenizer(trainer_state.get("tokenizer"), tmp / "model", model)
             write_json(tmp / "trainer.json", trainer_state)
         d.barrier()
         if d.is_main:
             write_manifest(tmp)
-    except Exception:                       # disk full, read-only...: leave no partial checkpoint behind
+    except Exception:  # disk full, read-only...: leave no partial checkpoint behind
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -164,8 +195,9 @@ def save(root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict
         write_atomically(root / LATEST, name + "\n")
         _commit_point("latest written")
         shutil.rmtree(old, ignore_errors=True)
-        for stale in sorted(p for p in root.glob("step_*")
-                            if p.is_dir() and STEP.fullmatch(p.name))[:-keep_last]:
+        for stale in sorted(
+            p for p in root.glob("step_*") if p.is_dir() and STEP.fullmatch(p.name)
+        )[:-keep_last]:
             shutil.rmtree(stale)
     d.barrier()
     return final
@@ -175,9 +207,9 @@ def recover(root: Path) -> list[str]:
     """Finish or undo a commit sequence a crash interrupted (rank 0, before a run writes);
     returns what it did.
 
-    ``.tmp-step_N`` (never committed) is removed; ``.old-step_N`` is renamed back when ``step_N`` is missing
-    (the crash came between steps 2 and 3), else removed; temporary files of ``latest`` are removed.
-    Only names ssmkit writes are touched."""
+    ``.tmp-step_N`` (never committed) is removed; ``.old-step_N`` is renamed back when ``step_N`` is
+    missing (the crash came between steps 2 and 3), else removed; temporary files of ``latest`` are
+    removed. Only names ssmkit writes are touched."""
     root = Path(root)
     done: list[str] = []
     if not root.is_dir():
@@ -202,8 +234,9 @@ def recover(root: Path) -> list[str]:
 
 
 def latest(root: Path) -> Path | None:
-    """The checkpoint to resume from: the one ``latest`` names, or, when that is missing or points at
-    nothing complete, the newest complete ``step_*`` (with a warning); None when there is none."""
+    """The checkpoint to resume from: the one ``latest`` names, or, when that is missing or points
+    at nothing complete, the newest complete ``step_*`` (with a warning); None when there is
+    none."""
     root = Path(root)
     pointer = root / LATEST
     if pointer.exists():
@@ -211,12 +244,18 @@ def latest(root: Path) -> Path | None:
         name = plain_name(pointer.read_text().strip(), str(pointer), STEP.pattern)
         if is_complete(root / name):
             return root / name
-        warnings.warn(f"{pointer} names {name}, which is not a complete checkpoint; "
-                      "using the newest complete one", stacklevel=2)
+        warnings.warn(
+            f"{pointer} names {name}, which is not a complete checkpoint; "
+            "using the newest complete one",
+            stacklevel=2,
+        )
     candidates = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
     if candidates and not pointer.exists():
-        warnings.warn(f"{root} has no {LATEST} pointer; resuming from the newest complete checkpoint "
-                      f"{candidates[-1].name}", stacklevel=2)
+        warnings.warn(
+            f"{root} has no {LATEST} pointer; resuming from the newest complete checkpoint "
+            f"{candidates[-1].name}",
+            stacklevel=2,
+        )
     return candidates[-1] if candidates else None
 
 
@@ -225,29 +264,48 @@ def saved_shapes(path: Path) -> dict[str, tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = SafeReader(str(Path(path) / "state")).read_metadata()
-    return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    return {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
 
 
-def check_model(path: Path, model: nn.Module, saved_config: dict | None = None, config: dict | None = None,
-                adapter_only: bool = False):
-    """Refuse a checkpoint whose model tensors differ from ``model``'s (names or shapes; ``adapter_only``:
-    the trainable ones), naming the first differences and the config keys that changed."""
+def check_model(
+    path: Path,
+    model: nn.Module,
+    saved_config: dict | None = None,
+    config: dict | None = None,
+    adapter_only: bool = False,
+):
+    """Refuse a checkpoint whose model tensors differ from ``model``'s (names or shapes;
+    ``adapter_only``: the trainable ones), naming the first differences and the config keys that
+    changed."""
     mine = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
     if adapter_only:
-        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        trainable = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
         mine = {k: v for k, v in mine.items() if k in trainable}
     theirs = saved_shapes(path)
-    diff = [f"{k}: {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
-            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    diff = [
+        f"{k}: {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
+        for k in sorted(set(mine) | set(theirs))
+        if mine.get(k) != theirs.get(k)
+    ]
     if diff:
         keys = ("model", "model_overrides", "base", "lora")
-        changed = [f"{k}={(saved_config or {}).get(k)!r} -> {(config or {}).get(k)!r}" for k in keys
-                   if (saved_config or {}).get(k) != (config or {}).get(k)]
-        raise ValueError(f"cannot resume {path}: its model differs from this run's ({'; '.join(diff[:3])}"
-                         f"{' ...' if len(diff) > 3 else ''})"
-                         f"{' after ' + ', '.join(changed) if changed else ''}. "
-                         "Resume with the model config the checkpoint was made with, or start a new out_dir")
+        changed = [
+            f"{k}={(saved_config or {}).get(k)!r} -> {(config or {}).get(k)!r}"
+            for k in keys
+            if (saved_config or {}).get(k) != (config or {}).get(k)
+        ]
+        raise ValueError(
+            f"cannot resume {path}: its model differs from this run's ({'; '.join(diff[:3])}"
+            f"{' ...' if len(diff) > 3 else ''})"
+            f"{' after ' + ', '.join(changed) if changed else ''}. "
+            "Resume with the model config the checkpoint was made with, or start a new out_dir"
+        )
 
 
 def verify_everywhere(path: Path, d: Dist):
@@ -262,10 +320,17 @@ def verify_everywhere(path: Path, d: Dist):
         raise error or CheckpointCorrupt(f"rank 0 refused the checkpoint {path}")
 
 
-def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = False,
-         adapter_only: bool = False) -> dict:
-    """Verify ``path`` (unless ``verified``), then restore model (``adapter_only``: its trainable tensors,
-    the rest stays as built), optimizer and this rank's RNG; return trainer.json's contents."""
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer,
+    d: Dist,
+    verified: bool = False,
+    adapter_only: bool = False,
+) -> dict:
+    """Verify ``path`` (unless ``verified``), then restore model (``adapter_only``: its trainable
+    tensors, the rest stays as built), optimizer and this rank's RNG; return trainer.json's
+    contents."""
     path = Path(path)
     if not verified:
         verify_everywhere(path, d)
@@ -275,15 +340,20 @@ def load(path: Path, model: nn.Module, optimizer, d: Dist, verified: bool = Fals
     state = {"model": msd, "optim": osd}
     _quiet(dcp.load, state, storage_reader=SafeReader(str(path / "state")), planner=SafePlanner())
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if adapter_only else None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=options)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
     # torch 2.13 drops a group's lr/betas/eps/weight_decay when an FSDP save loads unsharded
     for group, h in zip(optimizer.param_groups, hyper):
         group.update({k: v for k, v in h.items() if k not in group})
     rng = path / "rng" / f"rank_{d.rank:05d}.json"
-    if rng.exists():                       # a rank new to this run (world size grew) keeps its seeded RNG
+    if rng.exists():  # a rank new to this run (world size grew) keeps its seeded RNG
         try:
             set_rng_state(read_json(rng, "RNG state"))
-        except ValueError as exc:                                  # a malformed state: nothing was set
+        except ValueError as exc:  # a malformed state: nothing was set
             raise CheckpointCorrupt(f"{rng}: {exc}") from None
     return state_json

@@ -1,12 +1,12 @@
 """``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``.
 
-``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc_per_node N``) in this process;
-under torchrun already (or on several nodes, with torchrun's own ``--nnodes``/``--rdzv-endpoint``), run
-``python -m ssmkit.train`` directly. A user's error (bad config, a locked or foreign out_dir, a corrupt
-checkpoint, a full disk) is one line on stderr: exit status 2 for a bad config or ``--nproc``, 1
-otherwise. Under ``--nproc`` each rank's line is collected and printed once at the end, instead of
-torchrun's traceback. The options are declared once, in :func:`add_arguments` (``ssmkit train``
-takes them from there too).
+``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc_per_node N``) in this
+process; under torchrun already (or on several nodes, with torchrun's own
+``--nnodes``/``--rdzv-endpoint``), run ``python -m ssmkit.train`` directly. A user's error (bad
+config, a locked or foreign out_dir, a corrupt checkpoint, a full disk) is one line on stderr: exit
+status 2 for a bad config or ``--nproc``, 1 otherwise. Under ``--nproc`` each rank's line is
+collected and printed once at the end, instead of torchrun's traceback. The options are declared
+once, in :func:`add_arguments` (``ssmkit train`` takes them from there too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-RANK_ERRORS = "SSMKIT_RANK_ERRORS"          # a directory where each rank leaves its one-line error
+RANK_ERRORS = "SSMKIT_RANK_ERRORS"  # a directory where each rank leaves its one-line error
 
 
 def _launch(nproc: int, rest: list[str]) -> int:
@@ -30,11 +30,17 @@ def _launch(nproc: int, rest: list[str]) -> int:
 
     errors = Path(tempfile.mkdtemp(prefix="ssmkit-ranks-"))
     os.environ[RANK_ERRORS] = str(errors)
-    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train",
-                                         *rest])
-    print(f"launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train "
-          f"{' '.join(rest)}", flush=True)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # we report failures below
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train", *rest]
+    )
+    print(
+        f"launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train "
+        f"{' '.join(rest)}",
+        flush=True,
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(
+        logging.CRITICAL
+    )  # we report failures below
     try:
         run(args)
         return 0
@@ -42,11 +48,18 @@ def _launch(nproc: int, rest: list[str]) -> int:
         lines = []
         for rank, failure in sorted(exc.failures.items()):
             own = errors / f"rank_{rank}.txt"
-            why = own.read_text().strip() if own.exists() else (
-                f"exit status {failure.exitcode}" if failure.exitcode >= 0 else failure.message)
+            why = (
+                own.read_text().strip()
+                if own.exists()
+                else (
+                    f"exit status {failure.exitcode}" if failure.exitcode >= 0 else failure.message
+                )
+            )
             lines.append(f"  rank {rank}: {why}")
-        print(f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines),
-              file=sys.stderr)
+        print(
+            f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines),
+            file=sys.stderr,
+        )
         return 1
     finally:
         shutil.rmtree(errors, ignore_errors=True)
@@ -68,11 +81,21 @@ def _fail(status: int, message: str):
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``ssmkit train`` / ``python -m ssmkit.train``."""
     p.add_argument("--config", required=True, help="YAML file of TrainConfig keys (see configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key, e.g. --set max_steps=100 --set model_overrides.d_model=128"
-                        " --set model_overrides.mamba2.d_state=64")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
-    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, e.g. --set max_steps=100 --set model_overrides.d_model=128"
+        " --set model_overrides.mamba2.d_state=64",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in out_dir"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=1, help="processes on this machine (launches torchrun)"
+    )
     return p
 
 
@@ -96,7 +119,7 @@ def run(args) -> int:
         _fail(2, str(exc))
     try:
         trainer = Trainer(config=cfg)
-        if args.resume:                  # every rank: the checks and the load are collectives
+        if args.resume:  # every rank: the checks and the load are collectives
             trainer.resume()
         history = trainer.fit()
     except (ValueError, TrainingError, OSError) as exc:
@@ -105,11 +128,14 @@ def run(args) -> int:
         teardown()
         _fail(1, describe_os_error(exc) if isinstance(exc, OSError) else str(exc))
     evals = [r for r in history if r["kind"] == "eval"]
-    last = f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
+    last = (
+        f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
+    )
     done = f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}"
     is_main = trainer.dist.is_main
-    # Free the model, optimizer and FSDP state (and the collectives they hold) while the interpreter is
-    # fully alive: gloo work objects freed during interpreter shutdown abort the process (SIGABRT).
+    # Free the model, optimizer and FSDP state (and the collectives they hold) while the interpreter
+    # is fully alive: gloo work objects freed during interpreter shutdown abort the process
+    # (SIGABRT).
     del trainer
     gc.collect()
     teardown(sync=True)
@@ -120,8 +146,9 @@ def run(args) -> int:
 
 def main(argv=None):
     """``python -m ssmkit.train ARGS`` (what torchrun starts on each rank): parse, :func:`run`."""
-    parser = argparse.ArgumentParser(prog="ssmkit train",
-                                     description="train a model from a YAML config")
+    parser = argparse.ArgumentParser(
+        prog="ssmkit train", description="train a model from a YAML config"
+    )
     status = run(add_arguments(parser).parse_args(sys.argv[1:] if argv is None else argv))
     if status:
         sys.exit(status)

@@ -20,7 +20,12 @@ from torch import nn
 
 from ..env import pick_device
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "bf16-pure": torch.bfloat16,
+}
 
 
 @dataclass
@@ -43,7 +48,8 @@ class Dist:
             dist.barrier()
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on any rank (a collective: every rank must call it)."""
+        """True on every rank if ``flag`` is true on any rank (a collective: every rank must call
+        it)."""
         if not self.enabled:
             return bool(flag)
         value = torch.tensor(float(flag), device=self.device)
@@ -62,10 +68,12 @@ def setup(strategy: str, device: str = "auto") -> Dist:
     """Join the torchrun process group if there is one; check the strategy fits."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    name = pick_device(device)                                       # "auto" -> cuda, else mps, else cpu
-    dev = torch.device(f"cuda:{local}" if name == "cuda" else name)   # each rank its own GPU
+    name = pick_device(device)  # "auto" -> cuda, else mps, else cpu
+    dev = torch.device(f"cuda:{local}" if name == "cuda" else name)  # each rank its own GPU
     if world > 1 and strategy == "single":
-        raise ValueError(f"WORLD_SIZE={world} (torchrun) needs strategy ddp or fsdp; got strategy=single")
+        raise ValueError(
+            f"WORLD_SIZE={world} (torchrun) needs strategy ddp or fsdp; got strategy=single"
+        )
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -74,8 +82,9 @@ def setup(strategy: str, device: str = "auto") -> Dist:
 
 
 def teardown(sync: bool = False):
-    """Leave the process group. ``sync=True`` (a run that ended normally) first waits for every rank, so
-    no rank tears down its connections while another still uses them (gloo then aborts that rank)."""
+    """Leave the process group. ``sync=True`` (a run that ended normally) first waits for every
+    rank, so no rank tears down its connections while another still uses them (gloo then aborts that
+    rank)."""
     if dist.is_available() and dist.is_initialized():
         if sync:
             dist.barrier()
@@ -91,17 +100,21 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model,
-                                       device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        return DistributedDataParallel(
+            model, device_ids=[d.device.index] if d.device.type == "cuda" else None
+        )
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
-        blocks = (getattr(getattr(model, "backbone", None), "layers", None)
-                  or getattr(getattr(model, "model", None), "layers", None))
+        blocks = getattr(getattr(model, "backbone", None), "layers", None) or getattr(
+            getattr(model, "model", None), "layers", None
+        )
         if blocks is None:
-            raise ValueError(f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
-                             f"{type(model).__name__} has neither")
+            raise ValueError(
+                f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
+                f"{type(model).__name__} has neither"
+            )
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -110,13 +123,16 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
 
 
 def held_mb(model: nn.Module, optimizer) -> float:
-    """MiB of parameters and optimizer state this process holds (FSDP: its shards; between steps, when
-    the gradients are freed): the counted part of a rank's memory, beside its measured peak."""
+    """MiB of parameters and optimizer state this process holds (FSDP: its shards; between steps,
+    when the gradients are freed): the counted part of a rank's memory, beside its measured peak."""
+
     def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t        # an FSDP2 DTensor: this rank's shard
+        return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
 
     tensors = [local(p) for p in model.parameters()]
-    tensors += [local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    tensors += [
+        local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 

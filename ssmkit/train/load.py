@@ -34,7 +34,7 @@ def fingerprint(model: nn.Module) -> str:
     is refused. It tells checkpoints apart; it is no cryptographic seal of every weight."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
-        if ".lora_" in name or "modules_to_save" in name:      # a peft model: only its base counts
+        if ".lora_" in name or "modules_to_save" in name:  # a peft model: only its base counts
             continue
         name = name.replace(".base_layer", "")
         flat = t.detach().reshape(-1)
@@ -49,7 +49,7 @@ def _whole_model(where: Resolved, dtype=None, device=None) -> nn.Module:
     files verified first when they belong to a Trainer checkpoint."""
     source = where.model_source()
     if where.step_dir is not None:
-        verify(where.step_dir, prefix="model/")        # the weights and tokenizer, as listed there
+        verify(where.step_dir, prefix="model/")  # the weights and tokenizer, as listed there
     return from_pretrained(source, dtype=dtype, device=device)
 
 
@@ -68,15 +68,19 @@ def _merged_lora_run(where: Resolved) -> nn.Module:
     state = read_json(step / "trainer.json", "checkpoint state")
     base = (state.get("config") or {}).get("base")
     if not base:
-        raise ValueError(f"{step}/trainer.json names no base model (config.base): the adapter in "
-                         f"{where.adapter_dir} cannot be loaded without the model it was trained "
-                         "on")
+        raise ValueError(
+            f"{step}/trainer.json names no base model (config.base): the adapter in "
+            f"{where.adapter_dir} cannot be loaded without the model it was trained "
+            "on"
+        )
     model = load_base(base)
     recorded, now = state.get("base_fingerprint"), fingerprint(model)
     if recorded not in (None, now):
-        raise ValueError(f"the base {base!r} has changed since the run in {step} trained its "
-                         f"adapter on it (fingerprint {recorded}, now {now}): the adapter would "
-                         "not compute what was trained")
+        raise ValueError(
+            f"the base {base!r} has changed since the run in {step} trained its "
+            f"adapter on it (fingerprint {recorded}, now {now}): the adapter would "
+            "not compute what was trained"
+        )
     return merge(load_adapter(model, where.adapter_dir))
 
 

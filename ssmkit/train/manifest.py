@@ -27,8 +27,10 @@ def write_manifest(folder: Path) -> dict:
     """Write ``folder/manifest.json``: bytes and sha256 of every file under ``folder`` (relative
     POSIX paths); returns its "files"."""
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
-             for p, digest in zip(paths, sha256_files(paths))}
+    files = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
+        for p, digest in zip(paths, sha256_files(paths))
+    }
     write_json(folder / MANIFEST, {"version": 1, "files": files})
     return files
 
@@ -39,27 +41,34 @@ def verify(folder: Path, prefix: str = ""):
     otherwise."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
-        raise CheckpointCorrupt(f"{folder} has no {MANIFEST}: it is not a complete ssmkit "
-                                "checkpoint")
+        raise CheckpointCorrupt(
+            f"{folder} has no {MANIFEST}: it is not a complete ssmkit checkpoint"
+        )
     try:
         files = read_json(folder / MANIFEST, "checkpoint manifest")["files"]
-        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()
-                   if name.startswith(prefix)]
+        entries = [
+            (name, int(e["bytes"]), str(e["sha256"]))
+            for name, e in files.items()
+            if name.startswith(prefix)
+        ]
         for name, _, _ in entries:
             for part in name.split("/"):
                 plain_name(part, f"{folder / MANIFEST}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorrupt(f"{folder / MANIFEST} is malformed: {exc}") from None
-    for name, size, _ in entries:                 # cheap checks first: a missing or truncated file
+    for name, size, _ in entries:  # cheap checks first: a missing or truncated file
         path = folder / name
         if not path.is_file():
             raise CheckpointCorrupt(f"checkpoint {folder} is incomplete: {name} is missing")
         if path.stat().st_size != size:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: {name} has "
-                                    f"{path.stat().st_size} bytes, the manifest says {size} "
-                                    "(truncated?)")
+            raise CheckpointCorrupt(
+                f"checkpoint {folder} is corrupt: {name} has "
+                f"{path.stat().st_size} bytes, the manifest says {size} "
+                "(truncated?)"
+            )
     digests = sha256_files([folder / name for name, _, _ in entries])
     for (name, _, digest), actual in zip(entries, digests):
         if actual != digest:
-            raise CheckpointCorrupt(f"checkpoint {folder} is corrupt: the sha256 of {name} differs "
-                                    "from its manifest")
+            raise CheckpointCorrupt(
+                f"checkpoint {folder} is corrupt: the sha256 of {name} differs from its manifest"
+            )

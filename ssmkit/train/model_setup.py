@@ -2,17 +2,19 @@
 fine-tuned whole or through a LoRA adapter (``config.lora``), in the run's precision.
 
     from scratch      build_model(config.model_config(vocab)), seeded with config.seed
-    full fine-tuning  from_pretrained(base): every weight trains (``freeze_embedding``: not the embedding,
-                      nor an lm_head tied to it, which is the same matrix)
-    LoRA              from_pretrained(base), then ssmkit.finetune.apply_lora(**config.lora) with the
-                      adapter's random init seeded with config.seed: only the adapter trains, and a
-                      checkpoint holds only the adapter and its optimizer state (see checkpoint.save)
-    bf16-pure         the model cast to bf16 after the above (weights, gradients and AdamW states in bf16,
-                      no fp32 master copy; Mamba-3's fp32 parameters stay fp32, as in mamba_ssm)
+    full fine-tuning  from_pretrained(base): every weight trains (``freeze_embedding``: not the
+                      embedding, nor an lm_head tied to it, which is the same matrix)
+    LoRA              from_pretrained(base), then ssmkit.finetune.apply_lora(**config.lora)
+                      with the adapter's random init seeded with config.seed: only the
+                      adapter trains, and a checkpoint holds only the adapter and its
+                      optimizer state (see checkpoint.save)
+    bf16-pure         the model cast to bf16 after the above (weights, gradients
+                      and AdamW states in bf16, no fp32 master copy; Mamba-3's
+                      fp32 parameters stay fp32, as in mamba_ssm)
 
-``base`` is anything :func:`ssmkit.from_pretrained` reads (a transformers or mamba_ssm directory, a hub
-id where online) or a training run's out_dir / checkpoint (its ``model/``): :func:`.load.load_base`
-loads it as :mod:`.resolve` reads the path.
+``base`` is anything :func:`ssmkit.from_pretrained` reads (a transformers or mamba_ssm directory, a
+hub id where online) or a training run's out_dir / checkpoint (its ``model/``):
+:func:`.load.load_base` loads it as :mod:`.resolve` reads the path.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ def _freeze_embedding(model: nn.Module):
     backbone = getattr(inner, "backbone", None)
     embedding = getattr(backbone, "embedding", None)
     if embedding is None and hasattr(inner, "get_input_embeddings"):
-        embedding = inner.get_input_embeddings()                # a transformers model
+        embedding = inner.get_input_embeddings()  # a transformers model
     if embedding is None:
-        raise ValueError(f"freeze_embedding: {type(inner).__name__} has no backbone.embedding nor "
-                         "get_input_embeddings()")
+        raise ValueError(
+            f"freeze_embedding: {type(inner).__name__} has no backbone.embedding nor "
+            "get_input_embeddings()"
+        )
     weight = embedding.base_layer.weight if hasattr(embedding, "base_layer") else embedding.weight
     weight.requires_grad_(False)
 
@@ -52,32 +56,41 @@ def long_context(model: nn.Module, cfg: TrainConfig):
     """Switch on activation checkpointing and the chunked loss, which only ssmkit models have."""
     backbone = getattr(model, "backbone", None)
     if not hasattr(backbone, "gradient_checkpointing") or not hasattr(model, "loss_chunk_size"):
-        raise ValueError(f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
-                         f"{type(model).__name__} has neither (set them to false / 0)")
+        raise ValueError(
+            f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
+            f"{type(model).__name__} has neither (set them to false / 0)"
+        )
     backbone.gradient_checkpointing = cfg.activation_checkpointing
     model.loss_chunk_size = cfg.loss_chunk_size
 
 
 def lora_kwargs(lora: dict) -> dict:
-    """``config.lora`` as :func:`ssmkit.finetune.apply_lora`'s arguments (missing keys: its defaults)."""
+    """``config.lora`` as :func:`ssmkit.finetune.apply_lora`'s arguments (missing keys: its
+    defaults)."""
     return {k: v for k, v in lora.items() if v is not None or k == "target_modules"}
 
 
-def build_run_model(cfg: TrainConfig, vocab: int,
-                    model: nn.Module | None = None) -> tuple[nn.Module, str | None]:
-    """(the model to train, the base's :func:`fingerprint` for a LoRA run else None). ``model``: a model
-    given to the Trainer instead of ``config.model`` / ``config.base`` (LoRA still applies to it)."""
+def build_run_model(
+    cfg: TrainConfig, vocab: int, model: nn.Module | None = None
+) -> tuple[nn.Module, str | None]:
+    """(the model to train, the base's :func:`fingerprint` for a LoRA run else None). ``model``: a
+    model given to the Trainer instead of ``config.model`` / ``config.base`` (LoRA still applies to
+    it)."""
     if model is not None and cfg.base is not None:
-        raise ValueError(f"a model was given and config.base={cfg.base!r} names another: give one of them")
+        raise ValueError(
+            f"a model was given and config.base={cfg.base!r} names another: give one of them"
+        )
     if model is None:
-        torch.manual_seed(cfg.seed)                              # the same initial weights on every rank
-        model = load_base(cfg.base) if cfg.base is not None else build_model(cfg.model_config(vocab))
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = (
+            load_base(cfg.base) if cfg.base is not None else build_model(cfg.model_config(vocab))
+        )
     base_print = None
     if cfg.lora is not None and not is_lora(model):
         from ..finetune import apply_lora
 
         base_print = fingerprint(model)
-        torch.manual_seed(cfg.seed)                              # the adapter's init, the same on every rank
+        torch.manual_seed(cfg.seed)  # the adapter's init, the same on every rank
         model = apply_lora(model, **lora_kwargs(cfg.lora))
     elif is_lora(model):
         base_print = fingerprint(base_module(model))

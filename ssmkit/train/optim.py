@@ -31,8 +31,12 @@ def split_parameters(model: nn.Module) -> tuple[list[str], list[str]]:
                 continue
             seen.add(id(p))
             full = f"{module_name}.{name}" if module_name else name
-            skip = (p.ndim < 2 or getattr(p, "_no_weight_decay", False) or isinstance(module, nn.Embedding)
-                    or "norm" in type(module).__name__.lower())
+            skip = (
+                p.ndim < 2
+                or getattr(p, "_no_weight_decay", False)
+                or isinstance(module, nn.Embedding)
+                or "norm" in type(module).__name__.lower()
+            )
             (no_decay if skip else decay).append(full)
     return decay, no_decay
 
@@ -40,10 +44,13 @@ def split_parameters(model: nn.Module) -> tuple[list[str], list[str]]:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay, _ = split_parameters(model)
     decay = set(decay)
-    params = dict(model.named_parameters())                      # tied weights once, under their first name
+    params = dict(model.named_parameters())  # tied weights once, under their first name
     trainable = {n: p for n, p in params.items() if p.requires_grad}
     groups = [
-        {"params": [p for n, p in trainable.items() if n in decay], "weight_decay": cfg.weight_decay},
+        {
+            "params": [p for n, p in trainable.items() if n in decay],
+            "weight_decay": cfg.weight_decay,
+        },
         {"params": [p for n, p in trainable.items() if n not in decay], "weight_decay": 0.0},
     ]
     fused = all(p.is_cuda for g in groups for p in g["params"])

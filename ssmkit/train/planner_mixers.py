@@ -1,59 +1,67 @@
-r"""The memory planner's activation formulas: the bytes each part of a block saves for the backward pass.
-:mod:`ssmkit.train.planner` adds them up over the layers, with the weights, gradients, optimizer state and
-workspace; this module knows what each mixer's code keeps.
+r"""The memory planner's activation formulas: the bytes each part of a block saves for the backward
+pass. :mod:`ssmkit.train.planner` adds them up over the layers, with the weights, gradients,
+optimizer state and workspace; this module knows what each mixer's code keeps.
 
-Per token (B·L of them) of one layer, from the tensors ssmkit's code saves for the backward pass. ``[a]``:
-the compute dtype (4 bytes fp32, 2 bf16/fp16), ``[f]``: fp32 always. d = d_model, E = d_inner, N = d_state,
-R = dt_rank, W = d_conv, H = SSM heads, P = headdim, G = ngroups, Q = chunk_size, C = E + 2GN (Mamba-2's
-conv channels), h = the MLP width, V = the padded vocabulary; for Mamba-3 also r = the MIMO rank (1: SISO),
-S = the rotation angles (``ssmkit.ops.rope_angles``), I = 2E + 2GNr + 3H + S (its in_proj's width):
+Per token (B·L of them) of one layer, from the tensors ssmkit's code saves for the backward pass.
+``[a]``: the compute dtype (4 bytes fp32, 2 bf16/fp16), ``[f]``: fp32 always. d = d_model, E =
+d_inner, N = d_state, R = dt_rank, W = d_conv, H = SSM heads, P = headdim, G = ngroups, Q =
+chunk_size, C = E + 2GN (Mamba-2's conv channels), h = the MLP width, V = the padded vocabulary; for
+Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.rope_angles``), I =
+2E + 2GNr + 3H + S (its in_proj's width):
 
     norm (each)   torch: residual d [f] + rstd 1 [f] + normed d [f], the next matmul's input d [a]
                   cuda (Triton rms_norm): residual d [f] + rstd 1 [f], the next matmul's input d [a]
     Mamba-1       torch: in_proj out 2E + conv (taps over the padded input E(L+W-1)/L, pre-SiLU E,
-                  output E) + x_proj out R+2N + out_proj in E  [a];  the S6 Function's time-major u, Δ+bias,
-                  Δ, y+Dx (4E) and B, C (2N) [f];  per sequence the chunk states B·E·N·(2T+1+⌈L/T⌉) [f],
-                  T = min(L, 64, 2^20 // (B·E·N)): one state per chunk of T steps and two T-step buffers
-                  cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj out R+2N,
-                  the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate E, the gated y E
-                  [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
-    Mamba-2       torch (chunked SSD in autograd): in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C, out_proj
-                  in E [a]; the gated norm 4E + G and softplus H [f]; per padded token (L rounded up to Q)
-                  4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ of the
-                  diagonal blocks, the copies torch.einsum makes for its matmuls, the states entering chunks)
-                  cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out E, scan out E,
-                  gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
-    Mamba-3       torch (ssmkit.ops.mamba3_chunked in autograd, chunks of Q' = min(Q, 64 // r) on a CPU):
-                  in_proj out I, out_proj in E [a]; Δ's softplus input, Δ, λ, 1-λ, A (5H) and A's
-                  activation (heavy-tail: its two branches 2H, and a 1-byte mask H; softplus: H) [f]; B and C
-                  normed and their rstd 2Gr(N+1), per head and biased 2rHN, the angles' tanh, π·tanh·Δ, cos
-                  and sin 4HS [f]; the output: SISO y+Dx and silu(z) 2E, MIMO x·mimo_x, z·mimo_z, y+Dx,
-                  the gate and the gated y 5rE [f] (with is_outproj_norm: SISO 4E + H, MIMO 7rE + rH: the
-                  norm's input, rstd, output and product with its weight); per padded token (L rounded up to
-                  Q') the angles θ HS, the chunks' decays 3H + (H if r = 1 else 2rH), q and k padded 2rHN,
-                  the decay matrix HQ' and the weights W = L∘w HQ'r² [f]; the matmuls' operands q, kᵀ,
-                  q·decay, k·decay 4rHN, x twice 2rHP (MIMO with L a multiple of Q': once), and q kᵀ,
-                  (q kᵀ)∘W 2HQ'r² [a]; per chunk the state entering it HPN [f] and its transposed copy HPN
-                  [a]. bf16/fp16 add fp32 copies of a, B, C, x, z (H + 2GNr + 2E) [f]
-                  cuda (mamba3_siso_combined, SISO): in_proj out I, the kernel's output and its pre-gate
-                  output 2E, its rotated q and scaled k 2HN, λ's contiguous copy H, B and C normed and their
-                  inputs' copies 4GN [a]; Δ's softplus input, Δ, A and its activation (as torch), the kernel's
-                  A·Δ, Δ, cumulative decay, q·k, scale and γ (6H), rstd 2G, the cumulative angles HS (and, in
-                  bf16, the angles' fp32 copy HS) [f]; per chunk its state HPN in bf16 (2 bytes) and its
-                  decay sum H [f].  (mamba3_mimo, MIMO: it saves its inputs and recomputes the rest)
-                  in_proj out I, the output E, x's and z's contiguous copies 2E, λ's copy H, B, C and their
-                  inputs' copies 4GNr [a]; Δ, A as torch, A·Δ and Δ copies 2H, the angles' copy and their
-                  cumulative sum 2HS, rstd 2Gr [f]. is_outproj_norm: SISO + the norm's output E [a] and rstd
-                  H [f]; MIMO the norm on r outputs: z·mimo_z, its input and output 3rE and rstd rH [f]
-    attention     in_proj out (heads + 2 kv heads)·head_dim (+ mlp_dim), SDPA's output heads·head_dim [a],
-                  its log-sum-exp H_attn [f]; rotary: rotated q, k and their cos, sin; GQA: a copy of the
-                  output; d_conv: the conv's taps and output; a window shorter than L/2: the blocks' output
+                  output E) + x_proj out R+2N + out_proj in E [a]; the S6 Function's time-major u,
+                  Δ+bias, Δ, y+Dx (4E) and B, C (2N) [f]; per sequence the chunk states
+                  B·E·N·(2T+1+⌈L/T⌉) [f], T = min(L, 64, 2^20 // (B·E·N)): one state per chunk of T
+                  steps and two T-step buffers
+                  cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj
+                  out R+2N, the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate
+                  E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
+    Mamba-2       torch (chunked SSD in autograd): in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C,
+                  out_proj in E [a]; the gated norm 4E + G and softplus H [f]; per padded token (L
+                  rounded up to Q) 4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay
+                  matrix L and L∘CBᵀ of the diagonal blocks, the copies torch.einsum makes for its
+                  matmuls, the states entering chunks)
+                  cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out E,
+                  scan out E, gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
+    Mamba-3       torch (ssmkit.ops.mamba3_chunked in autograd, chunks of Q' = min(Q, 64 // r) on a
+                  CPU): in_proj out I, out_proj in E [a]; Δ's softplus input, Δ, λ, 1-λ, A (5H) and
+                  A's activation (heavy-tail: its two branches 2H, and a 1-byte mask H; softplus: H)
+                  [f]; B and C normed and their rstd 2Gr(N+1), per head and biased 2rHN, the angles'
+                  tanh, π·tanh·Δ, cos and sin 4HS [f]; the output: SISO y+Dx and silu(z) 2E, MIMO
+                  x·mimo_x, z·mimo_z, y+Dx, the gate and the gated y 5rE [f] (with is_outproj_norm:
+                  SISO 4E + H, MIMO 7rE + rH: the norm's input, rstd, output and product with its
+                  weight); per padded token (L rounded up to Q') the angles θ HS, the chunks' decays
+                  3H + (H if r = 1 else 2rH), q and k padded 2rHN, the decay matrix HQ' and the
+                  weights W = L∘w HQ'r² [f]; the matmuls' operands q, kᵀ, q·decay, k·decay 4rHN, x
+                  twice 2rHP (MIMO with L a multiple of Q': once), and q kᵀ, (q kᵀ)∘W 2HQ'r² [a];
+                  per chunk the state entering it HPN [f] and its transposed copy HPN [a]. bf16/fp16
+                  add fp32 copies of a, B, C, x, z (H + 2GNr + 2E) [f]
+                  cuda (mamba3_siso_combined, SISO): in_proj out I, the kernel's output and its
+                  pre-gate output 2E, its rotated q and scaled k 2HN, λ's contiguous copy H, B
+                  and C normed and their inputs' copies 4GN [a]; Δ's softplus input, Δ, A and
+                  its activation (as torch), the kernel's A·Δ, Δ, cumulative decay, q·k, scale
+                  and γ (6H), rstd 2G, the cumulative angles HS (and, in bf16, the angles' fp32
+                  copy HS) [f]; per chunk its state HPN in bf16 (2 bytes) and its decay sum H
+                  [f]. (mamba3_mimo, MIMO: it saves its inputs and recomputes the rest) in_proj
+                  out I, the output E, x's and z's contiguous copies 2E, λ's copy H, B, C and
+                  their inputs' copies 4GNr [a]; Δ, A as torch, A·Δ and Δ copies 2H, the
+                  angles' copy and their cumulative sum 2HS, rstd 2Gr [f]. is_outproj_norm:
+                  SISO + the norm's output E [a] and rstd H [f]; MIMO the norm on r outputs:
+                  z·mimo_z, its input and output 3rE and rstd rH [f]
+    attention     in_proj out (heads + 2 kv heads)·head_dim (+ mlp_dim), SDPA's output
+                  heads·head_dim [a], its log-sum-exp H_attn [f]; rotary: rotated q, k and their
+                  cos, sin; GQA: a copy of the output; d_conv: the conv's taps and output; a window
+                  shorter than L/2: the blocks' output
     MLP           fc1 out 2h + SiLU(gate) h + product h [a] (after norm2)
 
-Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py checks it
-against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from their
-``save_for_backward``; not yet measured on a GPU). In bf16/fp16 the torch formulas assume autocast casts
-the operands of a matmul (the saved copies are then [a]), and elementwise products stay fp32.
+Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py
+checks it against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from
+their ``save_for_backward``; not yet measured on a GPU). In bf16/fp16 the torch formulas assume
+autocast casts the operands of a matmul (the saved copies are then [a]), and elementwise products
+stay fp32.
 """
 
 from __future__ import annotations
@@ -64,20 +72,21 @@ from ..models.mlp import mlp_width
 from ..ops import rope_angles
 from ..ops.mamba3 import CPU_CHUNK_SIZE as MAMBA3_CPU_CHUNK
 
-MODELLED = ("mamba1", "mamba2", "mamba3", "attn", "swa")     # the mixers the formulas cover
-SCAN_CHUNK_ELEMENTS = 1 << 20   # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
-CUDA_SCAN_CHUNK = 2048       # mamba_ssm's selective scan keeps a state every 2048 steps
+MODELLED = ("mamba1", "mamba2", "mamba3", "attn", "swa")  # the mixers the formulas cover
+SCAN_CHUNK_ELEMENTS = 1 << 20  # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
+CUDA_SCAN_CHUNK = 2048  # mamba_ssm's selective scan keeps a state every 2048 steps
 
-# Temporaries of a part's backward, as a fraction of what the part saved (measured on CPU, torch backend,
-# tests/unit/train/test_planner.py): the S6 Function's backward allocates all its gradients and two
-# T-step buffers
-# before its saved tensors go; Mamba-2's and Mamba-3's chunked scans are many small autograd ops, each
-# freeing as it goes (Mamba-3's largest, the (Q'r)² blocks, leave twice Mamba-2's share).
+# Temporaries of a part's backward, as a fraction of what the part saved (measured on CPU, torch
+# backend, tests/unit/train/test_planner.py): the S6 Function's backward allocates all its gradients
+# and two T-step buffers before its saved tensors go; Mamba-2's and Mamba-3's chunked scans are many
+# small autograd ops, each freeing as it goes (Mamba-3's largest, the (Q'r)² blocks, leave twice
+# Mamba-2's share).
 BACKWARD_TEMPS = {"mamba1": 0.7, "mamba2": 0.1, "mamba3": 0.2, "attn": 0.3, "swa": 0.3, "mlp": 0.3}
 
 
 def norm_bytes(cfg, backend: str, a: int) -> float:
-    """Bytes per token a pre-norm saves, with the input it hands the next matmul (module docstring)."""
+    """Bytes per token a pre-norm saves, with the input it hands the next matmul (module
+    docstring)."""
     d = cfg.d_model
     return d * (4 if cfg.residual_in_fp32 else a) + 4 + (d * 4 if backend == "torch" else 0) + d * a
 
@@ -88,14 +97,19 @@ def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
     tok = B * L
     R = m.dt_rank_value(cfg.d_model)
     extra = (2 * (R + 2 * N) + 3) * 4 * tok if m.mixer_rms_eps is not None else 0  # Δ, B, C norms
-    A = E * N * 4                                                  # A = -exp(A_log), fp32
+    A = E * N * 4  # A = -exp(A_log), fp32
     if backend == "torch":
         T = max(1, min(L, 64, SCAN_CHUNK_ELEMENTS // max(1, B * E * N)))
         states = B * E * N * (2 * T + 1 + math.ceil(L / T)) * 4
-        u_copy = 0 if B == 1 and a == 4 else E         # one fp32 row: time-major u is the conv output
+        u_copy = 0 if B == 1 and a == 4 else E  # one fp32 row: time-major u is the conv output
         per_tok = (6 * E + E * (W - 1) / L + R + 2 * N) * a + (3 * E + u_copy + 2 * N) * 4
         return tok * per_tok + states + 2 * A + extra
-    return tok * (8 * E + R + 4 * N) * a + B * E * 2 * N * math.ceil(L / CUDA_SCAN_CHUNK) * 4 + A + extra
+    return (
+        tok * (8 * E + R + 4 * N) * a
+        + B * E * 2 * N * math.ceil(L / CUDA_SCAN_CHUNK) * 4
+        + A
+        + extra
+    )
 
 
 def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
@@ -106,46 +120,57 @@ def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
     if backend == "torch":
-        per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (4 * E + G + H) * 4
+        per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (
+            4 * E + G + H
+        ) * 4
         per_padded = 4 * E + 3 * H + 2 * H * Q + G * Q + 4 * G * N + H * N + 2 * E * N / Q + H / Q
         return tok * per_tok + padded * per_padded * 4
     return tok * ((2 * E + 2 * G * N + H + C + 2 * E) * a + G * 4) + padded * H * 4
 
 
 def _mamba3(cfg, backend: str, B: int, L: int, a: int) -> float:
-    """Mamba-3 (ssmkit.models.Mamba3 with ssmkit.ops.mamba3_scan): the module docstring's formulas."""
+    """Mamba-3 (ssmkit.models.Mamba3 with ssmkit.ops.mamba3_scan): the module docstring's
+    formulas."""
     m = cfg.mamba3
     E, N, H, P, G = m.d_inner(cfg.d_model), m.d_state, m.nheads(cfg.d_model), m.headdim, m.ngroups
     r = m.mimo_rank if m.is_mimo else 1
     S = rope_angles(N, m.rope_fraction)
     mimo, normed, half = m.is_mimo, m.is_outproj_norm, a == 2
     tok = B * L
-    width = 2 * E + 2 * G * N * r + 3 * H + S                  # in_proj's output: z, x, B, C, Δ, A, λ, θ
+    width = 2 * E + 2 * G * N * r + 3 * H + S  # in_proj's output: z, x, B, C, Δ, A, λ, θ
     heavy = m.a_activation == "heavy_tail"
-    # Δ = softplus(Δ + bias): its input and output; A = -max(f(a), A_floor): f's saved values, A itself
+    # Δ = softplus(Δ + bias): its input and output; A = -max(f(a), A_floor): f's saved values, A
+    # itself
     dt_a = (2 + (2 if heavy else 1) + 1 + half) * H * 4 + (H if heavy else 0)
     if backend == "torch":
-        Q = max(1, min(m.chunk_size, MAMBA3_CPU_CHUNK // r))      # the chunk the op takes on a CPU
+        Q = max(1, min(m.chunk_size, MAMBA3_CPU_CHUNK // r))  # the chunk the op takes on a CPU
         chunks = math.ceil(L / Q)
         padded = B * chunks * Q
         if mimo:
             out = 7 * r * E + r * H if normed else 5 * r * E
         else:
             out = 4 * E + H if normed else 2 * E
-        per_tok = (width + E) * a + 4 * (2 * H + 2 * G * r * (N + 1) + 2 * r * H * N + 4 * H * S + out) + dt_a
-        per_tok += 4 * (2 * G * N * r + 2 * E) * half             # the fp32 copies of B, C (normed), x and z
+        per_tok = (
+            (width + E) * a
+            + 4 * (2 * H + 2 * G * r * (N + 1) + 2 * r * H * N + 4 * H * S + out)
+            + dt_a
+        )
+        per_tok += 4 * (2 * G * N * r + 2 * E) * half  # the fp32 copies of B, C (normed), x and z
         decays = 3 * H + (H if r == 1 else 2 * r * H)
-        # x's chunks: the two matmuls copy them, but MIMO's x·mimo_x is laid out (b, L, h, r, p); unpadded
-        # (L a multiple of Q'), its chunks are one copy that both matmuls read
+        # x's chunks: the two matmuls copy them, but MIMO's x·mimo_x is laid out (b, L, h, r, p);
+        # unpadded (L a multiple of Q'), its chunks are one copy that both matmuls read
         xs = 1 if r > 1 and H > 1 and L % Q == 0 else 2
-        per_padded = 4 * (H * S + decays + 2 * r * H * N + H * Q + H * Q * r * r) \
-            + a * (4 * r * H * N + xs * r * H * P + 2 * H * Q * r * r)
+        per_padded = 4 * (H * S + decays + 2 * r * H * N + H * Q + H * Q * r * r) + a * (
+            4 * r * H * N + xs * r * H * P + 2 * H * Q * r * r
+        )
         return tok * per_tok + padded * per_padded + B * chunks * H * P * N * (4 + a)
     # cuda: mamba_ssm's kernels (ssmkit.ops.mamba3.mamba3_cuda)
     chunks = math.ceil(L / m.chunk_size)
-    bc = 4 * G * N * r * a + 2 * G * r * 4                             # B, C normed, inputs' copies; rstd
+    bc = 4 * G * N * r * a + 2 * G * r * 4  # B, C normed, inputs' copies; rstd
     if mimo:
-        per_tok = (width + E + E + (0 if normed else E) + H) * a + 4 * (2 * H + 2 * H * S) + bc + dt_a
+        per_tok = (
+            (width + E + E + (0 if normed else E) + H) * a + 4 * (2 * H + 2 * H * S) + bc + dt_a
+        )
         if normed:
             per_tok += 4 * (3 * r * E + r * H) + 4 * E * half
         return tok * per_tok
@@ -162,9 +187,9 @@ def _attention(cfg, kind: str, B: int, L: int, a: int) -> float:
     mlp = math.ceil(c["mlp_dim"] / 256) * 256
     qkv = hd * (heads + 2 * kv)
     per_tok = (qkv + mlp + heads * hd) * a + heads * 4
-    if c["rotary_emb_dim"]:                                  # rotated q, k; cos and sin for each
+    if c["rotary_emb_dim"]:  # rotated q, k; cos and sin for each
         per_tok += (heads + kv) * hd * a + 2 * c["rotary_emb_dim"] * 4
-    if kv != heads:                                          # GQA: SDPA's output is copied for out_proj
+    if kv != heads:  # GQA: SDPA's output is copied for out_proj
         per_tok += heads * hd * a
     if c["d_conv"]:
         per_tok += qkv * (1 + (c["d_conv"] - 1) / L + 1) * a
@@ -176,8 +201,8 @@ def _attention(cfg, kind: str, B: int, L: int, a: int) -> float:
 
 
 def mixer_bytes(cfg, kind: str, backend: str, B: int, L: int, a: int) -> float:
-    """Bytes one layer's mixer ``kind`` saves for the backward, for B sequences of L tokens, compute dtype of
-    ``a`` bytes (4 fp32, 2 bf16/fp16)."""
+    """Bytes one layer's mixer ``kind`` saves for the backward, for B sequences of L tokens, compute
+    dtype of ``a`` bytes (4 fp32, 2 bf16/fp16)."""
     if kind == "mamba1":
         return _mamba1(cfg, backend, B, L, a)
     if kind == "mamba2":
@@ -188,10 +213,12 @@ def mixer_bytes(cfg, kind: str, backend: str, B: int, L: int, a: int) -> float:
 
 
 def block_parts(cfg, kind: str, backend: str, B: int, L: int, a: int) -> list[tuple[str, float]]:
-    """(kind, bytes saved for the backward) of one block's parts in forward order: norm + mixer, then
-    norm2 + MLP when the block has one."""
+    """(kind, bytes saved for the backward) of one block's parts in forward order: norm + mixer,
+    then norm2 + MLP when the block has one."""
     tokens = B * L
-    parts = [(kind, tokens * norm_bytes(cfg, backend, a) + mixer_bytes(cfg, kind, backend, B, L, a))]
+    parts = [
+        (kind, tokens * norm_bytes(cfg, backend, a) + mixer_bytes(cfg, kind, backend, B, L, a))
+    ]
     if cfg.d_intermediate:
         mlp = tokens * (norm_bytes(cfg, backend, a) + 4 * mlp_width(cfg.d_intermediate) * a)
         parts.append(("mlp", mlp))
@@ -199,9 +226,9 @@ def block_parts(cfg, kind: str, backend: str, B: int, L: int, a: int) -> list[tu
 
 
 def backward_peak(parts: list[tuple[str, float]]) -> float:
-    """The most a backward pass over ``parts`` (forward order) holds above what precedes them: the parts run
-    backward last first, each freeing its saved tensors when done, and a part's temporaries exist while it
-    and every part before it are still saved."""
+    """The most a backward pass over ``parts`` (forward order) holds above what precedes them: the
+    parts run backward last first, each freeing its saved tensors when done, and a part's
+    temporaries exist while it and every part before it are still saved."""
     held, peak = sum(b for _, b in parts), 0.0
     for kind, saved in reversed(parts):
         peak = max(peak, held + BACKWARD_TEMPS[kind] * saved)

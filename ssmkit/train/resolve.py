@@ -24,9 +24,11 @@ from ..hub import is_hub_id
 from .checkpoint import LATEST, is_complete, latest
 
 KINDS = ("model", "checkpoint", "lora", "hub")
-ACCEPTED = ("expected a model directory (config.json), a checkpoint step_N/ (with model/), a "
-            "checkpoints/ directory or its latest file, a run's out_dir (with checkpoints/), or a "
-            "hub id owner/name")
+ACCEPTED = (
+    "expected a model directory (config.json), a checkpoint step_N/ (with model/), a "
+    "checkpoints/ directory or its latest file, a run's out_dir (with checkpoints/), or a "
+    "hub id owner/name"
+)
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,13 @@ class Resolved:
         """What ssmkit.from_pretrained reads for this whole model: the model directory or the hub
         id. A LoRA run has none: its base with the adapter is :func:`.load.load_model`'s."""
         if self.kind == "lora":
-            raise ValueError(f"checkpoint {self.step_dir} holds a LoRA adapter (adapter/), not a "
-                             "whole model: load its base and the adapter with "
-                             "ssmkit.finetune.load_adapter(base_model, step/'adapter'), or the "
-                             "merged model with ssmkit.train.load.load_model (or `ssmkit convert` "
-                             "it)")
+            raise ValueError(
+                f"checkpoint {self.step_dir} holds a LoRA adapter (adapter/), not a "
+                "whole model: load its base and the adapter with "
+                "ssmkit.finetune.load_adapter(base_model, step/'adapter'), or the "
+                "merged model with ssmkit.train.load.load_model (or `ssmkit convert` "
+                "it)"
+            )
         return self.hub_id or str(self.model_dir)
 
 
@@ -91,6 +95,8 @@ def resolve(path: str | os.PathLike) -> Resolved:
     if (step / "adapter").is_dir():
         return Resolved("lora", text, step_dir=step, adapter_dir=step / "adapter")
     if not (step / "model" / "config.json").is_file():
-        raise ValueError(f"checkpoint {step} has no model/ (its model has no save_pretrained); "
-                         "continue its run with Trainer(model, config).resume() instead")
+        raise ValueError(
+            f"checkpoint {step} has no model/ (its model has no save_pretrained); "
+            "continue its run with Trainer(model, config).resume() instead"
+        )
     return Resolved("checkpoint", text, model_dir=step / "model", step_dir=step)

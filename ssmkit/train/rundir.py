@@ -1,4 +1,5 @@
-"""The run directory (``out_dir``): one writer at a time, one run at a time, and nothing lost on overwrite.
+"""The run directory (``out_dir``): one writer at a time, one run at a time, and nothing lost on
+overwrite.
 
     out_dir/
         config.yaml         the run's TrainConfig (written once the run has started or resumed)
@@ -36,7 +37,11 @@ from . import checkpoint
 from .distributed import Dist
 
 PREVIOUS, OWNER = ".previous-run", ".ssmkit-run.json"
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml")      # what a run writes (and overwrite moves)
+RUN_FILES = (
+    "checkpoints",
+    "metrics.jsonl",
+    "config.yaml",
+)  # what a run writes (and overwrite moves)
 
 
 class RunDir:
@@ -68,10 +73,10 @@ class RunDir:
             if mine:
                 self.lock.release()
 
-    # --- starting a run -----------------------------------------------------------------------------
+    # --- starting a run ---------------------------------------------------------------------------
     def claim(self, resume: bool, overwrite: bool):
-        """Make ``out_dir`` this run's: recover what a crash left, then resume, replace or refuse an old
-        run."""
+        """Make ``out_dir`` this run's: recover what a crash left, then resume, replace or refuse an
+        old run."""
         error = None
         if self.d.is_main:
             try:
@@ -81,13 +86,18 @@ class RunDir:
         self._agree(error, f"cannot use {self.path}")
 
     def _claim(self, resume: bool, overwrite: bool):
-        for p in self.path.glob(".*.tmp-*"):                     # write_atomically's leftovers after a kill
-            if (p.is_file()
-                    and p.name.split(".tmp-")[0].lstrip(".") in ("metrics.jsonl", "config.yaml", OWNER[1:])):
+        for p in self.path.glob(".*.tmp-*"):  # write_atomically's leftovers after a kill
+            if p.is_file() and p.name.split(".tmp-")[0].lstrip(".") in (
+                "metrics.jsonl",
+                "config.yaml",
+                OWNER[1:],
+            ):
                 p.unlink()
         if (self.path / PREVIOUS).is_dir():
             if checkpoint.latest(self.ckpt_dir) is None:
-                self.restore_previous("the run that replaced it stopped before its first checkpoint")
+                self.restore_previous(
+                    "the run that replaced it stopped before its first checkpoint"
+                )
             else:
                 # the new run had committed: the old one goes
                 shutil.rmtree(self.path / PREVIOUS)
@@ -96,10 +106,12 @@ class RunDir:
         metrics = self.path / "metrics.jsonl"
         replace = not resume and bool(old or metrics.exists())
         if replace and not overwrite:
-            raise ValueError(f"{self.path} already holds a run ({old} checkpoints, "
-                             f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it "
-                             "(--resume, trainer.resume()), replace it (--set overwrite=true) "
-                             "or pick another out_dir")
+            raise ValueError(
+                f"{self.path} already holds a run ({old} checkpoints, "
+                f"{'a' if metrics.exists() else 'no'} metrics.jsonl): resume it "
+                "(--resume, trainer.resume()), replace it (--set overwrite=true) "
+                "or pick another out_dir"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         # aside, not deleted: see restore_previous
         if replace:
@@ -108,14 +120,14 @@ class RunDir:
             for name in RUN_FILES:
                 if (self.path / name).exists():
                     os.replace(self.path / name, aside / name)
-        elif resume and not old:                                       # resume with nothing to resume: fresh
+        elif resume and not old:  # resume with nothing to resume: fresh
             metrics.unlink(missing_ok=True)
         write_json(self.path / OWNER, {"run_id": self.run_id, "pid": os.getpid()})
 
-    # --- while it runs --------------------------------------------------------------------------------
+    # --- while it runs ----------------------------------------------------------------------------
     def check_owner(self):
-        """Refuse to go on when another Trainer claimed ``out_dir`` after this one (or this one's run was
-        undone)."""
+        """Refuse to go on when another Trainer claimed ``out_dir`` after this one (or this one's
+        run was undone)."""
         error = None
         if self.d.is_main:
             try:
@@ -123,9 +135,11 @@ class RunDir:
             except (OSError, ValueError):
                 owner = None
             if owner != self.run_id:
-                error = ValueError(f"{self.path} no longer belongs to this Trainer: another run claimed it, "
-                                   "or this run failed before its first checkpoint and the previous run was "
-                                   "restored. Create a new Trainer")
+                error = ValueError(
+                    f"{self.path} no longer belongs to this Trainer: another run claimed it, "
+                    "or this run failed before its first checkpoint and the previous run was "
+                    "restored. Create a new Trainer"
+                )
         self._agree(error, f"{self.path} changed hands")
 
     def truncate_metrics(self, step: int) -> list[dict]:
@@ -144,8 +158,10 @@ class RunDir:
             except (ValueError, KeyError, TypeError):
                 torn += 1
         if torn:
-            warnings.warn(f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)",
-                          stacklevel=2)
+            warnings.warn(
+                f"{path}: dropped {torn} unreadable line(s) (a run killed while writing)",
+                stacklevel=2,
+            )
         write_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
         return keep
 
@@ -155,7 +171,8 @@ class RunDir:
             shutil.rmtree(self.path / PREVIOUS)
 
     def restore_previous(self, why: str) -> bool:
-        """Put the overwritten run back (rank 0): the failed run's files go, the previous run's come back."""
+        """Put the overwritten run back (rank 0): the failed run's files go, the previous run's come
+        back."""
         aside = self.path / PREVIOUS
         if not self.d.is_main or not aside.is_dir():
             return False

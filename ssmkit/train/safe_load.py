@@ -20,10 +20,16 @@ from .manifest import CheckpointCorrupt
 
 # module -> the names DCP's metadata may refer to (its record types and what they hold)
 DCP_TYPES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "BytesStorageMetadata",
-                                              "StorageMeta", "ChunkStorageMetadata",
-                                              "TensorStorageMetadata", "TensorProperties",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -35,13 +41,21 @@ class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata``: its own record types, torch dtypes and sizes, nothing else."""
 
     def find_class(self, module, name):
-        if name in DCP_TYPES.get(module, ()) or (module == "torch" and (
-                name == "Size" or isinstance(getattr(torch, name, None),
-                                             (torch.dtype, torch.layout, torch.memory_format)))):
+        if name in DCP_TYPES.get(module, ()) or (
+            module == "torch"
+            and (
+                name == "Size"
+                or isinstance(
+                    getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+                )
+            )
+        ):
             return super().find_class(module, name)
-        raise CheckpointCorrupt(f"the checkpoint's DCP metadata refers to {module}.{name}, which "
-                                "is not one of torch.distributed.checkpoint's record types: "
-                                "refusing to load it")
+        raise CheckpointCorrupt(
+            f"the checkpoint's DCP metadata refers to {module}.{name}, which "
+            "is not one of torch.distributed.checkpoint's record types: "
+            "refusing to load it"
+        )
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -68,9 +82,9 @@ class SafePlanner(dcp.DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except Exception as exc:
-            raise CheckpointCorrupt(f"the checkpoint entry {read_item.dest_index.fqn} is not a "
-                                    f"plain value ({type(exc).__name__}): refusing to unpickle it"
-                                    ) from None
+            raise CheckpointCorrupt(
+                f"the checkpoint entry {read_item.dest_index.fqn} is not a "
+                f"plain value ({type(exc).__name__}): refusing to unpickle it"
+            ) from None
         value.seek(0)
         super().load_bytes(read_item, value)
-

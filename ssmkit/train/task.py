@@ -1,14 +1,14 @@
-"""Training on a synthetic task (:func:`ssmkit.data.make_task`): a short loop with the Trainer's optimizer
-and schedule, for tasks whose batches are generated, not read from token shards.
+"""Training on a synthetic task (:func:`ssmkit.data.make_task`): a short loop with the Trainer's
+optimizer and schedule, for tasks whose batches are generated, not read from token shards.
 
     fit = train_on_task(model, make_task("mqar", vocab_size=33, seq_len=32), steps=200, batch=16)
     fit["accuracy"]        # the fraction of held-out answers right
 
-One step: ``batch`` fresh sequences, the loss on their answer positions only, the global gradient norm
-clipped at ``grad_clip``, an AdamW step (:func:`~ssmkit.train.optim.build_optimizer`: decay on matrices
-only) at the learning rate of :func:`~ssmkit.train.optim.lr_at`: a linear warmup, then a cosine to
-``lr / 10``. The recipe is a :class:`~ssmkit.train.TrainConfig` (:func:`task_recipe`), so it reads like
-the Trainer's and has its checks.
+One step: ``batch`` fresh sequences, the loss on their answer positions only, the global gradient
+norm clipped at ``grad_clip``, an AdamW step (:func:`~ssmkit.train.optim.build_optimizer`: decay on
+matrices only) at the learning rate of :func:`~ssmkit.train.optim.lr_at`: a linear warmup, then a
+cosine to ``lr / 10``. The recipe is a :class:`~ssmkit.train.TrainConfig` (:func:`task_recipe`), so
+it reads like the Trainer's and has its checks.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ __all__ = ["task_recipe", "train_on_task"]
 def task_recipe(
     steps: int, lr: float = 3e-3, warmup: float = 0.1, weight_decay: float = 0.1, seed: int = 0
 ) -> TrainConfig:
-    """The TrainConfig of a task training: ``steps`` optimizer steps, peak ``lr``, a linear warmup over
-    ``warmup`` of the steps (at least one), then a cosine to ``lr / 10``; AdamW (0.9, 0.95) with
-    ``weight_decay`` on matrices, gradients clipped at 1.0."""
+    """The TrainConfig of a task training: ``steps`` optimizer steps, peak ``lr``, a linear warmup
+    over ``warmup`` of the steps (at least one), then a cosine to ``lr / 10``; AdamW (0.9, 0.95)
+    with ``weight_decay`` on matrices, gradients clipped at 1.0."""
     steps = checks.integer(steps, "steps", minimum=1)
     lr = checks.number(lr, "lr", low=0, low_open=True)
     ramp = max(1, round(checks.probability(warmup, "warmup") * steps))
@@ -63,10 +63,10 @@ def train_on_task(
     """Train ``model`` on a synthetic ``task`` for ``steps`` steps of ``batch`` fresh sequences
     (:func:`task_recipe`), then score it on ``n_test`` held-out ones.
 
-    Data: ``task.split(steps * batch, n_test, seed)``; inputs (batch, seq_len) with labels -100 except at
-    the answers. Returns ``{"loss": mean training loss of the last tenth of the steps, "accuracy": the
-    fraction of test answers right (:func:`ssmkit.eval.answer_accuracy`), "seconds", "steps"}``; the model
-    is left in eval mode."""
+    Data: ``task.split(steps * batch, n_test, seed)``; inputs (batch, seq_len) with labels -100
+    except at the answers. Returns ``{"loss": mean training loss of the last tenth of the steps,
+    "accuracy": the fraction of test answers right (:func:`ssmkit.eval.answer_accuracy`), "seconds",
+    "steps"}``; the model is left in eval mode."""
     recipe = task_recipe(steps, lr, warmup, weight_decay, seed)
     batch = checks.integer(batch, "batch", minimum=1)
     train, test = task.split(recipe.max_steps * batch, n_test, seed)

@@ -9,23 +9,27 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
 
     for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
         loss = CE(model(x).logits, y) / grad_accum       # bf16/fp16 autocast, fp32 master weights
-                                                         # SFT: (x, y, seq_idx), model(x, seq_idx=...)
-        loss.backward()                                  # DDP/FSDP reduce on the last micro-batch only
+                                                         # SFT: (x, y, seq_idx),
+                                                         # model(x, seq_idx=...)
+        loss.backward()                                  # DDP/FSDP reduce on the
+                                                         # last micro-batch only
     if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
     fp16: the grad scaler skips a step whose gradients overflow and halves its scale (counted)
 
 Every ``log_every`` steps a line goes to ``out_dir/metrics.jsonl`` (and the progress bar, callbacks,
-wandb; with fp16 ``grad_scale`` and ``scaler_skipped``, under torchrun every rank's ``rank_peak_mem_mb``
-and ``rank_state_mb``); every ``eval_every`` steps the validation loss; every ``ckpt_every`` steps a
-checkpoint. Losses, perplexity, FLOPs/MFU and peak memory come from :mod:`ssmkit.eval`.
+wandb; with fp16 ``grad_scale`` and ``scaler_skipped``, under torchrun every rank's
+``rank_peak_mem_mb`` and ``rank_state_mb``); every ``eval_every`` steps the validation loss; every
+``ckpt_every`` steps a checkpoint. Losses, perplexity, FLOPs/MFU and peak memory come from
+:mod:`ssmkit.eval`.
 Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
 ``on_end(trainer)``.
 
 What is trained comes from :mod:`.model_setup` (a preset, or ``base`` fine-tuned whole or with LoRA,
-bf16-pure), the data from :mod:`.data` (token shards, or SFT samples whose batches carry ``seq_idx`` so
-the scan restarts at each packed sample). A LoRA run checkpoints only its adapter and the adapter's
-optimizer state, and records a fingerprint of its base, so resuming on another base is refused.
+bf16-pure), the data from :mod:`.data` (token shards, or SFT samples whose batches carry ``seq_idx``
+so the scan restarts at each packed sample). A LoRA run checkpoints only its adapter and the
+adapter's optimizer state, and records a fingerprint of its base, so resuming on another base is
+refused.
 """
 
 from __future__ import annotations
@@ -47,13 +51,21 @@ from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, pe
 from ..io import read_json, tqdm_bar, write_atomically
 from . import checkpoint
 from .config import TrainConfig
-from .data import PREPARE_WAIT, loader_index, make_loader, make_val, prepare_data, resume_keys, sft_val_loss
+from .data import (
+    PREPARE_WAIT,
+    loader_index,
+    make_loader,
+    make_val,
+    prepare_data,
+    resume_keys,
+    sft_val_loss,
+)
 from .distributed import DTYPES, gather_floats, held_mb, setup, wrap
 from .model_setup import base_module, build_run_model, is_lora, long_context
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
 
-__all__ = ["PREPARE_WAIT", "Trainer", "TrainingError", "lm_loss", "prepare_data"]   # old homes kept
+__all__ = ["PREPARE_WAIT", "Trainer", "TrainingError", "lm_loss", "prepare_data"]  # old homes kept
 
 
 class TrainingError(RuntimeError):
@@ -61,53 +73,77 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    """Train ``model`` (None: built from ``config.model``, or ``config.base`` fine-tuned, with LoRA when
-    ``config.lora``) on ``data``: None (``config.data``, prepared if it is a source), a shard or SFT
-    directory, or a :class:`~ssmkit.data.TokenLoader` / :class:`~ssmkit.data.SFTLoader` matching the
-    config. ``val_data``: a directory of the same kind (None: ``config.val_data`` or the source's
-    validation split). ``name``: the model's name on the progress bar and in messages (default: the
-    preset's name when the model is built from the config, else the model's class name). It only
-    builds: :meth:`resume` continues the run in ``config.out_dir``, :meth:`fit` trains."""
+    """Train ``model`` (None: built from ``config.model``, or ``config.base`` fine-tuned, with LoRA
+    when ``config.lora``) on ``data``: None (``config.data``, prepared if it is a source), a shard
+    or SFT directory, or a :class:`~ssmkit.data.TokenLoader` / :class:`~ssmkit.data.SFTLoader`
+    matching the config. ``val_data``: a directory of the same kind (None: ``config.val_data`` or
+    the source's validation split). ``name``: the model's name on the progress bar and in messages
+    (default: the preset's name when the model is built from the config, else the model's class
+    name). It only builds: :meth:`resume` continues the run in ``config.out_dir``, :meth:`fit`
+    trains."""
 
-    def __init__(self, model: nn.Module | None = None, config: TrainConfig | None = None, data=None,
-                 val_data=None, callbacks=(), name: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        config: TrainConfig | None = None,
+        data=None,
+        val_data=None,
+        callbacks=(),
+        name: str | None = None,
+    ):
         cfg = self.config = config or TrainConfig()
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
         if d.device.type == "cpu":
-            reuse_freed_memory()                                     # 1.7x on CPU: see ssmkit.env
+            reuse_freed_memory()  # 1.7x on CPU: see ssmkit.env
         torch.manual_seed(cfg.seed + d.rank)
         if data is None:
             data, default_val = prepare_data(cfg, d)
             val_data = val_data or default_val
         elif val_data is None:
             val_data = cfg.val_data
-        if isinstance(data, TokenLoader) or hasattr(data, "windows"):          # a TokenLoader, an SFTLoader
-            mine = dict(seq_len=cfg.seq_len, batch_size=cfg.micro_batch, rank=d.rank, world_size=d.world_size)
+        if isinstance(data, TokenLoader) or hasattr(data, "windows"):  # a TokenLoader, an SFTLoader
+            mine = dict(
+                seq_len=cfg.seq_len,
+                batch_size=cfg.micro_batch,
+                rank=d.rank,
+                world_size=d.world_size,
+            )
             theirs = {k: getattr(data, k) for k in mine}
             if theirs != mine:
-                raise ValueError(f"the {type(data).__name__} given has {theirs}; this run needs {mine} "
-                                 "(seq_len, micro_batch, rank and world size of the config): pass its "
-                                 "directory instead")
+                raise ValueError(
+                    f"the {type(data).__name__} given has {theirs}; this run needs {mine} "
+                    "(seq_len, micro_batch, rank and world size of the config): pass its "
+                    "directory instead"
+                )
             self.loader = data
         else:
-            self.loader = make_loader(data, cfg, d, seed=cfg.seed)                  # verified once
-        self.sft = hasattr(self.loader, "windows")           # batches (x, y, seq_idx): packed SFT samples
+            self.loader = make_loader(data, cfg, d, seed=cfg.seed)  # verified once
+        self.sft = hasattr(self.loader, "windows")  # batches (x, y, seq_idx): packed SFT samples
         self.val_loader = None
         if val_data is not None and cfg.eval_batches:
             self.val_loader = make_val(val_data, cfg, d, self.sft)
         index = loader_index(self.loader)
         vocab = index["vocab_size"]
-        self.name = name or (type(model).__name__ if model is not None else
-                             Path(cfg.base).name or cfg.base if cfg.base is not None else cfg.model)
+        self.name = name or (
+            type(model).__name__
+            if model is not None
+            else Path(cfg.base).name or cfg.base
+            if cfg.base is not None
+            else cfg.model
+        )
         model, self.base_fingerprint = build_run_model(cfg, vocab, model)
-        self.lora = is_lora(model)                           # checkpoints hold the adapter only
+        self.lora = is_lora(model)  # checkpoints hold the adapter only
         inner = base_module(model)
-        rows = getattr(inner.config, "padded_vocab_size", None) or getattr(inner.config, "vocab_size", vocab)
+        rows = getattr(inner.config, "padded_vocab_size", None) or getattr(
+            inner.config, "vocab_size", vocab
+        )
         if rows < vocab:
-            raise ValueError(f"the model has {rows} vocabulary rows but the data's tokenizer "
-                             f"{index['tokenizer']!r} has {vocab} tokens")
-        self.model = model.to(d.device)                              # fp32 master weights (but bf16-pure)
+            raise ValueError(
+                f"the model has {rows} vocabulary rows but the data's tokenizer "
+                f"{index['tokenizer']!r} has {vocab} tokens"
+            )
+        self.model = model.to(d.device)  # fp32 master weights (but bf16-pure)
         if cfg.activation_checkpointing or cfg.loss_chunk_size:
             long_context(inner, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
@@ -119,21 +155,24 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.step = self.tokens = self.skipped = self.bad_in_row = 0
-        self.scaler_skipped = 0                                      # fp16: steps the grad scaler skipped
+        self.scaler_skipped = 0  # fp16: steps the grad scaler skipped
         self.history: list[dict] = []
         self.flops_per_token = flops_per_token(self.model, cfg.seq_len)
         self.peak_flops = peak_flops(d.device, cfg.precision)
         self._wandb = None
-        self.run_dir = RunDir(self.out_dir, d)           # claimed by resume() or the first fit()
-        self._started = False                                  # out_dir is claimed for this run
-        self._committed = False                                      # this run has a checkpoint on disk
+        self.run_dir = RunDir(self.out_dir, d)  # claimed by resume() or the first fit()
+        self._started = False  # out_dir is claimed for this run
+        self._committed = False  # this run has a checkpoint on disk
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
-        """The dtype forward passes autocast to; None: no autocast (fp32; bf16-pure, whose weights are bf16
-        already; FSDP, which casts through its MixedPrecisionPolicy)."""
-        if self.config.precision in ("fp32", "bf16-pure") or \
-                self.config.strategy == "fsdp" and self.dist.world_size > 1:
+        """The dtype forward passes autocast to; None: no autocast (fp32; bf16-pure, whose weights
+        are bf16 already; FSDP, which casts through its MixedPrecisionPolicy)."""
+        if (
+            self.config.precision in ("fp32", "bf16-pure")
+            or self.config.strategy == "fsdp"
+            and self.dist.world_size > 1
+        ):
             return None
         return DTYPES[self.config.precision]
 
@@ -147,7 +186,7 @@ class Trainer:
         """Reduce gradients across ranks only on the last micro-batch of a step."""
         if hasattr(self.module, "no_sync") and not last:
             return self.module.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):       # FSDP2
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -157,8 +196,9 @@ class Trainer:
             yield tuple(t.to(self.dist.device, non_blocking=True) for t in batch)
 
     def _loss(self, batch) -> torch.Tensor:
-        """Mean loss of one micro-batch: the next-token loss (:func:`ssmkit.eval.lm_loss`), or for SFT the
-        loss on the labelled (completion) tokens with ``seq_idx``, so the scan restarts at each sample."""
+        """Mean loss of one micro-batch: the next-token loss (:func:`ssmkit.eval.lm_loss`), or for
+        SFT the loss on the labelled (completion) tokens with ``seq_idx``, so the scan restarts at
+        each sample."""
         if len(batch) == 2:
             return lm_loss(self.module, *batch, self.config.loss_chunk_size)
         x, y, seq_idx = batch
@@ -166,32 +206,45 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self, until: int | None = None) -> list[dict]:
-        """Train to ``config.max_steps`` (or ``until``: stop early, e.g. to look at a notebook's plot, with
-        a checkpoint; the schedule is still the full run's). Returns the records of this call. With no step
-        left to take (a finished run resumed) it says so in one line and returns [] at once: no evaluation,
-        no checkpoint, no callbacks."""
+        """Train to ``config.max_steps`` (or ``until``: stop early, e.g. to look at a notebook's
+        plot, with a checkpoint; the schedule is still the full run's). Returns the records of this
+        call. With no step left to take (a finished run resumed) it says so in one line and returns
+        [] at once: no evaluation, no checkpoint, no callbacks."""
         cfg, d = self.config, self.dist
         self._start()
         total = cfg.total_steps()
         stop = total if until is None else min(until, total)
         first_record = len(self.history)
-        if self.step >= stop:                  # a finished run resumed: no evaluation or checkpoint again
+        if self.step >= stop:  # a finished run resumed: no evaluation or checkpoint again
             if d.is_main:
-                print(f"{self.name}: nothing to train, already at step {self.step} of "
-                      + (f"{total} (the run is finished; raise max_steps or max_tokens to go on)"
-                         if stop == total else f"{stop} (until={until})"), flush=True)
+                print(
+                    f"{self.name}: nothing to train, already at step {self.step} of "
+                    + (
+                        f"{total} (the run is finished; raise max_steps or max_tokens to go on)"
+                        if stop == total
+                        else f"{stop} (until={until})"
+                    ),
+                    flush=True,
+                )
             return []
         self._start_tracking()
-        bar = tqdm_bar(total=stop, initial=self.step, unit="step", disable=not (d.is_main and cfg.progress),
-                       desc=f"train {self.name}", dynamic_ncols=True)
-        with self.run_dir.hold():                                    # no other run writes out_dir meanwhile
+        bar = tqdm_bar(
+            total=stop,
+            initial=self.step,
+            unit="step",
+            disable=not (d.is_main and cfg.progress),
+            desc=f"train {self.name}",
+            dynamic_ncols=True,
+        )
+        with self.run_dir.hold():  # no other run writes out_dir meanwhile
             self.run_dir.check_owner()
             try:
                 self._loop(bar, stop, total)
-            except Exception:                                    # a failed replacement gives back the old run
+            except Exception:  # a failed replacement gives back the old run
                 if not self._committed:
                     self.run_dir.restore_previous(
-                        "the run that replaced it failed before its first checkpoint")
+                        "the run that replaced it failed before its first checkpoint"
+                    )
                 raise
             finally:
                 bar.close()
@@ -202,7 +255,8 @@ class Trainer:
         return self.history[first_record:]
 
     def _loop(self, bar, stop: int, total: int):
-        """Steps up to ``stop``, then a final evaluation and checkpoint (the loop of the module docstring)."""
+        """Steps up to ``stop``, then a final evaluation and checkpoint (the loop of the module
+        docstring)."""
         cfg, d = self.config, self.dist
         batches = self._batches(self.loader)
         if self.step == 0 and cfg.eval_every and self.val_loader is not None:
@@ -228,23 +282,31 @@ class Trainer:
                 continue
             self.bad_in_row = 0
             self.scaler.unscale_(self.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), cfg.grad_clip or float("inf")
+            )
             scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if scale is not None and self.scaler.get_scale() < scale:
-                self.scaler_skipped += 1              # inf/NaN gradients: no optimizer step, the scale halved
+                self.scaler_skipped += 1  # inf/NaN gradients: no optimizer step, the scale halved
             self.optimizer.zero_grad(set_to_none=True)
-            window.append((loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)))
+            window.append(
+                (loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            )
             if self.step % cfg.log_every == 0 or self.step == stop:
                 elapsed = time.perf_counter() - t0
                 record = self._log_record(window, lr, (self.tokens - tokens0) / max(elapsed, 1e-9))
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",     # shown at the next redraw
-                                tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    lr=f"{lr:.2e}",  # shown at the next redraw
+                    tok_s=f"{record['tokens_per_s']:,.0f}",
+                    refresh=False,
+                )
                 window = []
             if not window:
                 t0, tokens0 = time.perf_counter(), self.tokens
-            pause = time.perf_counter()                               # rates exclude eval and checkpoints
+            pause = time.perf_counter()  # rates exclude eval and checkpoints
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != stop:
                 self.evaluate()
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step != stop:
@@ -258,47 +320,79 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped += 1
         self.bad_in_row += 1
-        self._emit({"kind": "skip", "step": self.step, "tokens": self.tokens, "loss": loss,
-                    "skipped": self.skipped})
+        self._emit(
+            {
+                "kind": "skip",
+                "step": self.step,
+                "tokens": self.tokens,
+                "loss": loss,
+                "skipped": self.skipped,
+            }
+        )
         if self.dist.is_main:
-            warnings.warn(f"step {self.step}: loss is {loss}; step skipped ({self.bad_in_row} in a row)",
-                          stacklevel=2)
+            warnings.warn(
+                f"step {self.step}: loss is {loss}; step skipped ({self.bad_in_row} in a row)",
+                stacklevel=2,
+            )
         if self.bad_in_row >= self.config.max_bad_steps:
-            raise TrainingError(f"the loss was not finite for {self.bad_in_row} steps in a row (up to step "
-                                f"{self.step}); lower lr (now {self.config.lr}), use bf16 instead of fp16, "
-                                f"or raise max_bad_steps ({self.config.max_bad_steps})")
+            raise TrainingError(
+                f"the loss was not finite for {self.bad_in_row} steps in a row (up to step "
+                f"{self.step}); lower lr (now {self.config.lr}), use bf16 instead of fp16, "
+                f"or raise max_bad_steps ({self.config.max_bad_steps})"
+            )
 
     def _log_record(self, window, lr: float, tokens_per_s: float) -> dict:
-        record = {"kind": "train", "step": self.step, "tokens": self.tokens,
-                  "loss": sum(w[0] for w in window) / len(window), "lr": lr,
-                  "grad_norm": sum(w[1] for w in window) / len(window), "tokens_per_s": tokens_per_s,
-                  "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
-                  "peak_mem_mb": peak_memory_mb(self.dist.device), "skipped": self.skipped}
-        if self.scaler.is_enabled():                                 # fp16: the loss scale and its skips
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "tokens": self.tokens,
+            "loss": sum(w[0] for w in window) / len(window),
+            "lr": lr,
+            "grad_norm": sum(w[1] for w in window) / len(window),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
+            "peak_mem_mb": peak_memory_mb(self.dist.device),
+            "skipped": self.skipped,
+        }
+        if self.scaler.is_enabled():  # fp16: the loss scale and its skips
             record.update(grad_scale=self.scaler.get_scale(), scaler_skipped=self.scaler_skipped)
-        if self.dist.world_size > 1:                                 # every rank's, rank order (a collective)
-            record.update(rank_peak_mem_mb=gather_floats(record["peak_mem_mb"], self.dist.device),
-                          rank_state_mb=gather_floats(held_mb(self.model, self.optimizer), self.dist.device))
+        if self.dist.world_size > 1:  # every rank's, rank order (a collective)
+            record.update(
+                rank_peak_mem_mb=gather_floats(record["peak_mem_mb"], self.dist.device),
+                rank_state_mb=gather_floats(held_mb(self.model, self.optimizer), self.dist.device),
+            )
         self._emit(record)
         for cb in self.callbacks:
             getattr(cb, "on_log", lambda t, r: None)(self, record)
         return record
 
     def evaluate(self) -> dict | None:
-        """Mean validation loss over the first ``eval_batches`` micro-batches of the validation shards (all
-        ranks together, so any world size evaluates the same windows): :func:`ssmkit.eval.perplexity`; for
-        SFT the held-out completion loss of eval_batches x micro_batch samples (:func:`.sft_val_loss`)."""
+        """Mean validation loss over the first ``eval_batches`` micro-batches of the validation
+        shards (all ranks together, so any world size evaluates the same windows):
+        :func:`ssmkit.eval.perplexity`; for SFT the held-out completion loss of eval_batches x
+        micro_batch samples (:func:`.sft_val_loss`)."""
         if self.val_loader is None:
             return None
-        if self.sft:                                      # the held-out completion loss, samples one per row
-            result = sft_val_loss(self.module, self.val_loader, self.config, self.dist.device,
-                                  self._autocast_dtype())
+        if self.sft:  # the held-out completion loss, samples one per row
+            result = sft_val_loss(
+                self.module, self.val_loader, self.config, self.dist.device, self._autocast_dtype()
+            )
         else:
-            result = perplexity(self.module, self.val_loader, self.config.eval_batches,
-                                device=self.dist.device, dtype=self._autocast_dtype(),
-                                reduce=self.dist.all_reduce_mean)
-        record = {"kind": "eval", "step": self.step, "tokens": self.tokens, "val_loss": result["loss"],
-                  "val_ppl": result["ppl"]}
+            result = perplexity(
+                self.module,
+                self.val_loader,
+                self.config.eval_batches,
+                device=self.dist.device,
+                dtype=self._autocast_dtype(),
+                reduce=self.dist.all_reduce_mean,
+            )
+        record = {
+            "kind": "eval",
+            "step": self.step,
+            "tokens": self.tokens,
+            "val_loss": result["loss"],
+            "val_ppl": result["ppl"],
+        }
         self._emit(record)
         for cb in self.callbacks:
             getattr(cb, "on_eval", lambda t, r: None)(self, record)
@@ -311,7 +405,9 @@ class Trainer:
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self._wandb is not None:
-                values = {k: v for k, v in record.items() if k not in ("kind", "step") and v is not None}
+                values = {
+                    k: v for k, v in record.items() if k not in ("kind", "step") and v is not None
+                }
                 self._wandb.log(values, step=record["step"])
 
     def _start_tracking(self):
@@ -320,27 +416,48 @@ class Trainer:
         try:
             import wandb
         except ImportError:
-            warnings.warn("tracking=wandb but wandb is not installed (pip install wandb); training goes on "
-                          "without it", stacklevel=2)
+            warnings.warn(
+                "tracking=wandb but wandb is not installed (pip install wandb); training goes on "
+                "without it",
+                stacklevel=2,
+            )
             return
         os.environ.setdefault("WANDB_MODE", "offline")
-        self._wandb = wandb.init(project=self.config.wandb_project, config=self.config.to_dict(),
-                                 dir=str(self.out_dir), resume="allow")
+        self._wandb = wandb.init(
+            project=self.config.wandb_project,
+            config=self.config.to_dict(),
+            dir=str(self.out_dir),
+            resume="allow",
+        )
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "tokens": self.tokens, "skipped": self.skipped,
-                 "scaler_skipped": self.scaler_skipped,
-                 "bad_in_row": self.bad_in_row, "loader": self.loader.state_dict(),
-                 "scaler": self.scaler.state_dict(),
-                 "world_size": self.dist.world_size, "config": self.config.to_dict(),
-                 "tokenizer": loader_index(self.loader).get("tokenizer"),   # its files go into model/
-                 "base_fingerprint": self.base_fingerprint}                  # a LoRA run's base
+        state = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "skipped": self.skipped,
+            "scaler_skipped": self.scaler_skipped,
+            "bad_in_row": self.bad_in_row,
+            "loader": self.loader.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "world_size": self.dist.world_size,
+            "config": self.config.to_dict(),
+            "tokenizer": loader_index(self.loader).get("tokenizer"),  # its files go into model/
+            "base_fingerprint": self.base_fingerprint,
+        }  # a LoRA run's base
         self._start()
         with self.run_dir.hold():
-            path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, state, self.dist,
-                                   self.config.keep_last, adapter_only=self.lora)
+            path = checkpoint.save(
+                self.ckpt_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                state,
+                self.dist,
+                self.config.keep_last,
+                adapter_only=self.lora,
+            )
             self._committed = True
-            self.run_dir.committed()                                 # an overwritten run can go now
+            self.run_dir.committed()  # an overwritten run can go now
         return path
 
     # --- starting: a new run, or the one out_dir holds ---------------------------------------
@@ -351,14 +468,16 @@ class Trainer:
         refuses a run ``out_dir`` holds). ``config.yaml`` is written when the block succeeds; when
         it fails, the run ``out_dir`` held before is put back. Once per Trainer."""
         if self._started:
-            raise ValueError(f"this Trainer has already started its run in {self.out_dir}: "
-                             "resume() comes before the first fit(); to resume again, create a new "
-                             "Trainer")
+            raise ValueError(
+                f"this Trainer has already started its run in {self.out_dir}: "
+                "resume() comes before the first fit(); to resume again, create a new "
+                "Trainer"
+            )
         with self.run_dir.hold():
             self.run_dir.claim(resume, self.config.overwrite)
             try:
                 yield
-                if self.dist.is_main:                          # only once the run has (re)started
+                if self.dist.is_main:  # only once the run has (re)started
                     write_atomically(self.out_dir / "config.yaml", self.config.to_yaml())
             except Exception:
                 self.run_dir.restore_previous("this run failed to start")
@@ -370,7 +489,7 @@ class Trainer:
         """A Trainer not resumed starts a new run in ``out_dir`` when it first trains or saves."""
         if not self._started:
             with self._claimed(resume=False):
-                pass                                               # a new run: nothing to load
+                pass  # a new run: nothing to load
 
     def resume(self) -> bool:
         """Continue the run in ``out_dir`` from its latest checkpoint, before the first :meth:`fit`;
@@ -387,28 +506,35 @@ class Trainer:
             path = checkpoint.latest(self.ckpt_dir)
             if path is None:
                 if d.is_main:
-                    print(f"nothing to resume in {self.out_dir}: it holds no checkpoint; "
-                          "starting a new run from step 0", flush=True)
+                    print(
+                        f"nothing to resume in {self.out_dir}: it holds no checkpoint; "
+                        "starting a new run from step 0",
+                        flush=True,
+                    )
                 return False
-            checkpoint.verify_everywhere(path, d)                # before anything of it is read
+            checkpoint.verify_everywhere(path, d)  # before anything of it is read
             saved = read_json(path / "trainer.json", "checkpoint state")
-            checkpoint.check_model(path, self.model, saved.get("config"), self.config.to_dict(),
-                                   adapter_only=self.lora)
+            checkpoint.check_model(
+                path, self.model, saved.get("config"), self.config.to_dict(), adapter_only=self.lora
+            )
             theirs = saved.get("base_fingerprint")
             if self.lora and theirs != self.base_fingerprint:
-                raise ValueError(f"cannot resume {path}: its LoRA adapter was trained on another "
-                                 f"base model (fingerprint {theirs}, this base "
-                                 f"{self.base_fingerprint}); set base to the checkpoint the run "
-                                 "started from")
+                raise ValueError(
+                    f"cannot resume {path}: its LoRA adapter was trained on another "
+                    f"base model (fingerprint {theirs}, this base "
+                    f"{self.base_fingerprint}); set base to the checkpoint the run "
+                    "started from"
+                )
             position = self._loader_position(path, saved["loader"])
-            checkpoint.load(path, self.model, self.optimizer, d, verified=True,
-                            adapter_only=self.lora)
+            checkpoint.load(
+                path, self.model, self.optimizer, d, verified=True, adapter_only=self.lora
+            )
             self.step, self.tokens, self.skipped = saved["step"], saved["tokens"], saved["skipped"]
             self.bad_in_row = saved["bad_in_row"]
             self.scaler.load_state_dict(saved["scaler"])
-            self.scaler_skipped = saved.get("scaler_skipped", 0)   # absent from older checkpoints
+            self.scaler_skipped = saved.get("scaler_skipped", 0)  # absent from older checkpoints
             self.loader.epoch, self.loader.step = position
-            if d.is_main:             # the lines written after the checkpoint, and a torn last line
+            if d.is_main:  # the lines written after the checkpoint, and a torn last line
                 self.history = self.run_dir.truncate_metrics(self.step)
                 print(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
         self._committed = True
@@ -420,11 +546,17 @@ class Trainer:
         mine = self.loader.state_dict()
         for key in resume_keys(self.loader):
             if saved.get(key) != mine[key]:
-                raise ValueError(f"cannot resume {path}: its data loader had {key}={saved.get(key)!r}, this "
-                                 f"run has {mine[key]!r} (same data, seq_len and seed are needed)")
-        windows = saved["step"] * saved["batch_size"] * saved["world_size"]   # consumed this epoch, all ranks
+                raise ValueError(
+                    f"cannot resume {path}: its data loader had {key}={saved.get(key)!r}, this "
+                    f"run has {mine[key]!r} (same data, seq_len and seed are needed)"
+                )
+        windows = (
+            saved["step"] * saved["batch_size"] * saved["world_size"]
+        )  # consumed this epoch, all ranks
         per_step = self.loader.batch_size * self.loader.world_size
         if windows % per_step:
-            raise ValueError(f"cannot resume {path}: {windows} windows consumed is not a multiple of "
-                             f"micro_batch x world_size = {per_step}")
+            raise ValueError(
+                f"cannot resume {path}: {windows} windows consumed is not a multiple of "
+                f"micro_batch x world_size = {per_step}"
+            )
         return saved["epoch"], windows // per_step

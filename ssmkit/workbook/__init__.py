@@ -11,14 +11,14 @@ Modules, in the order a reader meets them:
 
 * :mod:`~ssmkit.workbook.chapters`: ``chNN_<name>.py`` per notebook: what it calls and its
   ``PARAMETERS``, declared once (default, check, help);
-* :mod:`~ssmkit.workbook.params`: :class:`Param` / :class:`Parameters` (a notebook's parameters: checked
-  in its first cell, written as its parameters cell), the checks every notebook shares, and how ``-p`` /
-  ``-f`` / papermill's injected values reach each notebook;
+* :mod:`~ssmkit.workbook.params`: :class:`Param` / :class:`Parameters` (a notebook's parameters:
+  checked in its first cell, written as its parameters cell), the checks every notebook shares, and
+  how ``-p`` / ``-f`` / papermill's injected values reach each notebook;
 * :mod:`~ssmkit.workbook.cells`: what the cells of every notebook share (:func:`train_config`,
   :func:`pick_device`, :func:`sample_text`, :func:`markdown_table`, :func:`format_duration`,
   :func:`write_metrics`);
-* :mod:`~ssmkit.workbook.launch`: :func:`launch_train`, ``ssmkit train --nproc N`` started from a cell, its
-  output streamed live, its summary returned; interrupting the cell stops every rank;
+* :mod:`~ssmkit.workbook.launch`: :func:`launch_train`, ``ssmkit train --nproc N`` started from a
+  cell, its output streamed live, its summary returned; interrupting the cell stops every rank;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
   :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`);
 * :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
@@ -28,8 +28,8 @@ Modules, in the order a reader meets them:
   :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends);
 * :mod:`~ssmkit.workbook.cli`: :func:`main`, ``ssmkit workbook run|strip``.
 
-papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run; the chapters
-(torch, the trainer) when a notebook imports one.
+papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run; the
+chapters (torch, the trainer) when a notebook imports one.
 """
 
 from .cells import (

@@ -55,8 +55,8 @@ def pick_device(device: str = "auto") -> str:
 
 
 def run_config_names() -> list[str]:
-    """The run configs a notebook's ``config`` may name: ``configs/*.yaml`` (cpu-tiny, mamba-130m, ...),
-    then the model presets (tiny, mamba2-130m, ...), each trained with the default recipe of
+    """The run configs a notebook's ``config`` may name: ``configs/*.yaml`` (cpu-tiny, mamba-130m,
+    ...), then the model presets (tiny, mamba2-130m, ...), each trained with the default recipe of
     :class:`~ssmkit.train.TrainConfig`."""
     from ..models import presets
 
@@ -65,12 +65,13 @@ def run_config_names() -> list[str]:
 
 
 def train_config(name: str, evals: int | None = None, **overrides):
-    """The :class:`ssmkit.train.TrainConfig` of the run config ``name``: ``configs/<name>.yaml`` with
-    ``overrides``, or, for a model preset (``tiny``, ``mamba-130m``, ...), the default recipe around it.
+    """The :class:`ssmkit.train.TrainConfig` of the run config ``name``: ``configs/<name>.yaml``
+    with ``overrides``, or, for a model preset (``tiny``, ``mamba-130m``, ...), the default recipe
+    around it.
 
-    ``max_tokens`` replaces the config's ``max_steps``/``max_tokens`` (the notebooks budget in tokens).
-    ``evals``: validation points over the run (sets ``eval_every`` to total steps // evals, at least 1).
-    A bad value raises :class:`WorkbookError` with TrainConfig's message.
+    ``max_tokens`` replaces the config's ``max_steps``/``max_tokens`` (the notebooks budget in
+    tokens). ``evals``: validation points over the run (sets ``eval_every`` to total steps // evals,
+    at least 1). A bad value raises :class:`WorkbookError` with TrainConfig's message.
     """
     from ..train import TrainConfig
 
@@ -106,11 +107,12 @@ def format_duration(seconds: float) -> str:
 
 
 def write_metrics(out_dir: str | Path, metrics: dict) -> Path:
-    """Write ``out_dir/metrics.json`` atomically (:func:`ssmkit.io.write_atomically`); returns its path.
+    """Write ``out_dir/metrics.json`` atomically (:func:`ssmkit.io.write_atomically`); returns its
+    path.
 
-    ``summary.md`` shows each metric with a unit read from its name (:func:`ssmkit.workbook.rundir.unit`):
-    ``*_loss`` nats/token, ``*tok_s`` tokens/s, ``*_seconds`` s, ``*params`` parameters, ``*_gb`` GiB,
-    ``tokens`` / ``*_tokens`` tokens, ``*_flops`` FLOPs."""
+    ``summary.md`` shows each metric with a unit read from its name
+    (:func:`ssmkit.workbook.rundir.unit`): ``*_loss`` nats/token, ``*tok_s`` tokens/s, ``*_seconds``
+    s, ``*params`` parameters, ``*_gb`` GiB, ``tokens`` / ``*_tokens`` tokens, ``*_flops`` FLOPs."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return write_atomically(

@@ -4,13 +4,14 @@
                         [--cell-timeout SECONDS] [--kernel NAME] [--quiet] [--progress] [--log-output]
     ssmkit workbook strip [NOTEBOOK ...]          # clear outputs before committing
 
-Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order, printing a line per notebook and one per
-code cell as it ends (``--quiet``: per notebook only). ``-p`` values are read with the
+Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order, printing a line per notebook and
+one per code cell as it ends (``--quiet``: per notebook only). ``-p`` values are read with the
 grammar of ``ssmkit train --set`` (:func:`ssmkit.checks.parse_value`: ``none``, ``true``, ``1e3``,
 ``[1, 2]``, ``"text"``); ``-f`` is a YAML params file. Exit status: 0 all ok, 1 a notebook failed
-(or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing),
-128 + signal number when interrupted (130, 143). The options are declared once, in
-:func:`add_run_arguments` and :func:`add_strip_arguments`; the ``ssmkit`` command's table names them.
+(or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing), 128 +
+signal number when interrupted (130, 143). The options are declared once, in
+:func:`add_run_arguments` and :func:`add_strip_arguments`; the ``ssmkit`` command's table names
+them.
 """
 
 from __future__ import annotations
@@ -30,24 +31,49 @@ __all__ = ["add_run_arguments", "add_strip_arguments", "main", "run", "strip"]
 
 def add_run_arguments(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``ssmkit workbook run``."""
-    run.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)")
-    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
-                     help="a parameter for the notebooks that declare it (repeatable); a TrainConfig key "
-                          "goes to the notebooks that train (their `overrides`); any other key is an error")
-    run.add_argument("-f", "--params-file",
-                     help="YAML file of parameters; each notebook gets the keys it declares, and a notebook "
-                          "that trains (declares `overrides`) TrainConfig keys too; other keys are errors")
-    run.add_argument("--out",
-                     help="run directory (default: runs/<timestamp>); one that holds a run is refused")
-    run.add_argument("--overwrite", action="store_true",
-                     help="replace the results of an earlier run in --out (never a file that no run wrote)")
-    run.add_argument("--kernel", help="a Jupyter kernel spec name (default: ipykernel on this Python)")
-    run.add_argument("--cell-timeout", metavar="SECONDS",
-                     help="seconds one cell may run, 0: no limit "
-                          f"(default: $SSMKIT_CELL_TIMEOUT or {DEFAULT_CELL_TIMEOUT})")
+    run.add_argument(
+        "notebooks", nargs="*", help="notebook paths (default: notebooks/NN_*.ipynb in order)"
+    )
+    run.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("KEY", "VALUE"),
+        help="a parameter for the notebooks that declare it (repeatable); a TrainConfig key "
+        "goes to the notebooks that train (their `overrides`); any other key is an error",
+    )
+    run.add_argument(
+        "-f",
+        "--params-file",
+        help="YAML file of parameters; each notebook gets the keys it declares, and a notebook "
+        "that trains (declares `overrides`) TrainConfig keys too; other keys are errors",
+    )
+    run.add_argument(
+        "--out", help="run directory (default: runs/<timestamp>); one that holds a run is refused"
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in --out (never a file that no run wrote)",
+    )
+    run.add_argument(
+        "--kernel", help="a Jupyter kernel spec name (default: ipykernel on this Python)"
+    )
+    run.add_argument(
+        "--cell-timeout",
+        metavar="SECONDS",
+        help="seconds one cell may run, 0: no limit "
+        f"(default: $SSMKIT_CELL_TIMEOUT or {DEFAULT_CELL_TIMEOUT})",
+    )
     run.add_argument("--quiet", action="store_true", help="one line per notebook, none per cell")
-    run.add_argument("--progress", action="store_true", help="papermill's progress bar over the cells")
-    run.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
+    run.add_argument(
+        "--progress", action="store_true", help="papermill's progress bar over the cells"
+    )
+    run.add_argument(
+        "--log-output", action="store_true", help="stream the notebooks' output to the terminal"
+    )
     return run
 
 
@@ -83,7 +109,7 @@ def run(args) -> int:
     128 + signal number when interrupted (130, 143)."""
     try:
         if args.cell_timeout is not None:
-            timeout_seconds(args.cell_timeout, "--cell-timeout")   # checked here to name the option
+            timeout_seconds(args.cell_timeout, "--cell-timeout")  # checked here to name the option
         shared = load_params_file(args.params_file) if args.params_file else {}
         for key, _ in args.parameter:
             if not key.isidentifier():
@@ -93,16 +119,26 @@ def run(args) -> int:
             import logging
 
             logging.basicConfig(level=logging.INFO, format="%(message)s")
-        summary = run_workbook(args.notebooks or None, params, args.out, shared=shared,
-                               kernel_name=args.kernel, cell_timeout=args.cell_timeout,
-                               overwrite=args.overwrite, progress=args.progress, log_output=args.log_output,
-                               quiet=args.quiet)
+        summary = run_workbook(
+            args.notebooks or None,
+            params,
+            args.out,
+            shared=shared,
+            kernel_name=args.kernel,
+            cell_timeout=args.cell_timeout,
+            overwrite=args.overwrite,
+            progress=args.progress,
+            log_output=args.log_output,
+            quiet=args.quiet,
+        )
     except WorkbookError as exc:
         return _fail(2, str(exc))
     except Interrupted as exc:
-        return _fail(128 + exc.signum, f"interrupted by {exc}; summary: "
-                                       f"{Path(exc.summary['run']) / 'summary.md'}")
-    except OSError as exc:                              # disk full, read-only or vanished directory
+        return _fail(
+            128 + exc.signum,
+            f"interrupted by {exc}; summary: {Path(exc.summary['run']) / 'summary.md'}",
+        )
+    except OSError as exc:  # disk full, read-only or vanished directory
         return _fail(1, describe_os_error(exc))
     print(f"summary: {Path(summary['run']) / 'summary.md'}")
     if summary["failed"]:
@@ -113,11 +149,13 @@ def run(args) -> int:
 def main(argv=None) -> None:
     """``python -m ssmkit.workbook run|strip ...`` (and ``ssmkit.workbook.main``): parse, then
     :func:`run` or :func:`strip`; exits with their status when it is not 0."""
-    parser = argparse.ArgumentParser(prog="ssmkit workbook",
-                                     description="run the notebooks headless with papermill")
+    parser = argparse.ArgumentParser(
+        prog="ssmkit workbook", description="run the notebooks headless with papermill"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_run_arguments(sub.add_parser("run",
-                                     help="execute notebooks into runs/NAME/ and write summary.md"))
+    add_run_arguments(
+        sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
+    )
     add_strip_arguments(sub.add_parser("strip", help="clear outputs and execution counts in place"))
     args = parser.parse_args(argv)
     status = strip(args) if args.command == "strip" else run(args)

@@ -1,5 +1,6 @@
-"""The Jupyter kernels a run starts: ipykernel on this interpreter by default, checked by name otherwise, and
-shut down so that none outlives its notebook (after a timeout, Ctrl-C or SIGTERM too).
+"""The Jupyter kernels a run starts: ipykernel on this interpreter by default, checked by name
+otherwise, and shut down so that none outlives its notebook (after a timeout, Ctrl-C or SIGTERM
+too).
 
 jupyter_client, ipykernel and zmq are imported only here, and only when a notebook runs.
 """
@@ -20,18 +21,20 @@ def check_kernel(name: str) -> None:
 
     specs = KernelSpecManager().find_kernel_specs()
     if name not in specs:
-        raise WorkbookError(f"no Jupyter kernel named {name!r}; "
-                            f"installed: {', '.join(sorted(specs)) or 'none'} "
-                            "(without --kernel: ipykernel on this Python)")
+        raise WorkbookError(
+            f"no Jupyter kernel named {name!r}; "
+            f"installed: {', '.join(sorted(specs)) or 'none'} "
+            "(without --kernel: ipykernel on this Python)"
+        )
 
 
 def kernel_manager_class(kernel_name: str | None, started: list, env: dict | None = None):
-    """The kernel manager of a run; each one is appended to ``started`` (see :func:`end_kernels`). ``env``:
-    environment variables its kernels get unless this process sets them (``SSMKIT_PROGRESS=text``). Without
-    ``kernel_name`` its kernel is ipykernel on *this* interpreter (whatever ``python3`` spec a user has). Its
-    shutdown interrupts a busy kernel and lets the interrupted cell answer before asking the kernel to exit
-    (after a timeout, Ctrl-C, SIGTERM) instead of racing it, which made the kernel print ZMQ errors
-    about a closed socket."""
+    """The kernel manager of a run; each one is appended to ``started`` (see :func:`end_kernels`).
+    ``env``: environment variables its kernels get unless this process sets them
+    (``SSMKIT_PROGRESS=text``). Without ``kernel_name`` its kernel is ipykernel on *this*
+    interpreter (whatever ``python3`` spec a user has). Its shutdown interrupts a busy kernel and
+    lets the interrupted cell answer before asking the kernel to exit (after a timeout, Ctrl-C,
+    SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -48,8 +51,11 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
 
         @property
         def kernel_spec(self):
-            return (super().kernel_spec if kernel_name
-                    else KernelSpec(resource_dir=RESOURCES, **get_kernel_dict()))
+            return (
+                super().kernel_spec
+                if kernel_name
+                else KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
+            )
 
         async def start_kernel(self, **kw) -> None:
             kw["env"] = {**(env or {}), **(kw.get("env") or os.environ)}
@@ -74,5 +80,5 @@ def end_kernels(started: list) -> None:
         try:
             if km.has_kernel:
                 run_sync(km.shutdown_kernel)(now=True)
-        except Exception:       # already gone
+        except Exception:  # already gone
             pass

@@ -1,37 +1,43 @@
-"""A notebook's parameters: declared once in its chapter, checked in its first cell, routed by the runner.
+"""A notebook's parameters: declared once in its chapter, checked in its first cell, routed by the
+runner.
 
-A chapter (``ssmkit/workbook/chapters/chNN_*.py``) declares its notebook's parameters once, each with its
-default, its check and one line of help::
+A chapter (``ssmkit/workbook/chapters/chNN_*.py``) declares its notebook's parameters once, each
+with its default, its check and one line of help::
 
     PARAMETERS = Parameters(
         Param("max_tokens", 250_000, checks.integer, "training tokens for each model", minimum=1),
         Param("device", "auto", check_device, "'auto': cuda if visible, else mps, else cpu; or 'cuda:1'"),
         ...)
 
-The notebook's ``parameters`` cell is that declaration written out (:meth:`Parameters.cell`; a test keeps
-the two equal, ``python -m ssmkit.workbook.chapters`` rewrites the cells), and its next cell checks them::
+The notebook's ``parameters`` cell is that declaration written out (:meth:`Parameters.cell`; a test
+keeps the two equal, ``python -m ssmkit.workbook.chapters`` rewrites the cells), and its next cell
+checks them::
 
-    p = chapter.PARAMETERS.check(globals())     # {name: checked value}; a bad one stops the notebook here
+    p = chapter.PARAMETERS.check(globals())     # {name: checked value}; a bad
+                                                # one stops the notebook here
 
 Rules, the same under ``ssmkit workbook run``, plain ``papermill`` and JupyterLab:
 
-* every parameter is checked; the first bad value raises one :class:`WorkbookError` line naming it and
-  what is valid. Text given for a parameter whose default is not text (``papermill -p nproc 2`` types
-  it, ``-p ssd_lengths "[64, 128]"`` does not) is read with the command-line grammar
+* every parameter is checked; the first bad value raises one :class:`WorkbookError` line naming it
+  and what is valid. Text given for a parameter whose default is not text (``papermill -p nproc 2``
+  types it, ``-p ssd_lengths "[64, 128]"`` does not) is read with the command-line grammar
   (:func:`ssmkit.checks.parse_value`) first;
-* a relative ``out_dir`` starts at the checkout's ``notebooks/`` folder (:func:`notebooks_dir`), whatever
-  the working directory of the process, so ``papermill notebooks/01_....ipynb out.ipynb`` run from the
-  repository root writes where JupyterLab does;
-* ``overrides`` holds more :class:`~ssmkit.train.TrainConfig` keys for a notebook that trains (a recipe's
-  ``micro_batch``, ``lr``, ...), checked against TrainConfig's fields (:func:`check_overrides`);
+* a relative ``out_dir`` starts at the checkout's ``notebooks/`` folder (:func:`notebooks_dir`),
+  whatever the working directory of the process, so ``papermill notebooks/01_....ipynb out.ipynb``
+  run from the repository root writes where JupyterLab does;
+* ``overrides`` holds more :class:`~ssmkit.train.TrainConfig` keys for a notebook that trains (a
+  recipe's ``micro_batch``, ``lr``, ...), checked against TrainConfig's fields
+  (:func:`check_overrides`);
 * under plain papermill, a name papermill injected that the notebook does not declare stops the run
-  (papermill only warns "Passed unknown parameter" and goes on with the defaults), except TrainConfig
-  keys, which join ``overrides`` (so ``-f params/gpu-a100.yaml`` works with papermill and with
-  ``ssmkit workbook run`` alike), and parameters of the workbook's other notebooks (a workbook-wide file
-  such as ``params/cpu.yaml``), which are noted as not used (:func:`injected_parameters`);
-* ``ssmkit workbook run -f FILE``: :func:`route_parameters` gives each notebook the keys it declares and
-  the TrainConfig keys (as ``overrides``) when it declares ``overrides``; a file key that no notebook of
-  the workbook declares and that is not a TrainConfig key is an error before anything runs.
+  (papermill only warns "Passed unknown parameter" and goes on with the defaults), except
+  TrainConfig keys, which join ``overrides`` (so ``-f params/gpu-a100.yaml`` works with papermill
+  and with ``ssmkit workbook run`` alike), and parameters of the workbook's other notebooks (a
+  workbook-wide file such as ``params/cpu.yaml``), which are noted as not used
+  (:func:`injected_parameters`);
+* ``ssmkit workbook run -f FILE``: :func:`route_parameters` gives each notebook the keys it declares
+  and the TrainConfig keys (as ``overrides``) when it declares ``overrides``; a file key that no
+  notebook of the workbook declares and that is not a TrainConfig key is an error before anything
+  runs.
 
 The checks every notebook shares are here (:func:`check_run_config`, :func:`check_data`,
 :func:`check_tokenizer`, :func:`check_device`, :func:`check_out_dir`, :func:`check_overrides`); a
@@ -75,24 +81,25 @@ __all__ = [
 INJECTED_HEADER = "# Parameters"  # the first line of the cell papermill injects (Python kernels)
 # TrainConfig keys a notebook sets itself from one of its parameters: not accepted in overrides
 NOTEBOOK_SETS = {"overwrite": "out_dir", "eval_every": "evals"}
-# TrainConfig keys that say WHAT a run trains from, not how: a params file's or papermill's loose key
-# reaches only a notebook that declares it (notebook 04's `base`), never a pretraining notebook's
-# overrides, where it would silently turn the run into a fine-tuning of another model (explicit
-# `overrides` may still set them)
+# TrainConfig keys that say WHAT a run trains from, not how: a params file's or papermill's loose
+# key reaches only a notebook that declares it (notebook 04's `base`), never a pretraining
+# notebook's overrides, where it would silently turn the run into a fine-tuning of another model
+# (explicit `overrides` may still set them)
 NOT_ROUTED = ("base", "lora")
 HELP_COLUMN = 35  # where a parameter's comment starts in the parameters cell
 LINE = 100  # the longest line of a written parameters cell
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-# --- a declared parameter ----------------------------------------------------------------------------
+# --- a declared parameter -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Param:
-    """One notebook parameter: its ``name``, ``default`` (a plain value: papermill's parameters cell holds
-    literals), ``check(value, name, **limits) -> the value to use`` (raising ValueError naming ``name``
-    and what is valid), one line of ``help`` for the cell's comment, and the check's ``limits``."""
+    """One notebook parameter: its ``name``, ``default`` (a plain value: papermill's parameters cell
+    holds literals), ``check(value, name, **limits) -> the value to use`` (raising ValueError naming
+    ``name`` and what is valid), one line of ``help`` for the cell's comment, and the check's
+    ``limits``."""
 
     name: str
     default: object
@@ -146,9 +153,10 @@ class Parameters:
         return {name: p.default for name, p in self.params.items()}
 
     def check(self, namespace: dict) -> dict:
-        """The declared parameters read from ``namespace`` (a notebook's ``globals()``) and checked: {name:
-        the value to use}. Under papermill the names it injected are compared with the declared ones first
-        (:func:`injected_parameters`). The first bad value raises :class:`WorkbookError`."""
+        """The declared parameters read from ``namespace`` (a notebook's ``globals()``) and checked:
+        {name: the value to use}. Under papermill the names it injected are compared with the
+        declared ones first (:func:`injected_parameters`). The first bad value raises
+        :class:`WorkbookError`."""
         missing = [n for n in self.params if n not in namespace]
         if missing:
             raise WorkbookError(
@@ -167,8 +175,8 @@ class Parameters:
         return out
 
     def cell(self) -> str:
-        """The source of the notebook's ``parameters`` cell: ``name = default`` with its help as a comment
-        starting at column :data:`HELP_COLUMN`, wrapped at :data:`LINE` characters."""
+        """The source of the notebook's ``parameters`` cell: ``name = default`` with its help as a
+        comment starting at column :data:`HELP_COLUMN`, wrapped at :data:`LINE` characters."""
         lines = []
         for p in self.params.values():
             code = f"{p.name} = {literal(p.default)}"
@@ -183,8 +191,8 @@ class Parameters:
 
 
 def literal(value) -> str:
-    """``value`` as it is written in a parameters cell: text in double quotes, ``1_200_000`` for large
-    integers, lists and mappings of those."""
+    """``value`` as it is written in a parameters cell: text in double quotes, ``1_200_000`` for
+    large integers, lists and mappings of those."""
     if isinstance(value, str):
         return json.dumps(value)
     if checks.is_integer(value):
@@ -196,18 +204,19 @@ def literal(value) -> str:
     return repr(value)
 
 
-# --- the checks every notebook shares -----------------------------------------------------------------
+# --- the checks every notebook shares -------------------------------------------------------------
 
 
 def notebooks_dir() -> Path:
-    """Where a relative ``out_dir`` starts: the checkout's ``notebooks/`` folder (a notebook's own folder
-    in JupyterLab), or the working directory when ssmkit is installed without a checkout."""
+    """Where a relative ``out_dir`` starts: the checkout's ``notebooks/`` folder (a notebook's own
+    folder in JupyterLab), or the working directory when ssmkit is installed without a checkout."""
     folder = PROJECT_ROOT / "notebooks"
     return folder if folder.is_dir() else Path.cwd()
 
 
 def resolve_out_dir(value) -> Path:
-    """``value`` as an absolute path: ``~`` expanded, a relative path taken from :func:`notebooks_dir`."""
+    """``value`` as an absolute path: ``~`` expanded, a relative path taken from
+    :func:`notebooks_dir`."""
     if not isinstance(value, (str, Path)) or not str(value):
         raise WorkbookError(f"out_dir must be a non-empty path; got {value!r}")
     path = Path(value).expanduser()
@@ -257,8 +266,9 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def check_tokenizer(value, name: str = "tokenizer") -> str:
-    """ "gpt2", "byte", "bpe-<N>" (N >= 257), an existing directory, or a hub id ``owner/name`` (accepted
-    as spelled when online; offline only if the hub cache holds it). Never touches the network."""
+    """ "gpt2", "byte", "bpe-<N>" (N >= 257), an existing directory, or a hub id ``owner/name``
+    (accepted as spelled when online; offline only if the hub cache holds it). Never touches the
+    network."""
     from ..env import offline
 
     if isinstance(value, str):
@@ -288,12 +298,14 @@ def check_tokenizer(value, name: str = "tokenizer") -> str:
 
 
 def check_device(value, name: str = "device") -> str:
-    """A device that exists here, ``"auto"`` resolved (:func:`~ssmkit.workbook.cells.pick_device`)."""
+    """A device that exists here, ``"auto"`` resolved
+    (:func:`~ssmkit.workbook.cells.pick_device`)."""
     return pick_device(value)
 
 
 def train_keys() -> list[str]:
-    """The fields of :class:`ssmkit.train.TrainConfig`: the keys ``overrides`` and a recipe file may set."""
+    """The fields of :class:`ssmkit.train.TrainConfig`: the keys ``overrides`` and a recipe file may
+    set."""
     import dataclasses
 
     from ..train import TrainConfig
@@ -302,16 +314,16 @@ def train_keys() -> list[str]:
 
 
 def routed_keys() -> set[str]:
-    """The TrainConfig keys a loose ``-f`` / papermill key may carry into a training notebook's overrides:
-    :func:`train_keys` but :data:`NOT_ROUTED`."""
+    """The TrainConfig keys a loose ``-f`` / papermill key may carry into a training notebook's
+    overrides: :func:`train_keys` but :data:`NOT_ROUTED`."""
     return set(train_keys()) - set(NOT_ROUTED)
 
 
 def check_overrides(value, name: str = "overrides", parameters=()) -> dict:
-    """``overrides`` checked: a mapping (or its YAML text, as ``papermill -p`` passes it) of TrainConfig keys,
-    none of them one of the notebook's ``parameters`` (set those directly) or a key the notebook sets
-    itself (:data:`NOTEBOOK_SETS`). The values are checked when the TrainConfig is built. (A notebook's
-    :class:`Parameters` fill in ``parameters``.)"""
+    """``overrides`` checked: a mapping (or its YAML text, as ``papermill -p`` passes it) of
+    TrainConfig keys, none of them one of the notebook's ``parameters`` (set those directly) or a
+    key the notebook sets itself (:data:`NOTEBOOK_SETS`). The values are checked when the
+    TrainConfig is built. (A notebook's :class:`Parameters` fill in ``parameters``.)"""
     if isinstance(value, str):
         value = checks.parse_value(value)
     if value is None:
@@ -354,13 +366,14 @@ def workbook_parameters(folders=None) -> set[str]:
     return names
 
 
-# --- what papermill injected -----------------------------------------------------------------------
+# --- what papermill injected ----------------------------------------------------------------------
 
 
 def injected_parameters() -> dict | None:
-    """The names and values papermill injected into this kernel's notebook: the last cell of IPython's input
-    history that starts with "# Parameters" and holds only ``name = value`` lines. None outside IPython
-    or when papermill injected nothing (JupyterLab, or papermill without parameters)."""
+    """The names and values papermill injected into this kernel's notebook: the last cell of
+    IPython's input history that starts with "# Parameters" and holds only ``name = value`` lines.
+    None outside IPython or when papermill injected nothing (JupyterLab, or papermill without
+    parameters)."""
     ipython = sys.modules.get("IPython")  # not imported: not in IPython
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
@@ -389,9 +402,9 @@ def injected_parameters() -> dict | None:
 
 
 def _with_injected(params: dict) -> dict:
-    """``params`` with what papermill injected beyond them: TrainConfig keys joined to ``overrides`` (when
-    the notebook has it), other notebooks' parameters noted as unused, anything else an error. Also sets
-    ``SSMKIT_PROGRESS=text`` under papermill (widget bars show frozen in its output)."""
+    """``params`` with what papermill injected beyond them: TrainConfig keys joined to ``overrides``
+    (when the notebook has it), other notebooks' parameters noted as unused, anything else an error.
+    Also sets ``SSMKIT_PROGRESS=text`` under papermill (widget bars show frozen in its output)."""
     injected = injected_parameters()
     if injected is None:
         return params
@@ -424,7 +437,7 @@ def _with_injected(params: dict) -> dict:
     return {**params, "overrides": {**(base or {}), **extra}}
 
 
-# --- a run's parameters, per notebook (ssmkit workbook run) -------------------------------------------
+# --- a run's parameters, per notebook (ssmkit workbook run) ---------------------------------------
 
 
 def route_parameters(
@@ -432,13 +445,14 @@ def route_parameters(
 ) -> tuple[dict, dict]:
     """The values each notebook gets, and the keys of ``shared`` it does not use.
 
-    declared: {notebook: its declared parameters}; parameters: explicit (``-p``); shared: a params file
-    (``-f``); workbook_names: the parameters of the workbook's other notebooks (a workbook-wide file may
-    hold them). A notebook gets the keys it declares (explicit ones win) and, when it declares
-    ``overrides``, the TrainConfig keys it does not declare, merged into ``overrides`` (the notebook's
-    default, then the file's ``overrides`` and loose keys, then the explicit ones). Raises
-    :class:`WorkbookError`, before anything runs, for an explicit key no notebook of the run takes, a file
-    key that is neither a parameter of the workbook nor a TrainConfig key, or a bad ``overrides``.
+    declared: {notebook: its declared parameters}; parameters: explicit (``-p``); shared: a params
+    file (``-f``); workbook_names: the parameters of the workbook's other notebooks (a workbook-wide
+    file may hold them). A notebook gets the keys it declares (explicit ones win) and, when it
+    declares ``overrides``, the TrainConfig keys it does not declare, merged into ``overrides`` (the
+    notebook's default, then the file's ``overrides`` and loose keys, then the explicit ones).
+    Raises :class:`WorkbookError`, before anything runs, for an explicit key no notebook of the run
+    takes, a file key that is neither a parameter of the workbook nor a TrainConfig key, or a bad
+    ``overrides``.
     """
     known = set().union(*declared.values())
     train = routed_keys()

@@ -1,12 +1,12 @@
-"""What a headless run tells a person while it runs: a line per code cell, and a warning when a notebook
-took far longer than its stated CPU time.
+"""What a headless run tells a person while it runs: a line per code cell, and a warning when a
+notebook took far longer than its stated CPU time.
 
     01_prototype_130m [4/12] cell 'train_dir, val_dir = ssmkit.train.prepare_data(cfg)' 3.2 s
-    01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' running for 1 min ...
-    01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' 212.5 s
+    01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' running for 1 min
+    ... 01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' 212.5 s
 
-A cell still running after :data:`FIRST_NOTICE` seconds says so, then every :data:`NOTICE_EVERY` seconds,
-so a log never goes quiet for long. A notebook states its CPU time in its metadata
+A cell still running after :data:`FIRST_NOTICE` seconds says so, then every :data:`NOTICE_EVERY`
+seconds, so a log never goes quiet for long. A notebook states its CPU time in its metadata
 (``metadata.ssmkit.cpu_seconds``: measured on a 2-core machine with ``params/cpu.yaml``);
 :func:`slow_warning` flags a CPU run that took more than :data:`SLOW_FACTOR` times that.
 """
@@ -22,31 +22,38 @@ from .cells import format_duration
 
 __all__ = ["FIRST_NOTICE", "NOTICE_EVERY", "SLOW_FACTOR", "CellLines", "cell_label", "slow_warning"]
 
-FIRST_NOTICE = 60.0           # s: a cell running this long gets a "running for" line
-NOTICE_EVERY = 300.0          # s: and another one this often
-SLOW_FACTOR = 3.0             # a CPU run this many times slower than the stated CPU time is flagged
+FIRST_NOTICE = 60.0  # s: a cell running this long gets a "running for" line
+NOTICE_EVERY = 300.0  # s: and another one this often
+SLOW_FACTOR = 3.0  # a CPU run this many times slower than the stated CPU time is flagged
 
 
 def cell_label(source: str, tags=(), width: int = 48) -> str:
-    """A cell as one short line: "parameters", "parameters (injected)" (papermill's cell), else its first line
-    of code after the imports, cut to ``width`` characters."""
+    """A cell as one short line: "parameters", "parameters (injected)" (papermill's cell), else its
+    first line of code after the imports, cut to ``width`` characters."""
     if "injected-parameters" in tags or source.startswith("# Parameters"):
         return "parameters (injected)"
     if "parameters" in tags:
         return "parameters"
-    lines = [ln.strip() for ln in source.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    lines = [
+        ln.strip() for ln in source.splitlines() if ln.strip() and not ln.strip().startswith("#")
+    ]
     code = [ln for ln in lines if not ln.startswith(("import ", "from "))] or lines
     line = code[0] if code else ""
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 class CellLines:
-    """nbclient hooks (:meth:`hooks`) that print one line per code cell of notebook ``name`` when it ends,
-    with its time, and "running for ..." lines for a long one. Call :meth:`stop` when the notebook ends,
-    however it ends (a timeout or a signal skips the last hook)."""
+    """nbclient hooks (:meth:`hooks`) that print one line per code cell of notebook ``name`` when it
+    ends, with its time, and "running for ..." lines for a long one. Call :meth:`stop` when the
+    notebook ends, however it ends (a timeout or a signal skips the last hook)."""
 
-    def __init__(self, name: str, stream=None, first_notice: float = FIRST_NOTICE,
-                 notice_every: float = NOTICE_EVERY):
+    def __init__(
+        self,
+        name: str,
+        stream=None,
+        first_notice: float = FIRST_NOTICE,
+        notice_every: float = NOTICE_EVERY,
+    ):
         self.name, self.stream = name, stream
         self.first_notice, self.notice_every = first_notice, notice_every
         self.total = self.index = 0
@@ -54,12 +61,18 @@ class CellLines:
         self.lock = threading.Lock()
 
     def hooks(self) -> dict:
-        return {"on_notebook_start": self._notebook, "on_cell_execute": self._start,
-                "on_cell_executed": self._done}
+        return {
+            "on_notebook_start": self._notebook,
+            "on_cell_execute": self._start,
+            "on_cell_executed": self._done,
+        }
 
     def _print(self, text: str) -> None:
-        print(f"  {self.name} [{self.index}/{self.total}] cell {self.label!r} {text}",
-              file=self.stream or sys.stdout, flush=True)
+        print(
+            f"  {self.name} [{self.index}/{self.total}] cell {self.label!r} {text}",
+            file=self.stream or sys.stdout,
+            flush=True,
+        )
 
     def _notebook(self, notebook, **_):
         self.total = sum(c.cell_type == "code" and bool(c.source.strip()) for c in notebook.cells)
@@ -78,7 +91,7 @@ class CellLines:
 
     def _notice(self, index: int) -> None:
         with self.lock:
-            if index != self.index or self.started is None:      # that cell has ended
+            if index != self.index or self.started is None:  # that cell has ended
                 return
             self._print(f"running for {format_duration(time.perf_counter() - self.started)} ...")
             self._arm(self.notice_every)
@@ -101,11 +114,15 @@ class CellLines:
             self.started = None
 
 
-def slow_warning(name: str, seconds: float | None, stated: float | None, device: str | None) -> str | None:
-    """A line when a CPU run of notebook ``name`` took more than :data:`SLOW_FACTOR` x its stated CPU time;
-    None otherwise (also on a GPU, or when either time is unknown)."""
+def slow_warning(
+    name: str, seconds: float | None, stated: float | None, device: str | None
+) -> str | None:
+    """A line when a CPU run of notebook ``name`` took more than :data:`SLOW_FACTOR` x its stated
+    CPU time; None otherwise (also on a GPU, or when either time is unknown)."""
     if device != "cpu" or not seconds or not stated or seconds <= SLOW_FACTOR * stated:
         return None
-    return (f"{name} ran {format_duration(seconds)} on CPU, {seconds / stated:.1f}x its stated CPU time "
-            f"(~{format_duration(stated)}, measured on 2 cores with params/cpu.yaml): the machine was busy "
-            f"or slower ({os.cpu_count()} CPUs here), or the parameters ask for more than the CPU defaults")
+    return (
+        f"{name} ran {format_duration(seconds)} on CPU, {seconds / stated:.1f}x its stated CPU time "
+        f"(~{format_duration(stated)}, measured on 2 cores with params/cpu.yaml): the machine was busy "
+        f"or slower ({os.cpu_count()} CPUs here), or the parameters ask for more than the CPU defaults"
+    )

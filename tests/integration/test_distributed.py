@@ -24,16 +24,34 @@ pytestmark = pytest.mark.slow
 def shards(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist-shards")
     prepare("stdlib-docs", "byte", base / "train", max_tokens=40_000, progress=False)
-    prepare("stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False)
+    prepare(
+        "stdlib-docs", "byte", base / "val", split="validation", max_tokens=8_000, progress=False
+    )
     return base
 
 
 def config(path: Path, shards: Path, **kw) -> Path:
-    cfg = TrainConfig(**{**dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2},
-                                data=str(shards / "train"), val_data=str(shards / "val"),
-                                seq_len=32, micro_batch=4, batch_tokens=512,
-                                warmup_steps=2, max_steps=4, log_every=1, eval_every=0, eval_batches=2,
-                                progress=False, out_dir=str(path / "run")), **kw})
+    cfg = TrainConfig(
+        **{
+            **dict(
+                model="tiny",
+                model_overrides={"d_model": 32, "n_layer": 2},
+                data=str(shards / "train"),
+                val_data=str(shards / "val"),
+                seq_len=32,
+                micro_batch=4,
+                batch_tokens=512,
+                warmup_steps=2,
+                max_steps=4,
+                log_every=1,
+                eval_every=0,
+                eval_batches=2,
+                progress=False,
+                out_dir=str(path / "run"),
+            ),
+            **kw,
+        }
+    )
     path.mkdir(parents=True, exist_ok=True)
     (path / "c.yaml").write_text(cfg.to_yaml())
     return path / "c.yaml"
@@ -60,19 +78,24 @@ def single(tmp_path_factory, shards):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, shards, single, strategy):
-    # micro_batch 4 x 2 ranks x 2 accumulation steps x 32 tokens = 512, as 4 x 1 x 4 x 32 in one process
+    # micro_batch 4 x 2 ranks x 2 accumulation steps x 32 tokens = 512, as 4 x 1 x 4 x 32 in one
+    # process
     two = train(config(tmp_path, shards, strategy=strategy), nproc=2)
     assert len(losses(two)) == 4
     assert losses(two) == pytest.approx(losses(single), abs=2e-5)
-    assert losses(two, "eval", "val_loss") == pytest.approx(losses(single, "eval", "val_loss"), abs=2e-5)
+    assert losses(two, "eval", "val_loss") == pytest.approx(
+        losses(single, "eval", "val_loss"), abs=2e-5
+    )
 
 
 def test_fsdp_checkpoint_resumes_in_one_process(tmp_path, shards, single):
     cfg = config(tmp_path, shards, strategy="fsdp")
-    train(cfg, "--set", "max_steps=4", "--set", "ckpt_every=2", nproc=2)     # checkpoints at steps 2 and 4
+    train(
+        cfg, "--set", "max_steps=4", "--set", "ckpt_every=2", nproc=2
+    )  # checkpoints at steps 2 and 4
     ckpts = tmp_path / "run" / "checkpoints"
-    (ckpts / "latest").write_text("step_00000002\n")                        # go back to step 2 ...
-    cfg1 = config(tmp_path, shards, strategy="single")                         # ... in one process
+    (ckpts / "latest").write_text("step_00000002\n")  # go back to step 2 ...
+    cfg1 = config(tmp_path, shards, strategy="single")  # ... in one process
     resumed = train(cfg1, "--resume")
     assert [r["step"] for r in resumed if r["kind"] == "train"] == [1, 2, 3, 4]
     assert losses(resumed) == pytest.approx(losses(single), abs=2e-5)

@@ -1,6 +1,7 @@
-"""The notebooks open in JupyterLab: a real ``jupyter lab`` server (the one ``make lab`` starts) serves the
-Lab page, lists the workbook's notebooks, returns each one parseable, offers the kernel its metadata names,
-and starts that kernel. (Execution itself is tested under papermill in test_notebooks.py.)
+"""The notebooks open in JupyterLab: a real ``jupyter lab`` server (the one ``make lab`` starts)
+serves the Lab page, lists the workbook's notebooks, returns each one parseable, offers the kernel
+its metadata names, and starts that kernel. (Execution itself is tested under papermill in
+test_notebooks.py.)
 """
 
 import json
@@ -29,12 +30,29 @@ def free_port() -> int:
 def lab(tmp_path_factory):
     port = free_port()
     home = tmp_path_factory.mktemp("jupyter-home")
-    env = {"JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-           "HOME": str(home), "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
-    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-                             f"--port={port}", "--ip=127.0.0.1",
-                             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={ROOT}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "HOME": str(home),
+        "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ServerApp.root_dir={ROOT}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -53,8 +71,9 @@ def lab(tmp_path_factory):
 
 
 def get(base: str, path: str, method: str = "GET"):
-    req = urllib.request.Request(f"{base}{path}?token={TOKEN}", method=method,
-                                 data=b"{}" if method == "POST" else None)
+    req = urllib.request.Request(
+        f"{base}{path}?token={TOKEN}", method=method, data=b"{}" if method == "POST" else None
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         body = resp.read().decode()
         return resp.status, body
@@ -71,7 +90,9 @@ def test_lab_serves_the_workbook(lab):
     for name in sorted(expected):
         nb = json.loads(get(lab, f"/api/contents/notebooks/{name}")[1])
         assert nb["type"] == "notebook" and nb["content"]["cells"]
-        assert nb["content"]["metadata"]["kernelspec"]["name"] in specs, f"{name}: its kernel is not offered"
+        assert nb["content"]["metadata"]["kernelspec"]["name"] in specs, (
+            f"{name}: its kernel is not offered"
+        )
 
 
 def test_lab_starts_the_notebooks_kernel(lab):

@@ -1,9 +1,10 @@
 """ssmkit.workbook.launch: ``ssmkit train --nproc N`` started from a notebook cell as a subprocess.
 
-A real 2-process gloo run of a tiny config returns its metrics (the same losses as one process, to fp32
-rounding: see test_distributed.py); interrupting the cell (SIGINT to the kernel: KeyboardInterrupt) stops
-every process of the run, launcher and ranks, and re-raises; a run that fails raises LaunchError with its
-ranks' messages; a config that cannot load fails before anything starts.
+A real 2-process gloo run of a tiny config returns its metrics (the same losses as one process, to
+fp32 rounding: see test_distributed.py); interrupting the cell (SIGINT to the kernel:
+KeyboardInterrupt) stops every process of the run, launcher and ranks, and re-raises; a run that
+fails raises LaunchError with its ranks' messages; a config that cannot load fails before anything
+starts.
 """
 
 from __future__ import annotations
@@ -23,10 +24,22 @@ pytestmark = pytest.mark.slow
 
 
 def tiny(shards, tmp_path, **kw) -> TrainConfig:
-    base = dict(model="tiny", model_overrides={"d_model": 32, "n_layer": 2}, data=str(shards / "train"),
-                val_data=str(shards / "val"), seq_len=32, micro_batch=4, batch_tokens=512, warmup_steps=2,
-                max_steps=4, log_every=1, eval_every=0, eval_batches=2, progress=False,
-                out_dir=str(tmp_path / "run"))
+    base = dict(
+        model="tiny",
+        model_overrides={"d_model": 32, "n_layer": 2},
+        data=str(shards / "train"),
+        val_data=str(shards / "val"),
+        seq_len=32,
+        micro_batch=4,
+        batch_tokens=512,
+        warmup_steps=2,
+        max_steps=4,
+        log_every=1,
+        eval_every=0,
+        eval_batches=2,
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -35,37 +48,49 @@ def test_two_processes_return_the_runs_metrics(shards, tmp_path, capsys):
     one = launch_train(cfg, nproc=1, out_dir=tmp_path / "one", overrides={"strategy": "single"})
     two = launch_train(cfg, nproc=2)
     shown = capsys.readouterr().out
-    assert "--nproc 2" in shown and "launching 2 processes" in shown      # the command and torchrun's line
-    assert "step 4: loss" in shown and "validation loss" in shown          # records shown as they came
+    assert (
+        "--nproc 2" in shown and "launching 2 processes" in shown
+    )  # the command and torchrun's line
+    assert "step 4: loss" in shown and "validation loss" in shown  # records shown as they came
     losses = [[r["loss"] for r in run["history"] if r["kind"] == "train"] for run in (one, two)]
     assert len(losses[1]) == 4 and losses[1] == pytest.approx(losses[0], abs=2e-5)
-    assert two["final_loss"] == losses[1][-1] and two["val_loss"] == pytest.approx(one["val_loss"], abs=2e-5)
+    assert two["final_loss"] == losses[1][-1] and two["val_loss"] == pytest.approx(
+        one["val_loss"], abs=2e-5
+    )
     assert two["steps"] == 4 and two["tokens"] == 4 * 512 and two["train_tok_s"] > 0
     assert len(two["rank_peak_mem_mb"]) == 2 and all(m > 0 for m in two["rank_peak_mem_mb"])
-    assert "rank_peak_mem_mb" not in one                                     # one process: no ranks
-    assert (tmp_path / "run" / "launch.yaml").exists() and two["out_dir"] == (tmp_path / "run").resolve()
+    assert "rank_peak_mem_mb" not in one  # one process: no ranks
+    assert (tmp_path / "run" / "launch.yaml").exists() and two["out_dir"] == (
+        tmp_path / "run"
+    ).resolve()
     assert TrainConfig.from_yaml(tmp_path / "run" / "config.yaml").strategy == "ddp"
 
 
 def test_fsdp_ranks_hold_half_the_state(shards, tmp_path):
-    runs = {s: launch_train(tiny(shards, tmp_path, strategy=s, max_steps=2, out_dir=str(tmp_path / s)),
-                            nproc=2, show=False) for s in ("ddp", "fsdp")}
+    runs = {
+        s: launch_train(
+            tiny(shards, tmp_path, strategy=s, max_steps=2, out_dir=str(tmp_path / s)),
+            nproc=2,
+            show=False,
+        )
+        for s in ("ddp", "fsdp")
+    }
     ddp, fsdp = runs["ddp"]["rank_state_mb"], runs["fsdp"]["rank_state_mb"]
-    assert ddp[0] == ddp[1] and sum(fsdp) == pytest.approx(ddp[0], rel=0.02)   # sharded: 1/2 each
+    assert ddp[0] == ddp[1] and sum(fsdp) == pytest.approx(ddp[0], rel=0.02)  # sharded: 1/2 each
 
 
 def children() -> set[int]:
-    """This test process's live descendants. A test compares them with those alive before it launched: an
-    earlier test in the same session may have left a helper running (multiprocessing's resource tracker
-    lives as long as the interpreter), which is not the run's to stop."""
+    """This test process's live descendants. A test compares them with those alive before it
+    launched: an earlier test in the same session may have left a helper running (multiprocessing's
+    resource tracker lives as long as the interpreter), which is not the run's to stop."""
     return set(process_tree(os.getpid())[1:])
 
 
 @pytest.fixture
 def sigint_raises():
-    """SIGINT raises KeyboardInterrupt in this test, as in a Jupyter kernel: a process started in the
-    background by a non-interactive shell (``pytest &``, some CI runners) inherits SIGINT ignored, and Python
-    keeps it ignored (the full suite then hung here, training on)."""
+    """SIGINT raises KeyboardInterrupt in this test, as in a Jupyter kernel: a process started in
+    the background by a non-interactive shell (``pytest &``, some CI runners) inherits SIGINT
+    ignored, and Python keeps it ignored (the full suite then hung here, training on)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
@@ -74,13 +99,15 @@ def sigint_raises():
 def test_interrupting_the_cell_stops_every_rank(shards, tmp_path, sigint_raises):
     cfg = tiny(shards, tmp_path, strategy="ddp", max_steps=2_000, log_every=1)
     seen: list[int] = []
-    before = children()                         # helpers an earlier test left (a multiprocessing tracker)
+    before = children()  # helpers an earlier test left (a multiprocessing tracker)
 
-    def interrupt():                            # the cell's stop button: SIGINT to the kernel's main thread
+    def interrupt():  # the cell's stop button: SIGINT to the kernel's main thread
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             tree = [p for p in children() if p not in before]
-            if len(tree) >= 3 and (tmp_path / "run" / "metrics.jsonl").exists():    # launcher + 2 ranks
+            if (
+                len(tree) >= 3 and (tmp_path / "run" / "metrics.jsonl").exists()
+            ):  # launcher + 2 ranks
                 seen.extend(tree)
                 break
             time.sleep(0.2)
@@ -99,16 +126,19 @@ def test_interrupting_the_cell_stops_every_rank(shards, tmp_path, sigint_raises)
 
 
 def test_stop_escalates_when_sigint_is_ignored(tmp_path):
-    """A process that ignores SIGINT gets SIGTERM after the grace period (and SIGKILL after that)."""
+    """A process that ignores SIGINT gets SIGTERM after the grace period (and SIGKILL after
+    that)."""
     import sys
 
-    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "time.sleep(60)'], start_new_session=True); time.sleep(60)")
+    code = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "time.sleep(60)'], start_new_session=True); time.sleep(60)"
+    )
     run = launch.Launch([sys.executable, "-c", code], tmp_path, show=False, grace=0.5).start()
     deadline = time.monotonic() + 30
-    while len(run.pids()) < 2 and time.monotonic() < deadline:       # the child in a session of its own
+    while len(run.pids()) < 2 and time.monotonic() < deadline:  # the child in a session of its own
         time.sleep(0.05)
     found = run.stop()
     assert len(found) == 2 and not [p for p in found if _alive(p)]
@@ -117,7 +147,7 @@ def test_stop_escalates_when_sigint_is_ignored(tmp_path):
 def test_a_failing_run_raises_with_the_ranks_message(shards, tmp_path):
     cfg = tiny(shards, tmp_path, strategy="fsdp", data=str(tmp_path / "no-such-corpus"))
     before = children()
-    (tmp_path / "bad.yaml").write_text(cfg.to_yaml())                        # a config file this time
+    (tmp_path / "bad.yaml").write_text(cfg.to_yaml())  # a config file this time
     with pytest.raises(LaunchError, match="unknown source") as info:
         launch_train(tmp_path / "bad.yaml", nproc=2, show=False)
     assert str((tmp_path / "bad.yaml").resolve()) in info.value.command
@@ -139,9 +169,22 @@ def test_bad_configs_fail_before_anything_starts(shards, tmp_path):
 
 
 def test_overrides_become_set_items():
-    assert _set_items({"lr": 1e-5, "betas": [0.9, 0.95], "val_data": None, "data": "x y",
-                       "model_overrides": {"d_model": 64}}) == \
-        ["lr=1e-05", "betas=[0.9, 0.95]", "val_data=null", "data=x y", "model_overrides.d_model=64"]
-    cfg = TrainConfig.from_dict({"max_steps": 1}, overrides=_set_items({"lr": 1e-5, "betas": [0.9, 0.95],
-                                                                       "val_data": None}))
+    assert _set_items(
+        {
+            "lr": 1e-5,
+            "betas": [0.9, 0.95],
+            "val_data": None,
+            "data": "x y",
+            "model_overrides": {"d_model": 64},
+        }
+    ) == [
+        "lr=1e-05",
+        "betas=[0.9, 0.95]",
+        "val_data=null",
+        "data=x y",
+        "model_overrides.d_model=64",
+    ]
+    cfg = TrainConfig.from_dict(
+        {"max_steps": 1}, overrides=_set_items({"lr": 1e-5, "betas": [0.9, 0.95], "val_data": None})
+    )
     assert (cfg.lr, cfg.betas, cfg.val_data) == (1e-5, (0.9, 0.95), None)

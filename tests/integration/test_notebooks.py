@@ -1,17 +1,18 @@
-"""Every notebook in notebooks/: committed clean and well-formed, and it runs top to bottom under papermill.
+"""Every notebook in notebooks/: committed clean and well-formed, and it runs top to bottom under
+papermill.
 
-Structure (the conventions in docs/workbook.md): no outputs or execution counts; exactly one cell tagged
-``parameters`` holding plain values with a comment each, including config, data, max_tokens,
+Structure (the conventions in docs/workbook.md): no outputs or execution counts; exactly one cell
+tagged ``parameters`` holding plain values with a comment each, including config, data, max_tokens,
 device ("auto"), out_dir and seed (written from its chapter's declaration: tests/unit/workbook/
 test_params.py); the first code cell after it imports the notebook's own chapter and checks every
 parameter with ``chapter.PARAMETERS.check(globals())``; a stated CPU time in the metadata
-(``ssmkit.cpu_seconds``); no ``sys.path`` hacks; no hard-coded "cuda" device strings; imports of ssmkit's
-public API (and the notebook's chapter) only; no functions or
-classes defined in cells (they belong in the library); short cells. Execution: each notebook under
-papermill on CPU with params/ci.yaml (the keys it declares; a notebook that trains gets the file's
-TrainConfig keys through its ``overrides``, and they reach the run's config.yaml), failing on any
-cell error, writing out_dir/metrics.json; and a bad ``device`` stops it in the first cell after the
-parameters with ssmkit's error.
+(``ssmkit.cpu_seconds``); no ``sys.path`` hacks; no hard-coded "cuda" device strings; imports of
+ssmkit's public API (and the notebook's chapter) only; no functions or classes defined in cells
+(they belong in the library); short cells. Execution: each notebook under papermill on CPU with
+params/ci.yaml (the keys it declares; a notebook that trains gets the file's TrainConfig keys
+through its ``overrides``, and they reach the run's config.yaml), failing on any cell error, writing
+out_dir/metrics.json; and a bad ``device`` stops it in the first cell after the parameters with
+ssmkit's error.
 
 New notebooks are picked up automatically; params/ci.yaml holds their small CI parameters.
 """
@@ -34,7 +35,7 @@ from ssmkit import workbook  # noqa: E402
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 REQUIRED = {"config", "data", "max_tokens", "device", "out_dir", "seed"}
-MAX_CELL_LINES = 15          # lines of logic per code cell; longer belongs in ssmkit
+MAX_CELL_LINES = 15  # lines of logic per code cell; longer belongs in ssmkit
 DEVICE_STRING = re.compile(r"cuda(:\d*)?", re.IGNORECASE)
 
 
@@ -60,11 +61,15 @@ def test_structure(path):
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", "kernelspec must be python3"
     assert re.fullmatch(r"\d\d_[a-z0-9_]+", path.stem), "name notebooks NN_topic.ipynb"
     dirty = [i for i, cell in code_cells(nb) if cell.outputs or cell.execution_count is not None]
-    assert not dirty, (f"{path.name}: cells {dirty} hold outputs or execution counts (saved by JupyterLab or "
-                       "papermill): close the notebook in JupyterLab (its autosave would write them back), "
-                       "run `make strip`, then commit")
+    assert not dirty, (
+        f"{path.name}: cells {dirty} hold outputs or execution counts (saved by JupyterLab or "
+        "papermill): close the notebook in JupyterLab (its autosave would write them back), "
+        "run `make strip`, then commit"
+    )
     assert "papermill" not in nb.metadata, "metadata of a papermill run: run `make strip`"
-    assert set(nb.metadata.get("language_info", {})) <= {"name"}, "a kernel's metadata: run `make strip`"
+    assert set(nb.metadata.get("language_info", {})) <= {"name"}, (
+        "a kernel's metadata: run `make strip`"
+    )
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{len(tagged)} cells tagged `parameters`; exactly one is needed"
 
@@ -77,42 +82,57 @@ def test_parameters_cell(path):
     tree = parse(cell.source)
     names = {}
     for node in tree.body:
-        assert (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)), \
-            f"parameters cell: only `name = value` lines, got {ast.unparse(node)!r}"
+        assert (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ), f"parameters cell: only `name = value` lines, got {ast.unparse(node)!r}"
         try:
             names[node.targets[0].id] = ast.literal_eval(node.value)
         except ValueError:
-            raise AssertionError(f"parameters cell: plain values only, got {ast.unparse(node)!r}") from None
+            raise AssertionError(
+                f"parameters cell: plain values only, got {ast.unparse(node)!r}"
+            ) from None
     for line in cell.source.splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
             assert "#" in line, f"parameters cell: every value needs a comment: {line!r}"
     assert REQUIRED <= set(names), f"parameters cell lacks {sorted(REQUIRED - set(names))}"
-    assert names["device"] == "auto", "the default device must be 'auto' (a fallback, never hard-coded)"
+    assert names["device"] == "auto", (
+        "the default device must be 'auto' (a fallback, never hard-coded)"
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_check_cell_checks_every_parameter_with_the_notebooks_chapter(path):
-    """So that each one is checked, and names papermill injected are compared with all of them: the first
-    code cell after the parameters imports this notebook's chapter and calls its PARAMETERS.check once,
-    on the notebook's namespace."""
+    """So that each one is checked, and names papermill injected are compared with all of them: the
+    first code cell after the parameters imports this notebook's chapter and calls its
+    PARAMETERS.check once, on the notebook's namespace."""
     from ssmkit.workbook.chapters import chapter_of
 
     nb = nbformat.read(path, as_version=4)
     index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    cell = next(c for c in nb.cells[index + 1:] if c.cell_type == "code")
+    cell = next(c for c in nb.cells[index + 1 :] if c.cell_type == "code")
     tree = parse(cell.source)
     chapter = chapter_of(path).__name__.rpartition(".")[2]
-    imports = [(n.module, a.name, a.asname) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               for a in n.names]
-    assert ("ssmkit.workbook.chapters", chapter, "chapter") in imports, \
+    imports = [
+        (n.module, a.name, a.asname)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    ]
+    assert ("ssmkit.workbook.chapters", chapter, "chapter") in imports, (
         f"import this notebook's chapter: from ssmkit.workbook.chapters import {chapter} as chapter"
-    calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr == "check"]
+    )
+    calls = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "check"
+    ]
     assert calls == ["chapter.PARAMETERS.check(globals())"], calls
     stated = nb.metadata.get("ssmkit", {}).get("cpu_seconds")
-    assert isinstance(stated, (int, float)) and stated > 0, \
+    assert isinstance(stated, (int, float)) and stated > 0, (
         "state the CPU time with params/cpu.yaml in metadata.ssmkit.cpu_seconds"
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -120,15 +140,19 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
     nb = nbformat.read(path, as_version=4)
     for i, cell in code_cells(nb):
         where = f"cell {i}"
-        assert "sys.path" not in cell.source, f"{where}: no sys.path hacks; `pip install -e .` instead"
+        assert "sys.path" not in cell.source, (
+            f"{where}: no sys.path hacks; `pip install -e .` instead"
+        )
         tree = parse(cell.source)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                assert not DEVICE_STRING.fullmatch(node.value), \
+                assert not DEVICE_STRING.fullmatch(node.value), (
                     f"{where}: hard-coded device {node.value!r}; use the `device` parameter"
+                )
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                raise AssertionError(f"{where}: defines {node.name!r}; "
-                                     "helpers belong in ssmkit, not in a notebook")
+                raise AssertionError(
+                    f"{where}: defines {node.name!r}; helpers belong in ssmkit, not in a notebook"
+                )
             modules = []
             if isinstance(node, ast.Import):
                 modules = [(a.name, []) for a in node.names]
@@ -139,13 +163,20 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
                 if module.split(".")[0] == "ssmkit":
                     parts = module.split(".")
                     public = len(parts) <= 2 or module == "ssmkit.workbook.chapters"
-                    assert public and not any(p.startswith("_") for p in parts + names), \
-                        f"{where}: import the public API (ssmkit, ssmkit.<module>, the notebook's " \
-                        "chapter), " \
+                    assert public and not any(p.startswith("_") for p in parts + names), (
+                        f"{where}: import the public API (ssmkit, ssmkit.<module>, the notebook's "
+                        "chapter), "
                         f"not {module} {names}"
-        assert not re.search(r"\bssmkit(\.\w+)*\._\w", cell.source), f"{where}: uses a private ssmkit name"
-        logic = [ln for ln in cell.source.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-        assert len(logic) <= MAX_CELL_LINES, f"{where} has {len(logic)} lines; move the logic into ssmkit"
+                    )
+        assert not re.search(r"\bssmkit(\.\w+)*\._\w", cell.source), (
+            f"{where}: uses a private ssmkit name"
+        )
+        logic = [
+            ln for ln in cell.source.splitlines() if ln.strip() and not ln.strip().startswith("#")
+        ]
+        assert len(logic) <= MAX_CELL_LINES, (
+            f"{where} has {len(logic)} lines; move the logic into ssmkit"
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -153,15 +184,21 @@ def test_runs_under_papermill(path, tmp_path):
     ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
     summary = workbook.run_workbook([path], out=tmp_path / "run", shared=ci, cell_timeout=600)
     (entry,) = summary["notebooks"]
-    assert entry["status"] == "ok", (f"{path.name} failed at cell {entry.get('cell')}:\n"
-                                     f"{entry.get('source')}\n{entry.get('error')}")
+    assert entry["status"] == "ok", (
+        f"{path.name} failed at cell {entry.get('cell')}:\n"
+        f"{entry.get('source')}\n{entry.get('error')}"
+    )
     assert entry["metrics_file"], "the notebook must write out_dir/metrics.json"
-    assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), "metrics.json outside out_dir"
+    assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), (
+        "metrics.json outside out_dir"
+    )
     declared = workbook.declared_parameters(path)
-    if "overrides" in declared:           # it trains: ci.yaml's TrainConfig keys reach every run it trains
+    if "overrides" in declared:  # it trains: ci.yaml's TrainConfig keys reach every run it trains
         import yaml
 
-        recipe = {k: v for k, v in ci.items() if k in workbook.params.train_keys() and k not in declared}
+        recipe = {
+            k: v for k, v in ci.items() if k in workbook.params.train_keys() and k not in declared
+        }
         assert recipe and not set(recipe) & set(entry["unused_shared"])
         configs = list(Path(entry["metrics_file"]).parent.rglob("config.yaml"))
         assert configs, "a notebook that trains leaves its runs' config.yaml"
@@ -170,19 +207,29 @@ def test_runs_under_papermill(path, tmp_path):
             assert {k: saved[k] for k in recipe} == recipe, config
 
 
-TRAINING = [p for p in NOTEBOOKS if p.stem[:2] != "00"]      # the stages: each builds models from `config`
+TRAINING = [
+    p for p in NOTEBOOKS if p.stem[:2] != "00"
+]  # the stages: each builds models from `config`
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TRAINING, ids=[p.stem for p in TRAINING])
 def test_runs_with_mamba3_blocks(path, tmp_path):
-    """Every stage takes a Mamba-3 model as its run config: CI parameters, config cpu-tiny-mamba3."""
+    """Every stage takes a Mamba-3 model as its run config: CI parameters, config
+    cpu-tiny-mamba3."""
     ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
-    summary = workbook.run_workbook([path], parameters={"config": "cpu-tiny-mamba3"}, out=tmp_path / "run",
-                                    shared=ci, cell_timeout=600)
+    summary = workbook.run_workbook(
+        [path],
+        parameters={"config": "cpu-tiny-mamba3"},
+        out=tmp_path / "run",
+        shared=ci,
+        cell_timeout=600,
+    )
     (entry,) = summary["notebooks"]
-    assert entry["status"] == "ok", (f"{path.name} with Mamba-3 failed at cell {entry.get('cell')}:\n"
-                                     f"{entry.get('source')}\n{entry.get('error')}")
+    assert entry["status"] == "ok", (
+        f"{path.name} with Mamba-3 failed at cell {entry.get('cell')}:\n"
+        f"{entry.get('source')}\n{entry.get('error')}"
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -190,7 +237,11 @@ def test_bad_parameter_fails_in_the_first_cell(path, tmp_path):
     summary = workbook.run_workbook([path], parameters={"device": "tpu"}, out=tmp_path / "run")
     (entry,) = summary["notebooks"]
     nb = nbformat.read(path, as_version=4)
-    first = 1 + next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    first = 1 + next(
+        i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])
+    )
     first += next(i for i, c in enumerate(nb.cells[first:]) if c.cell_type == "code")
     assert entry["status"] == "failed" and entry["cell"] == first, entry
-    assert entry["error"].startswith("WorkbookError: device='tpu' is not valid; valid: auto, cpu, cuda")
+    assert entry["error"].startswith(
+        "WorkbookError: device='tpu' is not valid; valid: auto, cpu, cuda"
+    )

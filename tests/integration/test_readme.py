@@ -40,46 +40,71 @@ from helpers import ROOT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VENV = Path(sys.prefix)
 FENCE = re.compile(r"```(\w*)\s*")
-MARKER = re.compile(r'<!--\s*readme-test:\s*(?:skip(?:\s+"([^"]+)")?:\s*(\S.*?)|uses\s+(\S+))\s*-->')
+MARKER = re.compile(
+    r'<!--\s*readme-test:\s*(?:skip(?:\s+"([^"]+)")?:\s*(\S.*?)|uses\s+(\S+))\s*-->'
+)
 LANGUAGES = ("python", "bash", "text")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
-# cpu-tiny's steps cut from 16 windows of 256 tokens to 2 (its 50K-row LM head is most of a step), and
-# one validation batch instead of 8: what a command shows is the same, in seconds instead of minutes
+# cpu-tiny's steps cut from 16 windows of 256 tokens to 2 (its 50K-row LM head is most of a step),
+# and one validation batch instead of 8: what a command shows is the same, in seconds instead of
+# minutes
 TINY = "--set batch_tokens=512 --set micro_batch=2 --set eval_batches=1"
 
-# What a `uses PATH` marker may name: the command that makes it, run once per session in a fresh clone
+# What a `uses PATH` marker may name: the command that makes it, run once per session in a fresh
+# clone
 USES = {
     "runs/cpu-tiny": f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY}",
 }
 
 # (page, its text, what the test runs instead, why): plain text replacements inside a block
 SMALL = [
-    ("README.md", "make run ",
-     f"make -n -C {ROOT} -o {VENV}/.ssmkit-installed run VENV={VENV} PARAMS=params/ci.yaml ",
-     "make's dry run: the target and its command, not the 15 minutes of notebooks it starts "
-     "(tests/integration/test_notebooks.py runs each notebook through the same runner with "
-     "params/ci.yaml); -C: the checkout's Makefile, as the README's reader has it"),
-    ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml               #",
-     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY} #",
-     "2 small steps (TINY) instead of 120"),
-    ("docs/training.md", "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=240 --resume",
-     f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 {TINY} --resume",
-     "resumes the 2-step run above and stops at step 4"),
-    ("docs/training.md", 'overrides=["max_steps=50", "out_dir=runs/try"]',
-     'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
-     '"out_dir=runs/try"]',
-     "2 small steps (TINY) instead of 50"),
-    ("docs/training.md", 'overrides=["max_steps=60", "out_dir=runs/try"]',
-     'overrides=["max_steps=4", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
-     '"out_dir=runs/try"]',
-     "resumes the 2-step run above and stops at step 4 instead of 60"),
-    ("docs/finetune.md", "ssmkit train --config configs/cpu-tiny-lora.yaml          #",
-     f"ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 {TINY} #",
-     "2 small LoRA steps (TINY) instead of 60, on the 2-step runs/cpu-tiny of USES"),
-    ("docs/eval.md", "--tasks ssmkit_docstring_cloze,ssmkit_lastword --out",
-     "--tasks ssmkit_docstring_cloze,ssmkit_lastword --limit 8 --out",
-     "8 items per task instead of 268 and 207"),
+    (
+        "README.md",
+        "make run ",
+        f"make -n -C {ROOT} -o {VENV}/.ssmkit-installed run VENV={VENV} PARAMS=params/ci.yaml ",
+        "make's dry run: the target and its command, not the 15 minutes of notebooks it starts "
+        "(tests/integration/test_notebooks.py runs each notebook through the same runner with "
+        "params/ci.yaml); -C: the checkout's Makefile, as the README's reader has it",
+    ),
+    (
+        "docs/training.md",
+        "ssmkit train --config configs/cpu-tiny.yaml               #",
+        f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=2 {TINY} #",
+        "2 small steps (TINY) instead of 120",
+    ),
+    (
+        "docs/training.md",
+        "ssmkit train --config configs/cpu-tiny.yaml --set max_steps=240 --resume",
+        f"ssmkit train --config configs/cpu-tiny.yaml --set max_steps=4 {TINY} --resume",
+        "resumes the 2-step run above and stops at step 4",
+    ),
+    (
+        "docs/training.md",
+        'overrides=["max_steps=50", "out_dir=runs/try"]',
+        'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+        '"out_dir=runs/try"]',
+        "2 small steps (TINY) instead of 50",
+    ),
+    (
+        "docs/training.md",
+        'overrides=["max_steps=60", "out_dir=runs/try"]',
+        'overrides=["max_steps=4", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+        '"out_dir=runs/try"]',
+        "resumes the 2-step run above and stops at step 4 instead of 60",
+    ),
+    (
+        "docs/finetune.md",
+        "ssmkit train --config configs/cpu-tiny-lora.yaml          #",
+        f"ssmkit train --config configs/cpu-tiny-lora.yaml --set max_steps=2 {TINY} #",
+        "2 small LoRA steps (TINY) instead of 60, on the 2-step runs/cpu-tiny of USES",
+    ),
+    (
+        "docs/eval.md",
+        "--tasks ssmkit_docstring_cloze,ssmkit_lastword --out",
+        "--tasks ssmkit_docstring_cloze,ssmkit_lastword --limit 8 --out",
+        "8 items per task instead of 268 and 207",
+    ),
 ]
 
 
@@ -89,14 +114,14 @@ def _name(page: Path) -> str:
 
 @dataclass
 class Block:
-    page: str                   # "README.md", "docs/data.md"
+    page: str  # "README.md", "docs/data.md"
     section: str
     lang: str
-    line: int                   # the page's line of the block's first code line
+    line: int  # the page's line of the block's first code line
     code: str
-    skip: str | None = None     # the reason the whole block is not run
-    skip_lines: dict[str, str] = field(default_factory=dict)     # command prefix -> reason
-    uses: list[str] = field(default_factory=list)                # USES paths it reads
+    skip: str | None = None  # the reason the whole block is not run
+    skip_lines: dict[str, str] = field(default_factory=dict)  # command prefix -> reason
+    uses: list[str] = field(default_factory=list)  # USES paths it reads
 
 
 def parse(text: str, page: str = "README.md") -> list[Block]:
@@ -111,11 +136,13 @@ def parse(text: str, page: str = "README.md") -> list[Block]:
             continue
         end = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("```")), None)
         assert end is not None, f"{page}:{i + 1}: a code block that is never closed"
-        block = Block(page, section, fence.group(1), i + 2, "\n".join(lines[i + 1:end]))
+        block = Block(page, section, fence.group(1), i + 2, "\n".join(lines[i + 1 : end]))
         j = i - 1
         while j >= 0 and "readme-test" in lines[j]:
             marker = MARKER.fullmatch(lines[j].strip())
-            assert marker, f"{page}:{j + 1}: malformed marker {lines[j]!r}; expected {MARKER.pattern}"
+            assert marker, (
+                f"{page}:{j + 1}: malformed marker {lines[j]!r}; expected {MARKER.pattern}"
+            )
             prefix, reason, uses = marker.groups()
             if uses is not None:
                 block.uses.append(uses)
@@ -146,7 +173,7 @@ def units() -> list:
     for page, blocks in BLOCKS.items():
         python = [b for b in blocks if b.lang == "python" and b.skip is None]
         for b in blocks:
-            if b.lang == "text":                      # not code (a directory tree): nothing to run
+            if b.lang == "text":  # not code (a directory tree): nothing to run
                 continue
             if b is (python[0] if python else None):
                 out.append(pytest.param(python, id=f"{page}:python"))
@@ -159,8 +186,13 @@ def units() -> list:
 def session_home(tmp_path_factory):
     """The environment every page runs in: one cache for the session, offline, this venv first."""
     cache = tmp_path_factory.mktemp("docs-cache")
-    return {**os.environ, "SSMKIT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        **os.environ,
+        "SSMKIT_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "MPLBACKEND": "Agg",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def _clone(home: Path) -> Path:
@@ -172,8 +204,9 @@ def _clone(home: Path) -> Path:
 
 
 def _run(command: str, cwd: Path, env: dict, where: str) -> None:
-    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, text=True, capture_output=True,
-                          timeout=600)
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, text=True, capture_output=True, timeout=600
+    )
     assert done.returncode == 0, f"{where}: {command}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 
 
@@ -188,6 +221,7 @@ def shared_runs(tmp_path_factory, session_home):
             _run(USES[path], home, session_home, f"USES[{path!r}]")
             made[path] = home / path
         return made[path]
+
     return get
 
 
@@ -201,6 +235,7 @@ def workspaces(tmp_path_factory):
         if page not in homes:
             homes[page] = _clone(tmp_path_factory.mktemp(re.sub(r"\W", "-", page)))
         return homes[page]
+
     return get
 
 
@@ -217,12 +252,15 @@ def _link_or_copy(src: str, dst: str) -> None:
 def test_blocks_use_known_languages_and_markers(page):
     blocks = BLOCKS[page]
     for b in blocks:
-        assert b.lang in LANGUAGES, f"{page}:{b.line - 1}: language {b.lang!r}; use one of {LANGUAGES}"
+        assert b.lang in LANGUAGES, (
+            f"{page}:{b.line - 1}: language {b.lang!r}; use one of {LANGUAGES}"
+        )
         if b.skip_lines:
             assert b.lang == "bash", f"{page}:{b.line - 1}: line markers are for bash blocks"
             for prefix in b.skip_lines:
-                assert any(ln.startswith(prefix) for ln in b.code.splitlines()), \
+                assert any(ln.startswith(prefix) for ln in b.code.splitlines()), (
                     f"{page}:{b.line - 1}: no line of the block starts with {prefix!r}"
+                )
         for path in b.uses:
             assert path in USES, f"{page}:{b.line - 1}: uses {path!r}; known: {sorted(USES)}"
 
@@ -254,7 +292,7 @@ def test_relative_links_resolve(page):
     """Links to files of the checkout name files that exist, and headings that exist in them."""
     source = ROOT / page
     for target in LINK.findall(source.read_text(encoding="utf-8")):
-        if re.match(r"[a-z]+:", target):            # https:, mailto:: not checked (offline)
+        if re.match(r"[a-z]+:", target):  # https:, mailto:: not checked (offline)
             continue
         path, _, anchor = target.partition("#")
         file = (source.parent / path).resolve() if path else source
@@ -286,13 +324,24 @@ def test_block_runs(blocks, workspaces, shared_runs, session_home):
         for path in b.uses:
             if not (home / path).exists():
                 (home / path).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copytree(shared_runs(path), home / path, copy_function=_link_or_copy, symlinks=True)
+                shutil.copytree(
+                    shared_runs(path), home / path, copy_function=_link_or_copy, symlinks=True
+                )
     if first.lang == "python":
         spec = home / f".blocks-{first.line}.json"
-        spec.write_text(json.dumps([{"page": b.page, "line": b.line, "code": small(b.page, b.code)}
-                                    for b in blocks]))
-        done = subprocess.run([sys.executable, "-c", DRIVER, str(spec)], cwd=home, env=session_home,
-                              text=True, capture_output=True, timeout=600)
+        spec.write_text(
+            json.dumps(
+                [{"page": b.page, "line": b.line, "code": small(b.page, b.code)} for b in blocks]
+            )
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", DRIVER, str(spec)],
+            cwd=home,
+            env=session_home,
+            text=True,
+            capture_output=True,
+            timeout=600,
+        )
         assert done.returncode == 0, f"{first.page}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         return
     ran = 0
@@ -302,6 +351,11 @@ def test_block_runs(blocks, workspaces, shared_runs, session_home):
             continue
         if any(command.startswith(p) for p in first.skip_lines):
             continue
-        _run(small(first.page, command + " "), home, session_home, f"{first.page}:{first.line + offset}")
+        _run(
+            small(first.page, command + " "),
+            home,
+            session_home,
+            f"{first.page}:{first.line + offset}",
+        )
         ran += 1
     assert ran or first.skip_lines, f"{first.page}:{first.line}: a bash block without commands"

@@ -21,10 +21,19 @@ from ssmkit.cli import COMMANDS, _load, main
 # what `ssmkit --help` must not import: each command's module is loaded only when it runs
 HEAVY = ("ssmkit.train", "ssmkit.workbook", "ssmkit.eval", "ssmkit.demo", "papermill", "lm_eval")
 # one option each command is known for (the table must point at the right options function)
-KNOWN = {"env": None, "demo": "--mixer", "data prepare": "--mds-seq-len", "train": "--nproc",
-         "plan": "--gpu-memory-gb", "generate": "--max-new-tokens", "eval": "--tasks",
-         "convert": "--to", "workbook run": "--params-file", "workbook strip": "notebooks"}
-WIDE = {"COLUMNS": "1000"}      # argparse wraps at the terminal's width, breaking lines at hyphens
+KNOWN = {
+    "env": None,
+    "demo": "--mixer",
+    "data prepare": "--mds-seq-len",
+    "train": "--nproc",
+    "plan": "--gpu-memory-gb",
+    "generate": "--max-new-tokens",
+    "eval": "--tasks",
+    "convert": "--to",
+    "workbook run": "--params-file",
+    "workbook strip": "notebooks",
+}
+WIDE = {"COLUMNS": "1000"}  # argparse wraps at the terminal's width, breaking lines at hyphens
 
 
 def words(text: str) -> str:
@@ -45,7 +54,7 @@ def run_main(argv, capsys) -> tuple[int, str, str]:
 def arguments(help_text: str) -> str:
     """A command's --help from its arguments on (past the usage and the description)."""
     first = "positional arguments:" if "positional arguments:" in help_text else "options:"
-    return help_text[help_text.index(first):]
+    return help_text[help_text.index(first) :]
 
 
 def declared(options: str | None) -> list[str]:
@@ -57,21 +66,28 @@ def declared(options: str | None) -> list[str]:
 
 
 def test_help_lists_every_command_with_its_line_and_imports_none_of_them():
-    code = ("import sys\n"
-            "from ssmkit.cli import main\n"
-            "try:\n"
-            "    main(['--help'])\n"
-            "except SystemExit as exc:\n"
-            "    assert exc.code == 0, exc.code\n"
-            f"print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})), file=sys.stderr)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **WIDE})
+    code = (
+        "import sys\n"
+        "from ssmkit.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **WIDE},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ssmkit [-h] COMMAND ...")
     listed = words(done.stdout)
     for name, command in COMMANDS.items():
         assert f" {name} {words(command.help)} " in listed, name
-    assert done.stderr.strip() == "[]"                        # no command's module was imported
+    assert done.stderr.strip() == "[]"  # no command's module was imported
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
@@ -81,22 +97,28 @@ def test_each_command_help_shows_its_own_options(name, capsys, monkeypatch):
     code, out, _ = run_main([*name.split(), "--help"], capsys)
     assert code == 0 and out.startswith(f"usage: ssmkit {name} [-h]")
     options = declared(command.options)
-    assert (KNOWN[name] in options if KNOWN[name] else options == []), (name, options)
+    assert KNOWN[name] in options if KNOWN[name] else options == [], (name, options)
     assert all(option in out for option in options), (name, options)
     assert callable(_load(command.run))
 
 
-@pytest.mark.parametrize("name, entry", [
-    ("train", "ssmkit.train.cli:main"), ("plan", "ssmkit.train.planner:main"),
-    ("demo", "ssmkit.demo:main"), ("workbook run", "ssmkit.workbook.cli:main"),
-    ("workbook strip", "ssmkit.workbook.cli:main")])
+@pytest.mark.parametrize(
+    "name, entry",
+    [
+        ("train", "ssmkit.train.cli:main"),
+        ("plan", "ssmkit.train.planner:main"),
+        ("demo", "ssmkit.demo:main"),
+        ("workbook run", "ssmkit.workbook.cli:main"),
+        ("workbook strip", "ssmkit.workbook.cli:main"),
+    ],
+)
 def test_the_module_entry_points_show_the_same_options(name, entry, capsys, monkeypatch):
     """``python -m ssmkit.train`` (torchrun's), ``python -m ssmkit.demo``, ``python -m
     ssmkit.workbook`` build their parsers from the function the table names: the same options and
     help."""
     monkeypatch.setenv("COLUMNS", WIDE["COLUMNS"])
     _, ours, _ = run_main([*name.split(), "--help"], capsys)
-    argv = name.split()[1:] + ["--help"]                       # the workbook's: run|strip --help
+    argv = name.split()[1:] + ["--help"]  # the workbook's: run|strip --help
     with pytest.raises(SystemExit) as done:
         _load(entry)(argv)
     theirs = capsys.readouterr().out

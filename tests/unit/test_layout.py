@@ -1,8 +1,9 @@
 """docs/layout.md names every module with its one job, and cannot drift from the code.
 
-The file is written by scripts/write_layout.py from the modules' docstrings; these tests fail when a module
-has no docstring, when a tracked top-level entry has no job, or when the file differs from what the script
-writes now (a module added, moved or removed, a docstring edited): each failure says what to do.
+The file is written by scripts/write_layout.py from the modules' docstrings; these tests fail when a
+module has no docstring, when a tracked top-level entry has no job, or when the file differs from
+what the script writes now (a module added, moved or removed, a docstring edited): each failure says
+what to do.
 """
 
 from __future__ import annotations
@@ -40,21 +41,33 @@ def test_a_module_without_a_docstring_is_an_error_naming_it(tmp_path):
     assert layout.module_job(documented) == "Does x, for `y`."
 
 
-@pytest.mark.parametrize("doc, first", [
-    ("One job. Then more.", "One job."),
-    ("The mixer (Gu & Dao 2023,\nfigure 3).\n\nSecond paragraph.", "The mixer (Gu & Dao 2023, figure 3)."),
-    ("Zamba2 (Glorioso et al. 2024): layers. Rest.", "Zamba2 (Glorioso et al. 2024): layers."),
-    ("Training step vs. sequence length, e.g. 2K. ``x`` is next.", "Training step vs. sequence length, "
-                                                                   "e.g. 2K."),
-    ("No full stop at all", "No full stop at all"),
-])
+@pytest.mark.parametrize(
+    "doc, first",
+    [
+        ("One job. Then more.", "One job."),
+        (
+            "The mixer (Gu & Dao 2023,\nfigure 3).\n\nSecond paragraph.",
+            "The mixer (Gu & Dao 2023, figure 3).",
+        ),
+        ("Zamba2 (Glorioso et al. 2024): layers. Rest.", "Zamba2 (Glorioso et al. 2024): layers."),
+        (
+            "Training step vs. sequence length, e.g. 2K. ``x`` is next.",
+            "Training step vs. sequence length, e.g. 2K.",
+        ),
+        ("No full stop at all", "No full stop at all"),
+    ],
+)
 def test_first_sentence(doc, first):
     assert layout.first_sentence(doc) == first
 
 
 def test_docstring_markup_becomes_markdown():
-    assert layout._markdown(":func:`prepare_sft` and :class:`~ssmkit.models.config.ModelConfig`, ``a|b``") \
+    assert (
+        layout._markdown(
+            ":func:`prepare_sft` and :class:`~ssmkit.models.config.ModelConfig`, ``a|b``"
+        )
         == "`prepare_sft` and `ModelConfig`, `a\\|b`"
+    )
 
 
 def test_every_tracked_top_level_entry_has_a_job():
@@ -69,10 +82,15 @@ def test_the_layout_file_is_current():
     if written == now:
         return
     rows = set(re.findall(r"^\| `([^`]+)` \|", written, flags=re.M))
-    absent = sorted(p.relative_to(ROOT).as_posix() for p in FILES
-                    if p.name not in rows and p.name != "__init__.py")
-    pytest.fail(f"docs/layout.md is out of date: run `{layout.COMMAND}` and commit it"
-                + (f"; files it does not list: {', '.join(absent)}" if absent else ""))
+    absent = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in FILES
+        if p.name not in rows and p.name != "__init__.py"
+    )
+    pytest.fail(
+        f"docs/layout.md is out of date: run `{layout.COMMAND}` and commit it"
+        + (f"; files it does not list: {', '.join(absent)}" if absent else "")
+    )
 
 
 def test_the_layout_lists_every_module_under_its_folder():

@@ -1,6 +1,6 @@
-"""One chapter per notebook: ``chNN_<name>.py`` holds what ``notebooks/NN_<name>.ipynb`` calls and its
-parameters, declared once (``PARAMETERS``, :class:`~ssmkit.workbook.params.Parameters`). A new notebook is
-one new chapter file plus the notebook.
+"""One chapter per notebook: ``chNN_<name>.py`` holds what ``notebooks/NN_<name>.ipynb`` calls and
+its parameters, declared once (``PARAMETERS``, :class:`~ssmkit.workbook.params.Parameters`). A new
+notebook is one new chapter file plus the notebook.
 
     from ssmkit.workbook.chapters import ch01_prototype as chapter     # in the notebook
     p = chapter.PARAMETERS.check(globals())
@@ -60,8 +60,8 @@ def parameters_cell(notebook) -> tuple[str, str]:
 
 
 def write_parameters_cell(notebook) -> bool:
-    """Rewrite the notebook's parameters cell from its chapter's declaration, keeping the rest of the file
-    (written as nbformat does: keys sorted, indent 1). True if it changed."""
+    """Rewrite the notebook's parameters cell from its chapter's declaration, keeping the rest of
+    the file (written as nbformat does: keys sorted, indent 1). True if it changed."""
     from ...io import write_atomically
 
     path = Path(notebook)

@@ -1,5 +1,5 @@
-"""``python -m ssmkit.workbook.chapters [--check] [NOTEBOOK ...]``: write each notebook's parameters cell
-from its chapter's ``PARAMETERS`` (``--check``: only say which differ, exit 1 if any)."""
+"""``python -m ssmkit.workbook.chapters [--check] [NOTEBOOK ...]``: write each notebook's parameters
+cell from its chapter's ``PARAMETERS`` (``--check``: only say which differ, exit 1 if any)."""
 
 import argparse
 import sys

@@ -92,9 +92,9 @@ def run_config_info(name: str, max_tokens: int | None = None) -> dict:
     ``train_config(name).model_config()``: its vocabulary is the tokenizer's
     (:func:`ssmkit.data.vocab_size`: gpt2 50257, byte 257, bpe-N N).
 
-    Returns ``config``, ``model`` (the model preset), ``vocab_size``, ``params`` (counted on the meta
-    device) and ``train_state_gb``: weights + gradients + AdamW's two moments in fp32, 16 bytes per
-    parameter (also under bf16 autocast), activations not included. With ``max_tokens``:
+    Returns ``config``, ``model`` (the model preset), ``vocab_size``, ``params`` (counted on the
+    meta device) and ``train_state_gb``: weights + gradients + AdamW's two moments in fp32, 16 bytes
+    per parameter (also under bf16 autocast), activations not included. With ``max_tokens``:
     ``train_flops`` = 6 * params * tokens (Kaplan et al. 2020, eq. 2.1; the scan adds a few percent)
     and ``shard_gb``, the token shards at 2 bytes per token (uint16).
     """

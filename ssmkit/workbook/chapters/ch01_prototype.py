@@ -1,16 +1,19 @@
-"""Chapter 01, the prototype: what notebooks/01_prototype_130m.ipynb calls beyond the Trainer: Mamba-1,
-Mamba-2 and Mamba-3 side by side (section 1.6): the same width, depth, recipe and tokens, only the mixer
-differs.
+"""Chapter 01, the prototype: what notebooks/01_prototype_130m.ipynb calls beyond the Trainer:
+Mamba-1, Mamba-2 and Mamba-3 side by side (section 1.6): the same width, depth, recipe and tokens,
+only the mixer differs.
 
     p = PARAMETERS.check(globals())
-    rows, runs = compare_mixers(cfg, train_dir, val_dir, out_dir)   # cfg: the notebook's TrainConfig
-    markdown_table(rows)                                             # params, val loss, tokens/s per mixer
-    plots.plot_curves(runs, y="loss")                                # the training losses, token by token
+    rows, runs = compare_mixers(cfg, train_dir, val_dir, out_dir)   # cfg: the notebook's
+                                                                    # TrainConfig
+    markdown_table(rows)                                             # params, val loss,
+                                                                     # tokens/s per mixer
+    plots.plot_curves(runs, y="loss")                                # the training losses,
+                                                                     # token by token
 
 Each mixer's model is :meth:`ssmkit.ModelConfig.with_mixer` of the run's: the same width, depth and
 everything shared; its own state size, as its paper and mamba_ssm pair them (Mamba-1 16; Mamba-2 and
-Mamba-3 64 below d_inner 1024, else mamba_ssm's 128), heads of 32 channels (64 from d_inner 1024) and
-chunks of 64; the blocks then hold about the same number of parameters (each row says how many).
+Mamba-3 64 below d_inner 1024, else mamba_ssm's 128), heads of 32 channels (64 from d_inner 1024)
+and chunks of 64; the blocks then hold about the same number of parameters (each row says how many).
 """
 
 from __future__ import annotations
@@ -117,8 +120,8 @@ NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
 
 
 def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
-    """The tokens each mixer trains on: a ``share``-th of the run's, at most ``cap``, whole batches (at least
-    one): 6 steps of the CPU recipe, one on CI's."""
+    """The tokens each mixer trains on: a ``share``-th of the run's, at most ``cap``, whole batches
+    (at least one): 6 steps of the CPU recipe, one on CI's."""
     total = cfg.total_steps() * cfg.batch_tokens
     return max(1, min(cap, total // share) // cfg.batch_tokens) * cfg.batch_tokens
 
@@ -126,10 +129,11 @@ def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
 def compare_mixers(
     cfg, data, val_data, out_dir, tokens: int | None = None, mixers=SSM_MIXERS, callbacks=()
 ) -> tuple[list[dict], dict]:
-    """Train one model per mixer (seeded alike, same tokens in the same order, ``cfg``'s recipe, evaluated at
-    the end) for ``tokens`` tokens each (default :func:`comparison_tokens`); their Trainer runs go to
-    ``out_dir/<mixer>``. Returns rows (``model``, ``mixer``, ``d_state``, ``params``, ``non_embedding``,
-    ``val_loss``, ``val_ppl``, ``train_tok_s``, ``seconds``) and each run's records, keyed by name."""
+    """Train one model per mixer (seeded alike, same tokens in the same order, ``cfg``'s recipe,
+    evaluated at the end) for ``tokens`` tokens each (default :func:`comparison_tokens`); their
+    Trainer runs go to ``out_dir/<mixer>``. Returns rows (``model``, ``mixer``, ``d_state``,
+    ``params``, ``non_embedding``, ``val_loss``, ``val_ppl``, ``train_tok_s``, ``seconds``) and each
+    run's records, keyed by name."""
     from ...data import TokenLoader
     from ...eval import summarize_run
     from ...models import build_model, parameter_report

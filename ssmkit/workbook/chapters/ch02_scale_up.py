@@ -1,24 +1,30 @@
 """Chapter 02, scaling up: what notebooks/02_scale_up.ipynb calls (stage 2 of the plan).
 
     p = PARAMETERS.check(globals())
-    runs = compare_strategies(cfg, nproc=2, out_dir=d)          # one process, DDP, FSDP: launch_train each
+    runs = compare_strategies(cfg, nproc=2, out_dir=d)          # one process, DDP, FSDP:
+                                                                # launch_train each
     loss_table(runs), max_loss_difference(runs)                  # the same losses, to fp32 rounding
-    memory_rows(runs, cfg)                                       # per rank: peak memory, state held, planned
+    memory_rows(runs, cfg)                                       # per rank: peak memory, state
+                                                                 # held, planned
     print(slurm_command("mamba-1.4b", nodes=2))                   # the real run: sbatch / torchrun
     prepare_at_scale("stdlib-docs", "byte", d, max_tokens=2**18, seq_len=256)   # shards + MDS, tokens/s
-    stream_remote("slimpajama")                                  # HF streaming, or why it cannot here
-    runs = precision_runs(cfg, train_dir, val_dir, out_dir=d)   # fp32, bf16 autocast, fp16 + grad scaler
-    rows = mixer_throughput([256, 1024], [16, 64])              # Mamba-2 / Mamba-1 training tokens/s
+    stream_remote("slimpajama")                                  # HF streaming, or
+                                                                 # why it cannot here
+    runs = precision_runs(cfg, train_dir, val_dir, out_dir=d)   # fp32, bf16 autocast,
+                                                                # fp16 + grad scaler
+    rows = mixer_throughput([256, 1024], [16, 64])              # Mamba-2 / Mamba-1
+                                                                # training tokens/s
     evaluate_models({"fp32": model}, "offline", tokenizer="byte")   # lm-eval tasks (ssmkit.eval)
     rows = scaling_sweep(cfg, [32, 64, 128], tokens, train_dir, val_dir, out_dir=d)
     fit = fit_power_law([r["compute"] for r in rows], [r["val_loss"] for r in rows])   # L = a * C^-b
 
 The plan's memory table is :func:`ssmkit.train.scale_up_plans`.
 
-Glossary: C = training compute in FLOPs (:func:`ssmkit.eval.flops_per_token` x tokens: 6 per weight per
-token plus the scans), L = validation loss in nats/token, N = d_state (the SSM state size), Q = chunk_size
-(Mamba-2's SSD chunk), DDP = every rank holds the whole model and all-reduces gradients, FSDP = each rank
-holds 1/n of parameters, gradients and optimizer state and gathers a block's parameters when it runs.
+Glossary: C = training compute in FLOPs (:func:`ssmkit.eval.flops_per_token` x tokens: 6 per weight
+per token plus the scans), L = validation loss in nats/token, N = d_state (the SSM state size), Q =
+chunk_size (Mamba-2's SSD chunk), DDP = every rank holds the whole model and all-reduces gradients,
+FSDP = each rank holds 1/n of parameters, gradients and optimizer state and gathers a block's
+parameters when it runs.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ __all__ = [
 ]
 
 
-# --- the notebook's parameters ------------------------------------------------------------------------
+# --- the notebook's parameters --------------------------------------------------------------------
 
 
 def eval_tasks(value, name: str = "eval_tasks"):
@@ -223,8 +229,9 @@ PARAMETERS = Parameters(
 
 
 ONE = "one process"
-# Dao & Gu 2024 (Mamba-2, "Transformers are SSMs"), abstract and section 9.1 (figure 10): the SSD layer
-# trains 2-8x faster than Mamba-1's fused selective scan on an A100, and larger state sizes cost it little.
+# Dao & Gu 2024 (Mamba-2, "Transformers are SSMs"), abstract and section 9.1 (figure 10): the SSD
+# layer trains 2-8x faster than Mamba-1's fused selective scan on an A100, and larger state sizes
+# cost it little.
 PAPER_SSD_CLAIM = (
     "Mamba-2 paper (Dao & Gu 2024): the SSD layer is 2-8x faster than Mamba-1's optimized "
     "selective scan (A100, fused CUDA kernels); its time grows little with the state size N"
@@ -237,13 +244,14 @@ PAPER_SSD_CLAIM = (
 def compare_strategies(
     cfg, *, nproc: int = 2, strategies=("ddp", "fsdp"), out_dir, show: bool = True, **overrides
 ) -> dict[str, dict]:
-    """Train ``cfg`` (a TrainConfig) in one process, then with each strategy on ``nproc`` processes (gloo on
-    CPU, nccl on GPUs), each a :func:`~ssmkit.workbook.launch_train` run in ``out_dir/<name>``, logging
-    every step and evaluating once, at the end. The global batch (``batch_tokens``) is the same in all:
-    fewer accumulated micro-batches per rank make up for the extra ranks. ``overrides``: more TrainConfig
-    keys for every run. Every process runs one thread (``OMP_NUM_THREADS=1``, torchrun's default for its
-    ranks, unless set), the one-process run too: their tokens/s compare 1 core with ``nproc`` cores.
-    Returns {"one process": run, "ddp": run, "fsdp": run} (launch_train's dicts)."""
+    """Train ``cfg`` (a TrainConfig) in one process, then with each strategy on ``nproc`` processes
+    (gloo on CPU, nccl on GPUs), each a :func:`~ssmkit.workbook.launch_train` run in
+    ``out_dir/<name>``, logging every step and evaluating once, at the end. The global batch
+    (``batch_tokens``) is the same in all: fewer accumulated micro-batches per rank make up for the
+    extra ranks. ``overrides``: more TrainConfig keys for every run. Every process runs one thread
+    (``OMP_NUM_THREADS=1``, torchrun's default for its ranks, unless set), the one-process run too:
+    their tokens/s compare 1 core with ``nproc`` cores. Returns {"one process": run, "ddp": run,
+    "fsdp": run} (launch_train's dicts)."""
     nproc = checks.integer(nproc, "nproc", minimum=2)
     _check_gpus(cfg.device, nproc)
     base = {"log_every": 1, "eval_every": 0, "overwrite": True, **overrides}
@@ -264,7 +272,8 @@ def compare_strategies(
 
 
 def _check_gpus(device: str, nproc: int) -> None:
-    """On GPUs every rank needs its own: refuse ``nproc`` above the number visible (before launching)."""
+    """On GPUs every rank needs its own: refuse ``nproc`` above the number visible (before
+    launching)."""
     import torch
 
     from ...env import pick_device
@@ -281,8 +290,8 @@ def _losses(run) -> dict[int, float]:
 
 
 def loss_table(runs: dict[str, dict], reference: str = ONE) -> list[dict]:
-    """One row per logged step: each run's training loss and the largest ``|loss - reference's|`` of the
-    others (``max_abs_diff``)."""
+    """One row per logged step: each run's training loss and the largest ``|loss - reference's|`` of
+    the others (``max_abs_diff``)."""
     ref = _losses(runs[reference])
     per_run = {name: _losses(run) for name, run in runs.items()}
     rows = []
@@ -298,8 +307,8 @@ def loss_table(runs: dict[str, dict], reference: str = ONE) -> list[dict]:
 
 
 def max_loss_difference(runs: dict[str, dict], reference: str = ONE) -> dict[str, float]:
-    """For each run but ``reference``: the largest ``|training loss - reference's|`` over the steps both
-    logged, and the same for the final validation loss (key ``"<name> val"``)."""
+    """For each run but ``reference``: the largest ``|training loss - reference's|`` over the steps
+    both logged, and the same for the final validation loss (key ``"<name> val"``)."""
     ref = _losses(runs[reference])
     out = {}
     for name, run in runs.items():
@@ -313,12 +322,13 @@ def max_loss_difference(runs: dict[str, dict], reference: str = ONE) -> dict[str
 
 
 def memory_rows(runs: dict[str, dict], cfg=None, backend: str | None = None) -> list[dict]:
-    """Per run and rank: ``peak_mb`` (measured: the CUDA allocator's peak, or on CPU the process's peak
-    resident memory, which includes Python, torch and the data loader, a few hundred MiB) and ``state_mb``
-    (counted: the parameters and AdamW moments the rank holds between steps). With ``cfg`` (the runs'
-    TrainConfig) also the memory planner's figures for that rank (:func:`ssmkit.train.plan_memory` with
-    the run's strategy and process count, the ``backend``'s formulas; default :func:`_kernel_backend`):
-    ``planned_state_mb`` (its weights + optimizer rows) and ``planned_step_mb`` (its total for a step:
+    """Per run and rank: ``peak_mb`` (measured: the CUDA allocator's peak, or on CPU the process's
+    peak resident memory, which includes Python, torch and the data loader, a few hundred MiB) and
+    ``state_mb`` (counted: the parameters and AdamW moments the rank holds between steps). With
+    ``cfg`` (the runs' TrainConfig) also the memory planner's figures for that rank
+    (:func:`ssmkit.train.plan_memory` with the run's strategy and process count, the ``backend``'s
+    formulas; default :func:`_kernel_backend`): ``planned_state_mb`` (its weights + optimizer rows)
+    and ``planned_step_mb`` (its total for a step:
     + gradients, activations, workspace)."""
     if cfg is not None and backend is None:
         backend = _kernel_backend(cfg)
@@ -356,9 +366,10 @@ _SCAN_OPS = {
 
 
 def _kernel_backend(cfg) -> str:
-    """The planner's backend for a run of ``cfg`` (a TrainConfig): "cuda" where it runs on GPUs and the
-    kernels of every SSM mixer of its model import (mamba_ssm; Mamba-3's only exist in mamba_ssm's source
-    tree, the MIMO one in TileLang), else "torch" (ssmkit's PyTorch path, which those layers then take)."""
+    """The planner's backend for a run of ``cfg`` (a TrainConfig): "cuda" where it runs on GPUs and
+    the kernels of every SSM mixer of its model import (mamba_ssm; Mamba-3's only exist in
+    mamba_ssm's source tree, the MIMO one in TileLang), else "torch" (ssmkit's PyTorch path, which
+    those layers then take)."""
     from ...env import pick_device
     from ...ops.backend import KERNEL_MODULES, kernel_import_error
 
@@ -375,9 +386,10 @@ def _kernel_backend(cfg) -> str:
 
 
 def strategy_metrics(runs: dict[str, dict], mem: list[dict], reference: str = ONE) -> dict:
-    """metrics.json's numbers of 2.1: per run the median tokens/s (``<name>_tok_s``; "one process" as
-    ``one_process_tok_s``), and for the runs of several processes the largest loss difference from one
-    process, rank 0's peak memory and state (``<name>_max_loss_diff``, ``<name>_rank0_peak_mb``,
+    """metrics.json's numbers of 2.1: per run the median tokens/s (``<name>_tok_s``; "one process"
+    as ``one_process_tok_s``), and for the runs of several processes the largest loss difference
+    from one process, rank 0's peak memory and state (``<name>_max_loss_diff``,
+    ``<name>_rank0_peak_mb``,
     ``<name>_state_mb``)."""
     diff = max_loss_difference(runs, reference)
     rank0 = {r["run"]: r for r in mem if r["rank"] == 0}
@@ -430,10 +442,11 @@ def prepare_at_scale(
     source: str, tokenizer: str, out_dir, *, max_tokens: int | None, seq_len: int, workers: int = 1
 ) -> dict:
     """Tokenize ``source`` into ``out_dir`` (token shards, then their MosaicML-streaming copy of
-    ``seq_len + 1``-token samples in ``out_dir/mds``: :func:`ssmkit.data.prepare` with ``mds_seq_len``),
-    from scratch, timed. Returns ``tokens``, ``documents``, ``seconds``, ``tokens_per_s`` (shards and MDS
-    together), ``mds_samples``, ``mds_files`` (names and sizes) and ``first_sample`` (the first MDS sample,
-    which :class:`~ssmkit.data.TokenLoader` reads as its first window: ``input_ids = s[:-1]``)."""
+    ``seq_len + 1``-token samples in ``out_dir/mds``: :func:`ssmkit.data.prepare` with
+    ``mds_seq_len``), from scratch, timed. Returns ``tokens``, ``documents``, ``seconds``,
+    ``tokens_per_s`` (shards and MDS together), ``mds_samples``, ``mds_files`` (names and sizes) and
+    ``first_sample`` (the first MDS sample, which :class:`~ssmkit.data.TokenLoader` reads as its
+    first window: ``input_ids = s[:-1]``)."""
     import shutil
 
     from ...data import prepare, read_mds
@@ -478,11 +491,11 @@ def prepare_at_scale(
 def stream_remote(
     name: str, *, docs: int = 3, tokenizer: str = "gpt2", timeout: float = 5.0
 ) -> dict:
-    """Stream the first ``docs`` documents of a remote corpus of the plan (``ssmkit.data.REMOTE``: HF
-    ``datasets`` with ``streaming=True``, nothing downloaded in full) and tokenize them, timed. Returns
-    ``ok``, and either ``documents``, ``tokens``, ``seconds``, ``tokens_per_s`` (network included) or
-    ``error``: ssmkit's message when the hub cannot be reached (offline), after at most ``timeout``
-    seconds of trying to connect to huggingface.co when no offline variable is set."""
+    """Stream the first ``docs`` documents of a remote corpus of the plan (``ssmkit.data.REMOTE``:
+    HF ``datasets`` with ``streaming=True``, nothing downloaded in full) and tokenize them, timed.
+    Returns ``ok``, and either ``documents``, ``tokens``, ``seconds``, ``tokens_per_s`` (network
+    included) or ``error``: ssmkit's message when the hub cannot be reached (offline), after at most
+    ``timeout`` seconds of trying to connect to huggingface.co when no offline variable is set."""
     from ...data import REMOTE, get_tokenizer, load_source
     from ...env import offline
 
@@ -525,8 +538,8 @@ def stream_remote(
 
 
 def autocast_support(device: str = "cpu") -> dict:
-    """Whether ``torch.autocast`` on ``device`` runs a linear layer in bf16 and in fp16 (and the dtype it
-    computes in): {"bf16": "bfloat16" or the error, "fp16": ...}."""
+    """Whether ``torch.autocast`` on ``device`` runs a linear layer in bf16 and in fp16 (and the
+    dtype it computes in): {"bf16": "bfloat16" or the error, "fp16": ...}."""
     import torch
 
     layer = torch.nn.Linear(8, 8).to(device)
@@ -553,12 +566,13 @@ def precision_runs(
     callbacks=(),
     **model_overrides,
 ) -> dict:
-    """The same run (``cfg``: model, data order, seed) in each precision, with the Trainer in this process,
-    logging every step, into ``out_dir/<precision>``. bf16 and fp16 are autocast (matmuls in half precision,
-    fp32 master weights and optimizer); fp16 adds the gradient scaler: the loss is multiplied by the scale
-    S before the backward, gradients divided by S before the step; a step whose gradients overflow (inf or
-    NaN) is skipped and S halved; after ``fp16_growth_interval`` good steps S doubles. It starts at
-    ``fp16_init_scale`` (2^20, higher than torch's 2^16, so that a short run shows the back-off).
+    """The same run (``cfg``: model, data order, seed) in each precision, with the Trainer in this
+    process, logging every step, into ``out_dir/<precision>``. bf16 and fp16 are autocast (matmuls
+    in half precision, fp32 master weights and optimizer); fp16 adds the gradient scaler: the loss
+    is multiplied by the scale S before the backward, gradients divided by S before the step; a step
+    whose gradients overflow (inf or NaN) is skipped and S halved; after ``fp16_growth_interval``
+    good steps S doubles. It starts at ``fp16_init_scale`` (2^20, higher than torch's 2^16, so that
+    a short run shows the back-off).
     ``model_overrides``: ModelConfig fields replacing ``cfg``'s (e.g. a smaller model on a CPU).
 
     Returns {precision: {"history", "model", "seconds"}}; :func:`precision_rows` tabulates them."""
@@ -607,7 +621,8 @@ def precision_runs(
 
 def precision_rows(runs: dict, reference: str = "fp32") -> list[dict]:
     """One row per precision: final training and validation loss, the largest |training loss - the
-    reference's| over the steps, median tokens/s, and for fp16 the scaler's final scale and skipped steps."""
+    reference's| over the steps, median tokens/s, and for fp16 the scaler's final scale and skipped
+    steps."""
     from ...eval import summarize_run
 
     ref = {r["step"]: r["loss"] for r in runs[reference]["history"] if r["kind"] == "train"}
@@ -633,8 +648,8 @@ def precision_rows(runs: dict, reference: str = "fp32") -> list[dict]:
 
 
 def precision_metrics(rows: list[dict]) -> dict:
-    """metrics.json's numbers of 2.3: ``<precision>_final_loss`` each, and fp16's ``fp16_scaler_skipped`` and
-    ``fp16_final_grad_scale`` (:func:`precision_rows`' rows)."""
+    """metrics.json's numbers of 2.3: ``<precision>_final_loss`` each, and fp16's
+    ``fp16_scaler_skipped`` and ``fp16_final_grad_scale`` (:func:`precision_rows`' rows)."""
     out = {f"{r['precision']}_final_loss": r["final_loss"] for r in rows}
     for r in rows:
         if r.get("grad_scale") is not None:
@@ -736,13 +751,14 @@ def evaluate_models(
     seed: int = 0,
     quiet: bool = True,
 ) -> tuple[list[dict], dict]:
-    """Each model on lm-eval ``tasks`` (:func:`ssmkit.eval.run_lm_eval`; ``"offline"``: the tasks that ship
-    with ssmkit, :data:`ssmkit.eval.OFFLINE_TASKS`; ``"plan"``: the plan's, :data:`ssmkit.eval.PLAN_TASKS`,
-    which need the hub or its cache). ``models``: {name: an nn.Module or a model directory}. Results of
-    each go to ``out_dir/<name>`` (results.json, results.md). ``quiet``: lm-eval's progress bars and
-    log lines hidden (redrawn bars are hundreds of lines in a headless notebook); on an error their last
-    lines are printed before it is raised. Returns (rows: one per model, task and metric, with its value
-    and stderr; {name: lm-eval's results dict})."""
+    """Each model on lm-eval ``tasks`` (:func:`ssmkit.eval.run_lm_eval`; ``"offline"``: the tasks
+    that ship with ssmkit, :data:`ssmkit.eval.OFFLINE_TASKS`; ``"plan"``: the plan's,
+    :data:`ssmkit.eval.PLAN_TASKS`, which need the hub or its cache). ``models``: {name: an
+    nn.Module or a model directory}. Results of each go to ``out_dir/<name>`` (results.json,
+    results.md). ``quiet``: lm-eval's progress bars and log lines hidden (redrawn bars are hundreds
+    of lines in a headless notebook); on an error their last lines are printed before it is raised.
+    Returns (rows: one per model, task and metric, with its value and stderr; {name: lm-eval's
+    results dict})."""
     from ...eval import OFFLINE_TASKS, PLAN_TASKS, run_lm_eval
 
     names = {"offline": list(OFFLINE_TASKS), "plan": list(PLAN_TASKS)}.get(tasks, tasks)
@@ -780,7 +796,8 @@ def evaluate_models(
 
 
 def score_table(rows: list[dict], digits: int = 4) -> list[dict]:
-    """:func:`evaluate_models`' rows side by side: one row per task and metric, one column per model."""
+    """:func:`evaluate_models`' rows side by side: one row per task and metric, one column per
+    model."""
     out: dict = {}
     for r in rows:
         row = out.setdefault((r["task"], r["metric"]), {"task": r["task"], "metric": r["metric"]})
@@ -790,8 +807,8 @@ def score_table(rows: list[dict], digits: int = 4) -> list[dict]:
 
 @contextlib.contextmanager
 def _quiet(on: bool):
-    """stderr (tqdm bars) captured and lm-eval's loggers at ERROR while on; the capture's tail is printed
-    if the body raises."""
+    """stderr (tqdm bars) captured and lm-eval's loggers at ERROR while on; the capture's tail is
+    printed if the body raises."""
     if not on:
         yield
         return
@@ -817,11 +834,11 @@ def _quiet(on: bool):
 def scaling_sweep(
     cfg, widths, tokens: int, data, val_data, *, out_dir, n_layer: int | None = None, callbacks=()
 ) -> list[dict]:
-    """Models of ``cfg``'s recipe at each width (d_model; ``n_layer`` default the model's), each trained on
-    the same ``tokens`` tokens (in the same order) with the Trainer in this process, evaluated once at
-    the end, in ``out_dir/d<width>``. Rows: ``d_model``, ``n_layer``, ``params``, ``params_no_emb``,
-    ``flops_per_token`` (:func:`ssmkit.eval.flops_per_token`), ``compute`` (= flops_per_token x tokens
-    trained), ``tokens``, ``val_loss``, ``seconds``."""
+    """Models of ``cfg``'s recipe at each width (d_model; ``n_layer`` default the model's), each
+    trained on the same ``tokens`` tokens (in the same order) with the Trainer in this process,
+    evaluated once at the end, in ``out_dir/d<width>``. Rows: ``d_model``, ``n_layer``, ``params``,
+    ``params_no_emb``, ``flops_per_token`` (:func:`ssmkit.eval.flops_per_token`), ``compute`` (=
+    flops_per_token x tokens trained), ``tokens``, ``val_loss``, ``seconds``."""
     from ...data import TokenLoader
     from ...eval import flops_per_token
     from ...models import build_model
@@ -875,9 +892,9 @@ def scaling_sweep(
 
 
 def fit_power_law(x, y) -> dict:
-    """Least squares of log y = log a - b log x: the power law y = a * x^-b through points (x, y) > 0 (at
-    least two distinct x). Returns ``a``, ``b`` (the exponent, positive when y falls), ``r2`` (of the log-log
-    fit) and ``points``."""
+    """Least squares of log y = log a - b log x: the power law y = a * x^-b through points (x, y) >
+    0 (at least two distinct x). Returns ``a``, ``b`` (the exponent, positive when y falls), ``r2``
+    (of the log-log fit) and ``points``."""
     xs, ys = [float(v) for v in x], [float(v) for v in y]
     if len(xs) != len(ys) or len(set(xs)) < 2 or min(xs + ys) <= 0:
         raise ValueError(
@@ -933,9 +950,9 @@ def plot_scaling(
     title: str | None = None,
     show: bool | None = None,
 ):
-    """Validation loss against compute on log-log axes: the sweep's points, the fitted power law, and
-    ``extra`` ({"label": (compute, loss)}, e.g. the prediction for 130M) as stars. Saved to ``path``
-    (written whole) and shown in a Jupyter kernel. Returns the figure."""
+    """Validation loss against compute on log-log axes: the sweep's points, the fitted power law,
+    and ``extra`` ({"label": (compute, loss)}, e.g. the prediction for 130M) as stars. Saved to
+    ``path`` (written whole) and shown in a Jupyter kernel. Returns the figure."""
 
     from matplotlib.figure import Figure
 

@@ -1,21 +1,26 @@
-"""Chapter 03, hybrids: what notebooks/03_hybrid.ipynb calls (stage 3 of the plan: SSM + attention stacks,
-Jamba-style).
+"""Chapter 03, hybrids: what notebooks/03_hybrid.ipynb calls (stage 3 of the plan: SSM + attention
+stacks, Jamba-style).
 
     p = PARAMETERS.check(globals())
-    cfg_h = hybrid_config(cfg, attn_every=4)                 # the TrainConfig cfg with its model a hybrid
+    cfg_h = hybrid_config(cfg, attn_every=4)                 # the TrainConfig cfg
+                                                             # with its model a hybrid
     layer_pattern(cfg_h)                                     # "M M A M" (offset attn_every // 2)
-    parameter_split(model)                                   # {"ssm": ..., "attention": ..., "mlp": ...}
-    rows = ratio_sweep(cfg, task, width=64, depth=8)         # pure SSM, attn_every 8, 4, 2, pure attention
-    rows = context_costs(context_models(cfg, 4), [1024, 4096])        # time and memory against length
+    parameter_split(model)                                   # {"ssm": ..., "attention":
+                                                             # ..., "mlp": ...}
+    rows = ratio_sweep(cfg, task, width=64, depth=8)         # pure SSM, attn_every 8,
+                                                             # 4, 2, pure attention
+    rows = context_costs(context_models(cfg, 4), [1024, 4096])        # time and memory
+                                                                      # against length
 
-Models are built with :func:`ssmkit.models.build_model` (``seed=cfg.seed``), trained on a synthetic task
-with :func:`ssmkit.train.train_on_task` and as language models with the Trainer; figures with
+Models are built with :func:`ssmkit.models.build_model` (``seed=cfg.seed``), trained on a synthetic
+task with :func:`ssmkit.train.train_on_task` and as language models with the Trainer; figures with
 :func:`ssmkit.plots.plot_panels`.
 
-Jamba's rule (Lieber et al. 2024): layer i of n is attention when ``i % attn_every == attn_offset``, so
-``attn_every=8, attn_offset=4`` puts 3 attention layers among 24 (Jamba's 1:7), ``attn_every=1`` makes every
-layer attention and ``attn_every=0`` none. Layer letters: M Mamba-1, M2 Mamba-2, M3 Mamba-3, A attention, W
-sliding-window attention, T a Transformer block (attention + MLP, transformers' Llama).
+Jamba's rule (Lieber et al. 2024): layer i of n is attention when ``i % attn_every == attn_offset``,
+so ``attn_every=8, attn_offset=4`` puts 3 attention layers among 24 (Jamba's 1:7), ``attn_every=1``
+makes every layer attention and ``attn_every=0`` none. Layer letters: M Mamba-1, M2 Mamba-2, M3
+Mamba-3, A attention, W sliding-window attention, T a Transformer block (attention + MLP,
+transformers' Llama).
 """
 
 from __future__ import annotations
@@ -172,7 +177,8 @@ _CLEARED = {
 
 
 def _model_config(of):
-    """The ModelConfig of a ModelConfig, a TrainConfig (``model_config()``) or a model (``.config``)."""
+    """The ModelConfig of a ModelConfig, a TrainConfig (``model_config()``) or a model
+    (``.config``)."""
     from ...models import ModelConfig
 
     if isinstance(of, ModelConfig):
@@ -191,14 +197,15 @@ def _mixers(of) -> list[str]:
 
 
 def layer_pattern(of) -> str:
-    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, M3 Mamba-3, A attention,
-    W sliding-window attention, T a Transformer block). ``of``: a ModelConfig, TrainConfig or model."""
+    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, M3 Mamba-3, A
+    attention, W sliding-window attention, T a Transformer block). ``of``: a ModelConfig,
+    TrainConfig or model."""
     return " ".join(LETTERS.get(m, "T") for m in _mixers(of))
 
 
 def attention_share(of) -> float:
-    """The fraction of layers that attend (attention, sliding window or Transformer blocks); ``of`` as in
-    :func:`layer_pattern`."""
+    """The fraction of layers that attend (attention, sliding window or Transformer blocks); ``of``
+    as in :func:`layer_pattern`."""
     mixers = _mixers(of)
     return sum(m not in SSM_MIXERS for m in mixers) / len(mixers)
 
@@ -212,15 +219,16 @@ def hybrid_config(
     out_dir=None,
     **model_overrides,
 ):
-    """``cfg`` (a :class:`~ssmkit.train.TrainConfig`) with its model made a Jamba-style hybrid: layer i is
-    attention when ``i % attn_every == attn_offset`` (default offset ``attn_every // 2``, Jamba's 4 of 8),
-    the others the SSM ``mixer`` (default: the run config's; another one by
+    """``cfg`` (a :class:`~ssmkit.train.TrainConfig`) with its model made a Jamba-style hybrid:
+    layer i is attention when ``i % attn_every == attn_offset`` (default offset ``attn_every // 2``,
+    Jamba's 4 of 8), the others the SSM ``mixer`` (default: the run config's; another one by
     :meth:`ssmkit.ModelConfig.with_mixer`'s rule, the one notebook 01 compares mixers with: its own
     state size, heads and chunk for that width, unless ``model_overrides`` gives them).
 
-    ``attn_every=0``: no attention (the pure SSM); ``1``: every layer (a pure attention stack, which then
-    gets rotary positions on every head dimension, since no SSM layer gives it order; Jamba's attention
-    layers have none). ``model_overrides``: more ModelConfig fields (d_model, n_layer, ...).
+    ``attn_every=0``: no attention (the pure SSM); ``1``: every layer (a pure attention stack, which
+    then gets rotary positions on every head dimension, since no SSM layer gives it order; Jamba's
+    attention layers have none). ``model_overrides``: more ModelConfig fields (d_model, n_layer,
+    ...).
     The result is checked by building its ModelConfig; ``out_dir`` replaces the run directory."""
     attn_every = checks.integer(attn_every, "attn_every", minimum=0)
     over = {**cfg.model_overrides, **_CLEARED, **model_overrides}
@@ -256,7 +264,8 @@ def hybrid_config(
 
 
 def _kind(module) -> str | None:
-    """The part of the model a module's parameters count toward, by its class (None: look inside)."""
+    """The part of the model a module's parameters count toward, by its class (None: look
+    inside)."""
     from torch import nn
 
     from ...models import Mamba1, Mamba2, Mamba3
@@ -276,9 +285,9 @@ def _kind(module) -> str | None:
 
 
 def parameter_split(model) -> dict:
-    """Parameters by part: ``ssm`` (Mamba mixers), ``attention``, ``mlp``, ``embedding`` (embedding and an
-    untied LM head), ``norms``, ``other``, and ``total`` (their sum; tied weights counted once, as
-    ``model.num_parameters()``). Works for ssmkit models and transformers' Llama."""
+    """Parameters by part: ``ssm`` (Mamba mixers), ``attention``, ``mlp``, ``embedding`` (embedding
+    and an untied LM head), ``norms``, ``other``, and ``total`` (their sum; tied weights counted
+    once, as ``model.num_parameters()``). Works for ssmkit models and transformers' Llama."""
     split = dict.fromkeys(("ssm", "attention", "mlp", "embedding", "norms", "other"), 0)
     seen: set[int] = set()
     for prefix, module in model.named_modules():
@@ -298,7 +307,8 @@ def parameter_split(model) -> dict:
 
 
 def _train_lm(cfg, data, val_data, name: str) -> dict:
-    """Train ``cfg.model_config()`` with the Trainer on the prepared shards; its last validation loss."""
+    """Train ``cfg.model_config()`` with the Trainer on the prepared shards; its last validation
+    loss."""
     from ...data import TokenLoader
     from ...eval import summarize_run
     from ...train import Trainer
@@ -387,11 +397,12 @@ def ratio_sweep(
 def mixer_comparison(
     cfg, task=None, *, attn_every: int, rows: list[dict] = (), mixers=("mamba1", "mamba2"), **sweep
 ) -> list[dict]:
-    """The same hybrid (``attn_every``) with each of ``mixers`` around the attention (default Mamba-1 and
-    Mamba-2; add "mamba3" for Mamba-3), one :func:`ratio_sweep` row each, in that order; a row of ``rows``
-    with that mixer and ``attn_every`` (a sweep run with the same arguments) is reused instead of trained
-    again. Each mixer's layers are sized by :meth:`ssmkit.ModelConfig.with_mixer` (its own state size,
-    heads and a chunk of 64 at that width; ``sweep``'s model fields win)."""
+    """The same hybrid (``attn_every``) with each of ``mixers`` around the attention (default
+    Mamba-1 and Mamba-2; add "mamba3" for Mamba-3), one :func:`ratio_sweep` row each, in that order;
+    a row of ``rows`` with that mixer and ``attn_every`` (a sweep run with the same arguments) is
+    reused instead of trained again. Each mixer's layers are sized by
+    :meth:`ssmkit.ModelConfig.with_mixer` (its own state size, heads and a chunk of 64 at that
+    width; ``sweep``'s model fields win)."""
     unknown = [m for m in mixers if m not in SSM_MIXERS]
     if unknown or not mixers:
         raise ValueError(
@@ -420,11 +431,12 @@ def context_models(
     max_len: int = 4096,
     **hybrid_overrides,
 ) -> dict:
-    """Fresh (untrained) models of ``cfg``'s width and depth for timing: "Mamba" (no attention), "Hybrid"
-    (:func:`hybrid_config`, with ``hybrid_overrides``, e.g. ``attn_cfg={"window_size": 128}``) and
-    "Transformer++" (:func:`~ssmkit.models.matched_transformer` of the Mamba model), with a
-    ``vocab_size``-row vocabulary, so that the LM head (the same O(L·V) for all three) does not hide what
-    the mixers cost; on ``cfg.device``, seeded by ``cfg.seed``."""
+    """Fresh (untrained) models of ``cfg``'s width and depth for timing: "Mamba" (no attention),
+    "Hybrid" (:func:`hybrid_config`, with ``hybrid_overrides``, e.g.
+    ``attn_cfg={"window_size": 128}``) and "Transformer++"
+    (:func:`~ssmkit.models.matched_transformer` of the Mamba model), with a ``vocab_size``-row
+    vocabulary, so that the LM head (the same O(L·V) for all three) does not hide what the mixers
+    cost; on ``cfg.device``, seeded by ``cfg.seed``."""
     from ...models import matched_transformer
 
     device = pick_device(cfg.device)
@@ -439,8 +451,9 @@ def context_models(
 
 
 def _checkpointing(model, on: bool) -> None:
-    """Activation checkpointing on or off: ssmkit's ``backbone.gradient_checkpointing``; transformers'
-    ``activation_checkpointing_enable()`` / ``_disable()`` (``gradient_checkpointing_*`` before 5.x)."""
+    """Activation checkpointing on or off: ssmkit's ``backbone.gradient_checkpointing``;
+    transformers' ``activation_checkpointing_enable()`` / ``_disable()``
+    (``gradient_checkpointing_*`` before 5.x)."""
     backbone = getattr(model, "backbone", None)
     if hasattr(backbone, "gradient_checkpointing"):
         backbone.gradient_checkpointing = on
@@ -460,16 +473,18 @@ def context_costs(
     warmup: int = 0,
     checkpoint_from: int = 32768,
 ) -> list[dict]:
-    """Per model and length L (ascending), batch 1: a training step (forward + backward, no optimizer:
-    :func:`ssmkit.eval.long_context.train_step_cost`) and greedy generation of ``new_tokens`` after an
-    L-token prompt (:func:`~ssmkit.eval.long_context.generation_cost`). Lengths outer, models inner, so a
-    machine's drift hits all models alike; each model first runs one untimed 64-token step. From
-    ``checkpoint_from`` tokens on, every model trains with activation checkpointing (each block recomputed
-    in the backward pass), as long windows need (row key ``checkpointed``).
+    """Per model and length L (ascending), batch 1: a training step (forward + backward, no
+    optimizer: :func:`ssmkit.eval.long_context.train_step_cost`) and greedy generation of
+    ``new_tokens`` after an L-token prompt (:func:`~ssmkit.eval.long_context.generation_cost`).
+    Lengths outer, models inner, so a machine's drift hits all models alike; each model first runs
+    one untimed 64-token step. From ``checkpoint_from`` tokens on, every model trains with
+    activation checkpointing (each block recomputed in the backward pass), as long windows need (row
+    key ``checkpointed``).
 
-    Rows: ``model``, ``seq_len``, ``train_tok_s`` (tokens/s), ``train_peak_mb`` (extra peak MiB of the
-    step), ``prefill_s``, ``decode_tok_s`` (tokens/s after the prompt), ``cache_mb`` (the generation
-    cache at the end: SSM states, attention keys and values), ``gen_peak_mb``; None where unmeasurable."""
+    Rows: ``model``, ``seq_len``, ``train_tok_s`` (tokens/s), ``train_peak_mb`` (extra peak MiB of
+    the step), ``prefill_s``, ``decode_tok_s`` (tokens/s after the prompt), ``cache_mb`` (the
+    generation cache at the end: SSM states, attention keys and values), ``gen_peak_mb``; None where
+    unmeasurable."""
     from ...eval.long_context import generation_cost, train_step_cost
 
     lengths = [checks.integer(n, "length", minimum=2) for n in lengths]
@@ -505,9 +520,9 @@ def context_costs(
 
 
 def crossovers(rows: list[dict], ssm: str = "Mamba", attn: str = "Transformer++") -> dict:
-    """For each measure of :func:`context_costs`: the length from which ``ssm`` beats ``attn`` at every
-    longer length measured (:func:`ssmkit.eval.long_context.crossover`), or None (still behind at the
-    longest). Higher is better for the rates, lower for memory and prefill time."""
+    """For each measure of :func:`context_costs`: the length from which ``ssm`` beats ``attn`` at
+    every longer length measured (:func:`ssmkit.eval.long_context.crossover`), or None (still behind
+    at the longest). Higher is better for the rates, lower for memory and prefill time."""
     from ...eval.long_context import crossover
 
     by = {(r["model"], r["seq_len"]): r for r in rows}
@@ -526,8 +541,8 @@ def crossovers(rows: list[dict], ssm: str = "Mamba", attn: str = "Transformer++"
 
 def extrapolation(models: dict, val_dir, lengths, max_windows: int = 4) -> list[dict]:
     """Validation loss of each (trained) model on windows of each length
-    (:func:`ssmkit.eval.long_context.length_extrapolation`); rows ``model``, ``seq_len``, ``loss``, ``ppl``,
-    ``windows``, ``note`` (a length longer than the split is skipped with a note)."""
+    (:func:`ssmkit.eval.long_context.length_extrapolation`); rows ``model``, ``seq_len``, ``loss``,
+    ``ppl``, ``windows``, ``note`` (a length longer than the split is skipped with a note)."""
     from ...eval.long_context import length_extrapolation
 
     rows = []

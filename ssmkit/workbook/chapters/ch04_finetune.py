@@ -1,21 +1,25 @@
-"""Chapter 04, fine-tuning: what notebooks/04_lora_finetune.ipynb calls (path B of the plan: start from a
-pretrained model).
+"""Chapter 04, fine-tuning: what notebooks/04_lora_finetune.ipynb calls (path B of the plan: start
+from a pretrained model).
 
     p = PARAMETERS.check(globals())
-    base, history = base_checkpoint(p)                       # p["base"], or a short pretraining here
-    plan_snippet_on_transformers(base, out_dir)              # the plan's LoraConfig on transformers' Mamba
+    base, history = base_checkpoint(p)                       # p["base"], or a short
+                                                             # pretraining here
+    plan_snippet_on_transformers(base, out_dir)              # the plan's LoraConfig on
+                                                             # transformers' Mamba
     cfgs = {"LoRA": finetune_config(p, base, "lora"), "full": finetune_config(p, base, "full")}
-    rows, models = compare_finetuning(base, cfgs, val_dir)   # held-out loss, exact match, tok/s, memory
-    export_to_transformers(models["LoRA"], out_dir)          # merge, save as transformers, reload, compare
+    rows, models = compare_finetuning(base, cfgs, val_dir)   # held-out loss, exact
+                                                             # match, tok/s, memory
+    export_to_transformers(models["LoRA"], out_dir)          # merge, save as transformers,
+                                                             # reload, compare
 
 LoRA (Hu et al. 2021) freezes each target weight W (out, in) and trains a low-rank update,
 
     y = x W^T + (alpha / r) · dropout(x) A^T B^T,      A (r, in) random,  B (out, r) = 0 at the start,
 
-so the model starts as the pretrained one and only r (in + out) numbers per target train. Full fine-tuning
-trains every weight with the same data and steps. Both runs use :class:`ssmkit.train.Trainer` with
-``base:`` (and ``lora:``) in the run config; the SFT data are packed with ``seq_idx`` so the scan restarts
-at each sample (:mod:`ssmkit.data.sft`).
+so the model starts as the pretrained one and only r (in + out) numbers per target train. Full
+fine-tuning trains every weight with the same data and steps. Both runs use
+:class:`ssmkit.train.Trainer` with ``base:`` (and ``lora:``) in the run config; the SFT data are
+packed with ``seq_idx`` so the scan restarts at each sample (:mod:`ssmkit.data.sft`).
 """
 
 from __future__ import annotations
@@ -63,10 +67,10 @@ FULL_LR_SHARE = (
 
 
 def base_checkpoint(p: dict) -> tuple[str, list[dict] | None]:
-    """The pretrained model to fine-tune, as something :func:`ssmkit.from_pretrained` reads: ``p["base"]``
-    (a hub id as given; a run's out_dir or checkpoint: its model directory), or, when it is empty, a short
-    pretraining of ``p["config"]`` on ``p["data"]`` for ``p["max_tokens"]`` tokens into
-    ``out_dir/pretrain`` (its final model directory, and the run's history)."""
+    """The pretrained model to fine-tune, as something :func:`ssmkit.from_pretrained` reads:
+    ``p["base"]`` (a hub id as given; a run's out_dir or checkpoint: its model directory), or, when
+    it is empty, a short pretraining of ``p["config"]`` on ``p["data"]`` for ``p["max_tokens"]``
+    tokens into ``out_dir/pretrain`` (its final model directory, and the run's history)."""
     from ...train import Trainer
     from ...train.resolve import resolve
 
@@ -89,7 +93,8 @@ def base_checkpoint(p: dict) -> tuple[str, list[dict] | None]:
 
 
 def _recipe(overrides: dict) -> dict:
-    """The overrides that describe how to train (micro_batch, eval_batches, precision, ...), not what."""
+    """The overrides that describe how to train (micro_batch, eval_batches, precision, ...), not
+    what."""
     return {
         k: v for k, v in overrides.items() if k not in ("base", "lora", "data", "val_data", "model")
     }
@@ -100,7 +105,8 @@ def finetune_config(p: dict, base: str, method: str, **extra):
     lora_dropout, lora_targets: "plan" = the plan's x_proj, in_proj, out_proj that the model has) or
     "full"; SFT data ``p["sft_data"]`` packed into 128-token windows,
     ``p["sft_steps"]`` steps of 8 windows, warmup 10% then cosine; peak lr 3e-3 for LoRA and
-    :data:`FULL_LR_SHARE` of it for full fine-tuning. ``p["overrides"]`` and ``extra`` replace any of it."""
+    :data:`FULL_LR_SHARE` of it for full fine-tuning. ``p["overrides"]`` and ``extra`` replace any
+    of it."""
     from ...train import TrainConfig
 
     if method not in ("lora", "full"):
@@ -155,10 +161,11 @@ def sft_split(p: dict, split: str = "val") -> Path:
 
 
 def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
-    """The plan's ``peft.get_peft_model(model, LoraConfig(...))`` on transformers' model of the same weights
-    (``base`` written in transformers' format into ``out_dir/base-hf``), with the plan's targets and
-    without ``out_proj``. One row per attempt: the targets, and what peft said. A model transformers has
-    no class for (Mamba-3, hybrids with attention or MLPs) gives one row saying so."""
+    """The plan's ``peft.get_peft_model(model, LoraConfig(...))`` on transformers' model of the same
+    weights (``base`` written in transformers' format into ``out_dir/base-hf``), with the plan's
+    targets and without ``out_proj``. One row per attempt: the targets, and what peft said. A model
+    transformers has no class for (Mamba-3, hybrids with attention or MLPs) gives one row saying
+    so."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -209,11 +216,12 @@ def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
 
 
 def step_memory(model, batch, device="cpu") -> float:
-    """Extra peak MiB of two AdamW training steps of ``model`` on ``batch`` = (input_ids, labels, seq_idx)
-    (the second step holds the optimizer's states, as every later one does), measured after one unmeasured
-    forward + backward (the allocator's and the thread pools' first-call costs): activations, gradients
-    and optimizer states together. The steps run at learning rate 0, so the weights do not change and no
-    copy of the model is needed (at 2.8B parameters a copy would not fit beside the others)."""
+    """Extra peak MiB of two AdamW training steps of ``model`` on ``batch`` = (input_ids, labels,
+    seq_idx) (the second step holds the optimizer's states, as every later one does), measured after
+    one unmeasured forward + backward (the allocator's and the thread pools' first-call costs):
+    activations, gradients and optimizer states together. The steps run at learning rate 0, so the
+    weights do not change and no copy of the model is needed (at 2.8B parameters a copy would not
+    fit beside the others)."""
     import torch
 
     from ...eval.long_context import measure_call
@@ -244,8 +252,8 @@ def step_memory(model, batch, device="cpu") -> float:
 
 
 def state_mb(model) -> float:
-    """MiB of what training adds per trainable parameter, counted: its gradient and AdamW's two moments,
-    each in the parameter's dtype (fp32: 12 bytes per trainable parameter)."""
+    """MiB of what training adds per trainable parameter, counted: its gradient and AdamW's two
+    moments, each in the parameter's dtype (fp32: 12 bytes per trainable parameter)."""
     params = {id(t): t for t in model.parameters() if t.requires_grad}.values()
     return 3 * sum(t.numel() * t.element_size() for t in params) / 2**20
 
@@ -253,12 +261,13 @@ def state_mb(model) -> float:
 def compare_finetuning(
     base: str, configs: dict, val_dir, exact_n: int = 64
 ) -> tuple[list[dict], dict]:
-    """Train each run config (name -> TrainConfig on ``base``) and measure every model the same way, the
-    base model first: trainable parameters and their share, the held-out completion loss on ``val_dir``
-    (:func:`ssmkit.eval.completion_loss`), exact match of greedy answers on its first ``exact_n`` samples
-    (:func:`ssmkit.eval.exact_match`), the median training tokens/s, the training state counted
-    (:func:`state_mb`: gradients + AdamW moments) and the measured extra peak MiB of training steps
-    (:func:`step_memory`, activations included). Returns (rows, {"base": model, name: trained model, ...})."""
+    """Train each run config (name -> TrainConfig on ``base``) and measure every model the same way,
+    the base model first: trainable parameters and their share, the held-out completion loss on
+    ``val_dir`` (:func:`ssmkit.eval.completion_loss`), exact match of greedy answers on its first
+    ``exact_n`` samples (:func:`ssmkit.eval.exact_match`), the median training tokens/s, the
+    training state counted (:func:`state_mb`: gradients + AdamW moments) and the measured extra peak
+    MiB of training steps (:func:`step_memory`, activations included). Returns (rows, {"base":
+    model, name: trained model, ...})."""
     from ...data import SFTLoader
     from ...eval import completion_loss, exact_match
     from ...finetune import parameter_counts
@@ -292,13 +301,13 @@ def compare_finetuning(
 
 
 def export_to_transformers(model, out_dir: str | Path, input_ids=None) -> dict:
-    """Merge a LoRA model's adapter into its weights (``merge_and_unload``), write the merged model in
-    transformers' format to ``out_dir/merged-hf``, load it with ``AutoModelForCausalLM`` and compare its
-    logits with the ssmkit model's on ``input_ids`` (default: 2 x 32 fixed ids). A model transformers has
-    no class for (Mamba-3, hybrids) is written in its own format (mamba_ssm's layout) to ``out_dir/merged``
-    and reloaded with :func:`ssmkit.from_pretrained` instead. Also tries the adapter itself for
-    transformers (:func:`ssmkit.finetune.adapter_for_transformers`) and reports what it said. The model is
-    merged in place: afterwards it is the plain ssmkit model."""
+    """Merge a LoRA model's adapter into its weights (``merge_and_unload``), write the merged model
+    in transformers' format to ``out_dir/merged-hf``, load it with ``AutoModelForCausalLM`` and
+    compare its logits with the ssmkit model's on ``input_ids`` (default: 2 x 32 fixed ids). A model
+    transformers has no class for (Mamba-3, hybrids) is written in its own format (mamba_ssm's
+    layout) to ``out_dir/merged`` and reloaded with :func:`ssmkit.from_pretrained` instead. Also
+    tries the adapter itself for transformers (:func:`ssmkit.finetune.adapter_for_transformers`) and
+    reports what it said. The model is merged in place: afterwards it is the plain ssmkit model."""
     import torch
 
     from ...finetune import adapter_for_transformers, export_merged, merge, save_adapter
@@ -345,7 +354,7 @@ def export_to_transformers(model, out_dir: str | Path, input_ids=None) -> dict:
     }
 
 
-# --- the notebook's parameters ------------------------------------------------------------------------
+# --- the notebook's parameters --------------------------------------------------------------------
 
 
 def check_base(value, name: str = "base"):

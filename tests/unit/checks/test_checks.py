@@ -1,4 +1,5 @@
-"""ssmkit.checks: the one grammar of values typed on a command line, and the validators every layer uses."""
+"""ssmkit.checks: the one grammar of values typed on a command line, and the validators every layer
+uses."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Data safety: every fault a user or the machine can cause is injected and must end in one clear error
-(or be survived), never in silent wrong data, a half-written shard or a raw traceback.
+"""Data safety: every fault a user or the machine can cause is injected and must end in one clear
+error (or be survived), never in silent wrong data, a half-written shard or a raw traceback.
 
-Oracles: the bytes of a clean run, the token ids the byte tokenizer gives by definition (UTF-8 bytes,
-EOS = 256), and the files a fault must leave untouched.
+Oracles: the bytes of a clean run, the token ids the byte tokenizer gives by definition (UTF-8
+bytes, EOS = 256), and the files a fault must leave untouched.
 """
 
 from __future__ import annotations
@@ -35,17 +35,25 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def prep(src, out, **kw):
-    return D.prepare(str(src), "byte", out, **{"split": "all", "shard_tokens": 500, "progress": False, **kw})
+    return D.prepare(
+        str(src), "byte", out, **{"split": "all", "shard_tokens": 500, "progress": False, **kw}
+    )
 
 
 def stream(folder):
     index = json.loads((folder / "index.json").read_text())
-    return np.concatenate([np.fromfile(folder / s["file"], dtype=index["dtype"]) for s in index["shards"]])
+    return np.concatenate(
+        [np.fromfile(folder / s["file"], dtype=index["dtype"]) for s in index["shards"]]
+    )
 
 
 def files(folder):
     """name -> bytes of what prepare leaves (the lock file aside)."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != LOCK_FILE}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != LOCK_FILE
+    }
 
 
 def flip(path, at=0):
@@ -80,30 +88,33 @@ def prepared(tmp_path):
 def scans(monkeypatch):
     """Count the shard files read in full (sha256 + token ids); stamps count as settled at once."""
     calls, real = [], S._scan
-    monkeypatch.setattr(S, "_scan", lambda path, dtype: calls.append(path.name) or real(path, dtype))
+    monkeypatch.setattr(
+        S, "_scan", lambda path, dtype: calls.append(path.name) or real(path, dtype)
+    )
     monkeypatch.setattr(S, "RACY_NS", 0)
     return calls
 
 
-# ---- 1. shard checksums and token ids are verified ---------------------------------------------------------
+# ---- 1. shard checksums and token ids are verified -----------------------------------------------
+
 
 def test_loader_verifies_once_then_trusts_unchanged_files(prepared, scans):
     n = len(json.loads((prepared / "index.json").read_text())["shards"])
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    assert len(scans) == n                                                    # first open: every shard read
+    assert len(scans) == n  # first open: every shard read
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    assert len(scans) == n                                                    # second open: nothing read
+    assert len(scans) == n  # second open: nothing read
     D.TokenLoader(prepared, seq_len=8, batch_size=2, verify=True)
-    assert len(scans) == 2 * n                                                # True: always
+    assert len(scans) == 2 * n  # True: always
     D.TokenLoader(prepared, seq_len=8, batch_size=2, verify=False)
-    assert len(scans) == 2 * n                                                # False: sizes only
+    assert len(scans) == 2 * n  # False: sizes only
     with pytest.raises(ValueError, match="verify must be 'auto', True or False; got 'yes'"):
         D.TokenLoader(prepared, seq_len=8, batch_size=2, verify="yes")
 
 
 def test_a_bit_flip_after_verification_is_still_caught(prepared, scans):
-    D.TokenLoader(prepared, seq_len=8, batch_size=2)                          # verified and remembered
-    time.sleep(0.05)                                                          # a later tick of the file clock
+    D.TokenLoader(prepared, seq_len=8, batch_size=2)  # verified and remembered
+    time.sleep(0.05)  # a later tick of the file clock
     shard = prepared / "shard_00001.bin"
     stamp = shard.stat()
     flip(shard, at=7)
@@ -112,12 +123,15 @@ def test_a_bit_flip_after_verification_is_still_caught(prepared, scans):
     with pytest.raises(ValueError) as err:
         D.TokenLoader(prepared, seq_len=8, batch_size=2)
     message = str(err.value)
-    assert str(shard) in message and "sha256 differs" in message and "into a new directory" in message
-    flip(shard, at=7)                                                         # repaired: accepted again
+    assert (
+        str(shard) in message and "sha256 differs" in message and "into a new directory" in message
+    )
+    flip(shard, at=7)  # repaired: accepted again
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ValueError,
-                       match=r"shard_00001.bin is corrupt: 998 bytes, the index says 1000; prepare"):
+    with pytest.raises(
+        ValueError, match=r"shard_00001.bin is corrupt: 998 bytes, the index says 1000; prepare"
+    ):
         D.TokenLoader(prepared, seq_len=8, batch_size=2)
     shard.unlink()
     with pytest.raises(ValueError, match=r"shard_00001.bin is missing"):
@@ -126,29 +140,32 @@ def test_a_bit_flip_after_verification_is_still_caught(prepared, scans):
 
 def test_files_changed_just_now_are_not_trusted_by_their_stamps(prepared, monkeypatch):
     calls, real = [], S._scan
-    monkeypatch.setattr(S, "_scan", lambda path, dtype: calls.append(path.name) or real(path, dtype))
+    monkeypatch.setattr(
+        S, "_scan", lambda path, dtype: calls.append(path.name) or real(path, dtype)
+    )
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    D.TokenLoader(prepared, seq_len=8, batch_size=2)                          # written < 2 s ago: read again
+    D.TokenLoader(prepared, seq_len=8, batch_size=2)  # written < 2 s ago: read again
     n = len(json.loads((prepared / "index.json").read_text())["shards"])
     assert len(calls) == 2 * n
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(prepared, tmp_path):
     index = json.loads((prepared / "index.json").read_text())
-    index["vocab_size"] = 200                                                 # the stream holds EOS = 256
+    index["vocab_size"] = 200  # the stream holds EOS = 256
     (prepared / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="holds token id 256, the index's vocab_size is 200"):
         D.TokenLoader(prepared, seq_len=8, batch_size=2)
     with pytest.raises(ValueError, match="holds token id 256"):
         D.write_mds(prepared, tmp_path / "mds", 8, progress=False)
-    D.TokenLoader(prepared, seq_len=8, batch_size=2, verify=False)            # sizes alone pass
+    D.TokenLoader(prepared, seq_len=8, batch_size=2, verify=False)  # sizes alone pass
 
 
-def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(prepared, tmp_path, monkeypatch,
-                                                                       scans):
+def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(
+    prepared, tmp_path, monkeypatch, scans
+):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    monkeypatch.setenv("SSMKIT_CACHE", str(blocker))                          # mkdir under a file: OSError
+    monkeypatch.setenv("SSMKIT_CACHE", str(blocker))  # mkdir under a file: OSError
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     n = len(json.loads((prepared / "index.json").read_text())["shards"])
@@ -162,16 +179,19 @@ def test_a_cache_that_cannot_be_read_or_written_does_not_break_loading(prepared,
     real_write_json = S.write_json
     monkeypatch.setattr(S, "write_json", read_only)
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    assert (not (tmp_path / "cache2" / "verified").exists()
-            or not any((tmp_path / "cache2" / "verified").iterdir()))
+    assert not (tmp_path / "cache2" / "verified").exists() or not any(
+        (tmp_path / "cache2" / "verified").iterdir()
+    )
     monkeypatch.setattr(S, "write_json", real_write_json)
     monkeypatch.setenv("SSMKIT_CACHE", str(tmp_path / "cache3"))
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
     (cached,) = (tmp_path / "cache3" / "verified").iterdir()
-    cached.write_text('{"dir": ')                                             # truncated: ignored, rewritten
+    cached.write_text('{"dir": ')  # truncated: ignored, rewritten
     before = len(scans)
     D.TokenLoader(prepared, seq_len=8, batch_size=2)
-    assert len(scans) == before + n and json.loads(cached.read_text())["dir"] == str(prepared.resolve())
+    assert len(scans) == before + n and json.loads(cached.read_text())["dir"] == str(
+        prepared.resolve()
+    )
 
 
 def test_prepare_checks_finished_shards_before_calling_them_done(tmp_path):
@@ -182,20 +202,23 @@ def test_prepare_checks_finished_shards_before_calling_them_done(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(ValueError, match="shard_00002.bin is corrupt: 996 bytes"):
         prep(src, out)
-    shard.write_bytes(b"\x00" * 1000)                                         # right size, wrong bytes
+    shard.write_bytes(b"\x00" * 1000)  # right size, wrong bytes
     with pytest.raises(ValueError, match="shard_00002.bin is corrupt: its sha256 differs"):
         prep(src, out)
 
 
-# ---- 2. a local corpus edited after preparing --------------------------------------------------------------
+# ---- 2. a local corpus edited after preparing ----------------------------------------------------
+
 
 def test_source_fingerprint_follows_the_files(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
     jsonl(folder / "a.jsonl", TEXTS[:3])
     first = D.source_fingerprint(str(folder))
-    assert isinstance(first, str) and len(first) == 16 and D.source_fingerprint(str(folder)) == first
-    (folder / "notes.md").write_text("not a source file")                    # not read: no change
+    assert (
+        isinstance(first, str) and len(first) == 16 and D.source_fingerprint(str(folder)) == first
+    )
+    (folder / "notes.md").write_text("not a source file")  # not read: no change
     assert D.source_fingerprint(str(folder)) == first
     jsonl(folder / "b.jsonl", TEXTS[3:4])
     second = D.source_fingerprint(str(folder))
@@ -204,8 +227,10 @@ def test_source_fingerprint_follows_the_files(tmp_path):
     jsonl(folder / "b.jsonl", TEXTS[4:5])
     assert D.source_fingerprint(str(folder)) != second
     assert D.source_fingerprint("stdlib-docs") == D.source_fingerprint("stdlib-docs") is not None
-    assert (D.source_fingerprint("fineweb-edu") is None
-            and D.source_fingerprint(str(tmp_path / "nope")) is None)
+    assert (
+        D.source_fingerprint("fineweb-edu") is None
+        and D.source_fingerprint(str(tmp_path / "nope")) is None
+    )
 
 
 def test_an_edited_corpus_is_not_served_from_stale_shards(tmp_path):
@@ -213,16 +238,20 @@ def test_an_edited_corpus_is_not_served_from_stale_shards(tmp_path):
     out = tmp_path / "out"
     first = prep(src, out)
     assert first["options"]["source_fingerprint"] == D.source_fingerprint(str(src))
-    jsonl(src, TEXTS[::-1])                                                   # same size, other order
-    with pytest.raises(ValueError,
-                       match=r"the source .*d.jsonl' changed since .*out was prepared.*another directory"):
+    jsonl(src, TEXTS[::-1])  # same size, other order
+    with pytest.raises(
+        ValueError,
+        match=r"the source .*d.jsonl' changed since .*out was prepared.*another directory",
+    ):
         prep(src, out)
     again = prep(src, tmp_path / "new")
     expected = [b for t in TEXTS[::-1] for b in (*t.encode(), 256)]
     assert stream(tmp_path / "new").tolist() == expected and again["total_tokens"] == len(expected)
 
 
-def test_an_edited_corpus_is_not_resumed_and_an_edit_during_prepare_is_caught(tmp_path, monkeypatch):
+def test_an_edited_corpus_is_not_resumed_and_an_edit_during_prepare_is_caught(
+    tmp_path, monkeypatch
+):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
     real, calls = S.write_atomically, []
 
@@ -253,7 +282,8 @@ def test_an_edited_corpus_is_not_resumed_and_an_edit_during_prepare_is_caught(tm
     assert not (tmp_path / "during" / "index.json").exists()
 
 
-# ---- 3. one writer per directory ---------------------------------------------------------------------------
+# ---- 3. one writer per directory -----------------------------------------------------------------
+
 
 def test_a_second_prepare_into_a_busy_directory_is_refused_naming_the_holder(tmp_path):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
@@ -261,7 +291,7 @@ def test_a_second_prepare_into_a_busy_directory_is_refused_naming_the_holder(tmp
     with DirLock(out, "data prepare"):
         with pytest.raises(LockError, match=r"in use by this process .*data prepare since"):
             prep(src, out)
-    assert files(out) == {}                                                   # nothing written meanwhile
+    assert files(out) == {}  # nothing written meanwhile
     with DirLock(out / "mds", "MDS conversion"):
         with pytest.raises(LockError, match="MDS conversion"):
             prep(src, out, mds_seq_len=16)
@@ -269,17 +299,21 @@ def test_a_second_prepare_into_a_busy_directory_is_refused_naming_the_holder(tmp
 
 
 def test_a_second_process_holding_the_directory_is_named(tmp_path):
-    """A real second process holds the directory: refused with its pid; after it exits, prepare runs."""
+    """A real second process holds the directory: refused with its pid; after it exits, prepare
+    runs."""
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
     out = tmp_path / "out"
-    io_py = str(Path(S.__file__).parents[1] / "io.py")                      # ssmkit.io alone: no torch import
-    holder = ("import importlib.util, sys\n"
-              f"spec = importlib.util.spec_from_file_location('io_only', {io_py!r})\n"
-              "io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)\n"
-              f"lock = io.DirLock({str(out)!r}, 'data prepare').acquire()\n"
-              "print('held', flush=True); sys.stdin.read()\n")
-    child = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    io_py = str(Path(S.__file__).parents[1] / "io.py")  # ssmkit.io alone: no torch import
+    holder = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('io_only', {io_py!r})\n"
+        "io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)\n"
+        f"lock = io.DirLock({str(out)!r}, 'data prepare').acquire()\n"
+        "print('held', flush=True); sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "held"
         with pytest.raises(LockError, match=rf"pid {child.pid} on .*data prepare"):
@@ -300,14 +334,18 @@ def test_lock_wait_waits_for_the_holder(tmp_path):
     assert 0.4 < time.monotonic() - t0 < 25
 
 
-# ---- 4. names read from index.json / progress.json stay inside their folder -------------------------------
+# ---- 4. names read from index.json / progress.json stay inside their folder ----------------------
+
 
 def test_a_shard_name_with_a_path_is_refused_everywhere(prepared, tmp_path):
     secret = tmp_path / "secret.txt"
-    secret.write_bytes(b"top secret token bytes!!" * 100)                     # a plausible size for a shard
+    secret.write_bytes(b"top secret token bytes!!" * 100)  # a plausible size for a shard
     index = json.loads((prepared / "index.json").read_text())
-    index["shards"][0] = {"file": "../secret.txt", "tokens": len(secret.read_bytes()) // 2,
-                          "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    index["shards"][0] = {
+        "file": "../secret.txt",
+        "tokens": len(secret.read_bytes()) // 2,
+        "sha256": hashlib.sha256(secret.read_bytes()).hexdigest(),
+    }
     index["total_tokens"] = sum(s["tokens"] for s in index["shards"])
     (prepared / "index.json").write_text(json.dumps(index))
     for verify in ("auto", True, False):
@@ -320,8 +358,15 @@ def test_a_shard_name_with_a_path_is_refused_everywhere(prepared, tmp_path):
 def test_progress_json_and_mds_index_names_are_checked_too(tmp_path, monkeypatch):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
     real, calls = S.write_atomically, []
-    monkeypatch.setattr(S, "write_atomically", lambda p, d: (calls.append(p), real(p, d))
-                        if len(calls) < 2 else (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(
+        S,
+        "write_atomically",
+        lambda p, d: (
+            (calls.append(p), real(p, d))
+            if len(calls) < 2
+            else (_ for _ in ()).throw(KeyboardInterrupt)
+        ),
+    )
     with pytest.raises(KeyboardInterrupt):
         prep(src, tmp_path / "out")
     monkeypatch.setattr(S, "write_atomically", real)
@@ -334,11 +379,14 @@ def test_progress_json_and_mds_index_names_are_checked_too(tmp_path, monkeypatch
     # plain, but not the shard it must be
     state["shards"][0]["file"] = "index.json"
     progress.write_text(json.dumps(state))
-    with pytest.raises(ValueError,
-                       match=r"progress.json holds 'index.json'; expected a name matching shard_00000"):
+    with pytest.raises(
+        ValueError, match=r"progress.json holds 'index.json'; expected a name matching shard_00000"
+    ):
         prep(src, tmp_path / "out")
-    progress.write_text(json.dumps(state)[:40])                               # truncated
-    with pytest.raises(ValueError, match=r"progress file .*progress.json cannot be read .*truncated"):
+    progress.write_text(json.dumps(state)[:40])  # truncated
+    with pytest.raises(
+        ValueError, match=r"progress file .*progress.json cannot be read .*truncated"
+    ):
         prep(src, tmp_path / "out")
 
     src_dir = tmp_path / "w"
@@ -362,14 +410,24 @@ def test_progress_json_and_mds_index_names_are_checked_too(tmp_path, monkeypatch
 def test_a_truncated_or_foreign_index_is_one_clear_error(prepared):
     text = (prepared / "index.json").read_text()
     (prepared / "index.json").write_text(text[: len(text) // 2])
-    with pytest.raises(ValueError, match=r"shard index .*index.json cannot be read .*corrupt or truncated"):
+    with pytest.raises(
+        ValueError, match=r"shard index .*index.json cannot be read .*corrupt or truncated"
+    ):
         D.TokenLoader(prepared, seq_len=8, batch_size=1)
     with pytest.raises(ValueError, match="cannot be read"):
-        D.prepare(str(prepared.parent / "w.jsonl"), "byte", prepared, split="all", shard_tokens=500,
-                  progress=False)
-    for foreign in ([1, 2],
-                    {"dtype": "float32", "shards": [], "vocab_size": 3},
-                    {"dtype": "uint16", "shards": {}}):
+        D.prepare(
+            str(prepared.parent / "w.jsonl"),
+            "byte",
+            prepared,
+            split="all",
+            shard_tokens=500,
+            progress=False,
+        )
+    for foreign in (
+        [1, 2],
+        {"dtype": "float32", "shards": [], "vocab_size": 3},
+        {"dtype": "uint16", "shards": {}},
+    ):
         (prepared / "index.json").write_text(json.dumps(foreign))
         with pytest.raises(ValueError, match="index.json"):
             D.TokenLoader(prepared, seq_len=8, batch_size=1)
@@ -384,35 +442,40 @@ def test_shard_files_not_written_by_prepare_are_left_alone(tmp_path):
     assert (out / "shard_00000.bin").read_bytes() == b"mine"
 
 
-# ---- 5. empty sources and bad arguments --------------------------------------------------------------------
+# ---- 5. empty sources and bad arguments ----------------------------------------------------------
+
 
 def test_blank_documents_are_skipped_and_an_all_blank_source_refused(tmp_path):
     mixed = ["", TEXTS[0], "   \n\t", TEXTS[1], "\n"]
     index = prep(jsonl(tmp_path / "m.jsonl", mixed), tmp_path / "m")
     assert stream(tmp_path / "m").tolist() == [b for t in TEXTS[:2] for b in (*t.encode(), 256)]
     assert index["documents"] == 5 and index["empty_documents"] == 3
-    with pytest.raises(ValueError,
-                       match=r"source '.*blank.jsonl' \(all split\) has no text: its 3 documents are"):
+    with pytest.raises(
+        ValueError, match=r"source '.*blank.jsonl' \(all split\) has no text: its 3 documents are"
+    ):
         prep(jsonl(tmp_path / "blank.jsonl", ["", " ", "\n\n"]), tmp_path / "b")
     with pytest.raises(ValueError, match=r"has no documents"):
         prep(jsonl(tmp_path / "none.jsonl", []), tmp_path / "n")
     assert not (tmp_path / "b" / "index.json").exists()
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(workers=-3), "workers must be a positive integer; got -3"),
-    (dict(workers=0), "workers must be a positive integer; got 0"),
-    (dict(workers=True), "workers must be a positive integer; got True"),
-    (dict(workers=2.0), "workers must be a positive integer; got 2.0"),
-    (dict(max_tokens=0), "max_tokens must be a positive integer or None; got 0"),
-    (dict(max_tokens="100"), "max_tokens must be a positive integer or None; got '100'"),
-    (dict(shard_tokens=0), "shard_tokens must be a positive integer; got 0"),
-    (dict(shard_tokens=False), "shard_tokens must be a positive integer; got False"),
-    (dict(lock_wait=-1), "lock_wait must be a number >= 0; got -1"),
-    (dict(lock_wait=True), "lock_wait must be a number >= 0"),
-    (dict(dtype="int8"), "dtype 'int8' is not valid"),
-    (dict(split="dev"), "split 'dev' is not valid; valid splits: train, validation, all"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(workers=-3), "workers must be a positive integer; got -3"),
+        (dict(workers=0), "workers must be a positive integer; got 0"),
+        (dict(workers=True), "workers must be a positive integer; got True"),
+        (dict(workers=2.0), "workers must be a positive integer; got 2.0"),
+        (dict(max_tokens=0), "max_tokens must be a positive integer or None; got 0"),
+        (dict(max_tokens="100"), "max_tokens must be a positive integer or None; got '100'"),
+        (dict(shard_tokens=0), "shard_tokens must be a positive integer; got 0"),
+        (dict(shard_tokens=False), "shard_tokens must be a positive integer; got False"),
+        (dict(lock_wait=-1), "lock_wait must be a number >= 0; got -1"),
+        (dict(lock_wait=True), "lock_wait must be a number >= 0"),
+        (dict(dtype="int8"), "dtype 'int8' is not valid"),
+        (dict(split="dev"), "split 'dev' is not valid; valid splits: train, validation, all"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         prep(jsonl(tmp_path / "d.jsonl", TEXTS), tmp_path / "out", **kw)
@@ -421,8 +484,11 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kw, mess
 
 def test_bad_sources_and_tokenizers_are_refused_before_anything_is_written(tmp_path):
     jsonl(tmp_path / "d.jsonl", TEXTS)
-    for source, message in ((42, "source must be a name, a path or an iterable of Document; got int"),
-                            (b"x.jsonl", "source must be a name"), ("", "unknown source ''")):
+    for source, message in (
+        (42, "source must be a name, a path or an iterable of Document; got int"),
+        (b"x.jsonl", "source must be a name"),
+        ("", "unknown source ''"),
+    ):
         with pytest.raises(ValueError, match=message):
             D.prepare(source, "byte", tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="tokenizer must be a name"):
@@ -435,29 +501,40 @@ def test_bad_sources_and_tokenizers_are_refused_before_anything_is_written(tmp_p
     assert as_path["options"]["source"] == str(tmp_path / "d.jsonl")
 
 
-@pytest.mark.parametrize("option, value", [
-    ("--workers", "-3"),
-    ("--max-tokens", "0"),
-    ("--shard-tokens", "0"),
-    ("--workers", "two"),
-    ("--mds-seq-len", "-1"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--workers", "-3"),
+        ("--max-tokens", "0"),
+        ("--shard-tokens", "0"),
+        ("--workers", "two"),
+        ("--mds-seq-len", "-1"),
+    ],
+)
 def test_cli_refuses_bad_counts_at_the_door(tmp_path, capsys, option, value):
     code, err = run_cli(capsys, "--source", "stdlib-docs", "--out", tmp_path / "out", option, value)
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].endswith(f"argument {option}: {value!r} is not a positive integer")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(f"argument {option}: {value!r} is not a positive integer")
+    )
     assert not (tmp_path / "out").exists()
 
 
-# ---- 6. malformed records: file and line named, one line on the command line -------------------------------
+# ---- 6. malformed records: file and line named, one line on the command line ---------------------
 
-@pytest.mark.parametrize("line, what", [
-    ('{"txt": "hello"}', "has no field 'text'"),
-    ('{"text": 5}', "has 'text' of type int"),
-    ('{"text": null}', "has 'text' of type NoneType"),
-    ('["text"]', "is not a JSON object"),
-    ('{"text": "unterminated', "not valid JSON"),
-])
+
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ('{"txt": "hello"}', "has no field 'text'"),
+        ('{"text": 5}', "has 'text' of type int"),
+        ('{"text": null}', "has 'text' of type NoneType"),
+        ('["text"]', "is not a JSON object"),
+        ('{"text": "unterminated', "not valid JSON"),
+    ],
+)
 def test_a_bad_jsonl_line_names_file_line_and_field(tmp_path, capsys, line, what):
     src = tmp_path / "d.jsonl"
     src.write_text(json.dumps({"text": "fine"}) + "\n\n" + line + "\n")
@@ -465,7 +542,9 @@ def test_a_bad_jsonl_line_names_file_line_and_field(tmp_path, capsys, line, what
         prep(src, tmp_path / "out")
     code, err = run_cli(capsys, "--source", src, "--out", tmp_path / "cli")
     message = one_line(err)
-    assert code == 1 and message.startswith("ssmkit data prepare: ") and "d.jsonl, line 3" in message
+    assert (
+        code == 1 and message.startswith("ssmkit data prepare: ") and "d.jsonl, line 3" in message
+    )
     assert "'text'" in message
     # fixed: the same command now runs
     jsonl(src, ["fine", "fixed"])
@@ -501,17 +580,22 @@ def test_bad_parquet_arrow_and_text_files_name_the_file(tmp_path, capsys):
 
 
 def test_cli_prints_one_line_for_data_errors(tmp_path, capsys, prepared):
-    code, err = run_cli(capsys, "--source", tmp_path / "w.jsonl", "--out", prepared, "--shard-tokens", "7")
+    code, err = run_cli(
+        capsys, "--source", tmp_path / "w.jsonl", "--out", prepared, "--shard-tokens", "7"
+    )
     assert code == 1 and "other options (shard_tokens: 500 there, 7 now)" in one_line(err)
     with DirLock(tmp_path / "busy", "data prepare"):
         code, err = run_cli(capsys, "--source", tmp_path / "w.jsonl", "--out", tmp_path / "busy")
     assert code == 1 and "in use by" in one_line(err)
     flip(prepared / "shard_00000.bin")
-    code, err = run_cli(capsys, "--source", tmp_path / "w.jsonl", "--out", prepared, "--shard-tokens", "500")
+    code, err = run_cli(
+        capsys, "--source", tmp_path / "w.jsonl", "--out", prepared, "--shard-tokens", "500"
+    )
     assert code == 1 and "shard_00000.bin is corrupt" in one_line(err)
 
 
-# ---- 7. disk full, read-only: no half shard, one line, and a re-run finishes the same ----------------------
+# ---- 7. disk full, read-only: no half shard, one line, and a re-run finishes the same ------------
+
 
 def fail_writes(monkeypatch, marker, err, times=1):
     """The next ``times`` fsyncs of a file whose name contains ``marker`` fail with OSError(err)."""
@@ -526,9 +610,12 @@ def fail_writes(monkeypatch, marker, err, times=1):
     monkeypatch.setattr(os, "fsync", fsync)
 
 
-@pytest.mark.parametrize("err, hint", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only")])
-def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(tmp_path, monkeypatch, capsys, err,
-                                                                        hint):
+@pytest.mark.parametrize(
+    "err, hint", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only")]
+)
+def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(
+    tmp_path, monkeypatch, capsys, err, hint
+):
     src = jsonl(tmp_path / "d.jsonl", TEXTS)
     prep(src, tmp_path / "clean")
     fail_writes(monkeypatch, "shard_00002.bin", err)
@@ -541,7 +628,7 @@ def test_a_failed_shard_write_leaves_no_half_shard_and_a_rerun_matches(tmp_path,
     assert len(json.loads((tmp_path / "out" / "progress.json").read_text())["shards"]) == 2
     monkeypatch.undo()
     prep(src, tmp_path / "out")
-    assert files(tmp_path / "out") == files(tmp_path / "clean")               # byte-identical
+    assert files(tmp_path / "out") == files(tmp_path / "clean")  # byte-identical
     fail_writes(monkeypatch, "shard_00001.bin", err)
     code, out = run_cli(capsys, "--source", src, "--out", tmp_path / "cli", "--shard-tokens", "500")
     message = one_line(out)
@@ -555,41 +642,63 @@ def test_a_killed_run_s_temp_file_is_cleared_on_resume(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         prep(src, tmp_path / "out")
     monkeypatch.undo()
-    (tmp_path / "out" / ".shard_00001.bin.tmp-4242").write_bytes(b"half")    # what a SIGKILL leaves
+    (tmp_path / "out" / ".shard_00001.bin.tmp-4242").write_bytes(b"half")  # what a SIGKILL leaves
     prep(src, tmp_path / "out")
     assert files(tmp_path / "out") == files(tmp_path / "clean")
 
 
-def test_a_failed_mds_write_leaves_no_half_shard_and_a_rerun_matches(prepared, tmp_path, monkeypatch, capsys):
+def test_a_failed_mds_write_leaves_no_half_shard_and_a_rerun_matches(
+    prepared, tmp_path, monkeypatch, capsys
+):
     kw = dict(seq_len=16, size_limit=600, progress=False)
     D.write_mds(prepared, tmp_path / "clean", **kw)
     fail_writes(monkeypatch, "shard.00002.mds", errno.ENOSPC)
     with pytest.raises(OSError) as exc:
         D.write_mds(prepared, tmp_path / "mds", **kw)
     assert exc.value.filename.endswith("shard.00002.mds")
-    assert sorted(p.name for p in (tmp_path / "mds").iterdir()) == [LOCK_FILE, "shard.00000.mds",
-                                                                    "shard.00001.mds"]
+    assert sorted(p.name for p in (tmp_path / "mds").iterdir()) == [
+        LOCK_FILE,
+        "shard.00000.mds",
+        "shard.00001.mds",
+    ]
     monkeypatch.undo()
     D.write_mds(prepared, tmp_path / "mds", **kw)
     assert files(tmp_path / "mds") == files(tmp_path / "clean")
     fail_writes(monkeypatch, "shard.00000.mds", errno.ENOSPC)
-    code, err = run_cli(capsys, "--source", tmp_path / "w.jsonl", "--out", prepared, "--shard-tokens", "500",
-                        "--mds-seq-len", "16")
+    code, err = run_cli(
+        capsys,
+        "--source",
+        tmp_path / "w.jsonl",
+        "--out",
+        prepared,
+        "--shard-tokens",
+        "500",
+        "--mds-seq-len",
+        "16",
+    )
     message = one_line(err)
     assert code == 1 and "shard.00000.mds: the disk is full" in message
 
 
-# ---- 8. the rest -------------------------------------------------------------------------------------------
+# ---- 8. the rest ---------------------------------------------------------------------------------
+
 
 def test_loader_arguments_and_state_are_checked(prepared):
-    for kw in (dict(seq_len="8"), dict(seq_len=True), dict(batch_size=0), dict(rank=2, world_size=2)):
+    for kw in (
+        dict(seq_len="8"),
+        dict(seq_len=True),
+        dict(batch_size=0),
+        dict(rank=2, world_size=2),
+    ):
         with pytest.raises(ValueError, match="need integers seq_len >= 1"):
             D.TokenLoader(prepared, **{"seq_len": 8, "batch_size": 2, **kw})
     loader = D.TokenLoader(prepared, seq_len=8, batch_size=2)
     state = loader.state_dict()
-    for bad in ({k: v for k, v in state.items() if k != "step"},
-                {**state, "epoch": -1},
-                {**state, "step": 10**9}):
+    for bad in (
+        {k: v for k, v in state.items() if k != "step"},
+        {**state, "epoch": -1},
+        {**state, "step": 10**9},
+    ):
         with pytest.raises(ValueError, match="loader state has epoch="):
             loader.load_state_dict(bad)
     with pytest.raises(ValueError, match="must be a dict"):
@@ -599,7 +708,7 @@ def test_loader_arguments_and_state_are_checked(prepared):
 def test_mds_size_limit_infinity_is_a_clear_error(prepared, tmp_path):
     with pytest.raises(ValueError, match="size_limit 'inf mb' is not a size"):
         D.write_mds(prepared, tmp_path / "m", 8, size_limit="inf mb", progress=False)
-    assert not (tmp_path / "m").exists()                                     # refused before the lock is made
+    assert not (tmp_path / "m").exists()  # refused before the lock is made
 
 
 def test_a_directory_named_like_a_text_file_is_not_read(tmp_path):

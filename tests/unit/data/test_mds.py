@@ -1,8 +1,9 @@
 """MDS (MosaicML streaming) output: the bytes streaming's MDSWriter writes, round trips, errors.
 
-The format facts checked by hand here come from mosaicml/streaming (v0.13, streaming/base/format/mds/
-writer.py, reader.py, encodings.py and base/format/base/writer.py). The last test runs the real
-library, when an interpreter that has it is at hand: this one, or ``$SSMKIT_STREAMING_PYTHON``.
+The format facts checked by hand here come from mosaicml/streaming (v0.13,
+streaming/base/format/mds/ writer.py, reader.py, encodings.py and base/format/base/writer.py). The
+last test runs the real library, when an interpreter that has it is at hand: this one, or
+``$SSMKIT_STREAMING_PYTHON``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,24 @@ def fake_prepared(folder, tokens, dtype="uint16", shard_tokens=100):
     for k, lo in enumerate(range(0, len(tokens), shard_tokens)):
         data = tokens[lo : lo + shard_tokens].tobytes()
         (folder / f"shard_{k:05d}.bin").write_bytes(data)
-        shards.append({"file": f"shard_{k:05d}.bin", "tokens": len(tokens[lo : lo + shard_tokens]),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    index = dict(version=1, tokenizer="test", vocab_size=int(tokens.max()) + 1, eos_token_id=0, dtype=dtype,
-                 total_tokens=len(tokens), documents=1, shards=shards, options={})
+        shards.append(
+            {
+                "file": f"shard_{k:05d}.bin",
+                "tokens": len(tokens[lo : lo + shard_tokens]),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+    index = dict(
+        version=1,
+        tokenizer="test",
+        vocab_size=int(tokens.max()) + 1,
+        eos_token_id=0,
+        dtype=dtype,
+        total_tokens=len(tokens),
+        documents=1,
+        shards=shards,
+        options={},
+    )
     (folder / "index.json").write_text(json.dumps(index))
     return folder
 
@@ -51,13 +66,19 @@ def config_text(width, itemsize, dtype, size_limit, hashes=("sha256",)):
         '{"column_encodings": ["ndarray:%s:%d"], "column_names": ["tokens"], '  # noqa: UP031
         '"column_sizes": [%d], "compression": null, "format": "mds", "hashes": [%s], '
         '"size_limit": %s, "version": 2}'
-        % (dtype, width, width * itemsize, ", ".join(f'"{h}"' for h in hashes),
-           "null" if size_limit is None else size_limit)
+        % (
+            dtype,
+            width,
+            width * itemsize,
+            ", ".join(f'"{h}"' for h in hashes),
+            "null" if size_limit is None else size_limit,
+        )
     )
 
 
 def expected_shard(windows, config):
-    """An MDS shard by the format's definition: count, offsets (absolute, last = size), config, samples."""
+    """An MDS shard by the format's definition: count, offsets (absolute, last = size), config,
+    samples."""
     n, body = len(windows), b"".join(w.tobytes() for w in windows)
     start = 4 + 4 * (n + 1) + len(config)
     offsets = [start + sum(len(w.tobytes()) for w in windows[:i]) for i in range(n + 1)]
@@ -67,9 +88,9 @@ def expected_shard(windows, config):
 def test_shard_bytes_and_index_are_streamings_format(tmp_path):
     # 23 tokens, seq_len 4: 5 windows of 5, 2 dropped
     tokens = np.arange(3, 3 + 23) * 1000 % 65536
-    src = fake_prepared(tmp_path / "src", tokens, shard_tokens=7)     # windows cross the source shards
+    src = fake_prepared(tmp_path / "src", tokens, shard_tokens=7)  # windows cross the source shards
     config = config_text(5, 2, "uint16", 999).replace("999", "LLL")
-    limit = 8 + len(config) + 3 * (10 + 4)                            # a shard holds exactly three samples
+    limit = 8 + len(config) + 3 * (10 + 4)  # a shard holds exactly three samples
     assert len(str(limit)) == 3
     config = config.replace("LLL", str(limit))
     assert config == json.dumps(M.shard_config("uint16", 4, limit, ["sha256"]), sort_keys=True)
@@ -79,21 +100,39 @@ def test_shard_bytes_and_index_are_streamings_format(tmp_path):
     files = [expected_shard(windows[:3], config), expected_shard(windows[3:], config)]
     for k, data in enumerate(files):
         assert (tmp_path / "mds" / f"shard.{k:05d}.mds").read_bytes() == data
-    assert files[0][:4] == b"\x03\x00\x00\x00" and len(files[0]) == limit   # full: 8 + config + 3 * (10 + 4)
-    shards = [{"column_encodings": ["ndarray:uint16:5"], "column_names": ["tokens"], "column_sizes": [10],
-               "compression": None, "format": "mds", "hashes": ["sha256"], "size_limit": limit, "version": 2,
-               "samples": n, "zip_data": None,
-               "raw_data": {"basename": f"shard.{k:05d}.mds", "bytes": len(data),
-                            "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}}
-              for k, (n, data) in enumerate(zip([3, 2], files))]
+    assert (
+        files[0][:4] == b"\x03\x00\x00\x00" and len(files[0]) == limit
+    )  # full: 8 + config + 3 * (10 + 4)
+    shards = [
+        {
+            "column_encodings": ["ndarray:uint16:5"],
+            "column_names": ["tokens"],
+            "column_sizes": [10],
+            "compression": None,
+            "format": "mds",
+            "hashes": ["sha256"],
+            "size_limit": limit,
+            "version": 2,
+            "samples": n,
+            "zip_data": None,
+            "raw_data": {
+                "basename": f"shard.{k:05d}.mds",
+                "bytes": len(data),
+                "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
+            },
+        }
+        for k, (n, data) in enumerate(zip([3, 2], files))
+    ]
     text = (tmp_path / "mds" / "index.json").read_text()
     # json.dump, sort_keys: exact text
     assert text == json.dumps({"version": 2, "shards": shards}, sort_keys=True)
     assert text.startswith('{"shards": [{"column_encodings": ["ndarray:uint16:5"]')
-    # one byte less and a shard holds only two samples (streaming flushes when limit < size + next sample)
+    # one byte less and a shard holds only two samples (streaming flushes when limit < size + next
+    # sample)
     D.write_mds(src, tmp_path / "tight", 4, size_limit=limit - 1, progress=False)
-    assert ([s["samples"] for s in json.loads((tmp_path / "tight" / "index.json").read_text())["shards"]]
-            == [2, 2, 1])
+    assert [
+        s["samples"] for s in json.loads((tmp_path / "tight" / "index.json").read_text())["shards"]
+    ] == [2, 2, 1]
 
 
 def test_uint32_no_hashes_and_one_shard(tmp_path):
@@ -103,13 +142,17 @@ def test_uint32_no_hashes_and_one_shard(tmp_path):
     index = json.loads((tmp_path / "mds" / "index.json").read_text())
     (shard,) = index["shards"]
     assert shard["column_encodings"] == ["ndarray:uint32:10"] and shard["column_sizes"] == [40]
-    assert shard["hashes"] == [] and shard["raw_data"]["hashes"] == {} and shard["size_limit"] is None
+    assert (
+        shard["hashes"] == [] and shard["raw_data"]["hashes"] == {} and shard["size_limit"] is None
+    )
     config = config_text(10, 4, "uint32", None, hashes=())
     assert config == json.dumps(M.shard_config("uint32", 9, None, []), sort_keys=True)
     windows = [tokens[i * 9 : i * 9 + 10].astype(np.uint32) for i in range(111)]
     assert (tmp_path / "mds" / "shard.00000.mds").read_bytes() == expected_shard(windows, config)
     got = [s["tokens"] for s in D.read_mds(tmp_path / "mds", verify=True)]
-    assert len(got) == 111 and all(g.dtype == np.uint32 and (g == w).all() for g, w in zip(got, windows))
+    assert len(got) == 111 and all(
+        g.dtype == np.uint32 and (g == w).all() for g, w in zip(got, windows)
+    )
 
 
 def jsonl(path, texts):
@@ -122,25 +165,54 @@ TEXTS = [f"doc {i}: " + "the quick brown fox " * (i % 5 + 1) for i in range(30)]
 
 def test_prepare_with_mds_round_trips_the_loader_windows(tmp_path):
     out = tmp_path / "out"
-    index = D.prepare(str(jsonl(tmp_path / "d.jsonl", TEXTS)), "byte", out, split="all", shard_tokens=300,
-                      progress=False, mds_seq_len=50)
-    stream = np.concatenate([np.fromfile(out / s["file"], dtype=index["dtype"]) for s in index["shards"]])
+    index = D.prepare(
+        str(jsonl(tmp_path / "d.jsonl", TEXTS)),
+        "byte",
+        out,
+        split="all",
+        shard_tokens=300,
+        progress=False,
+        mds_seq_len=50,
+    )
+    stream = np.concatenate(
+        [np.fromfile(out / s["file"], dtype=index["dtype"]) for s in index["shards"]]
+    )
     samples = [s["tokens"] for s in D.read_mds(out / "mds", verify=True)]
     assert len(samples) == (len(stream) - 1) // 50 and len(index["shards"]) > 3
     loader = D.TokenLoader(out, seq_len=50, batch_size=1)
     for i, s in enumerate(samples):
         assert s.shape == (51,) and s.dtype == np.uint16 and not s.flags.writeable
         assert (s == stream[i * 50 : i * 50 + 51]).all()
-        assert (s == loader._tokens(i * 50, i * 50 + 51)).all()          # the loader's window i
+        assert (s == loader._tokens(i * 50, i * 50 + 51)).all()  # the loader's window i
     meta = json.loads((out / "mds" / "ssmkit.json").read_text())
-    assert meta["tokenizer"] == "byte" and meta["eos_token_id"] == 256 and meta["options"]["seq_len"] == 50
+    assert (
+        meta["tokenizer"] == "byte"
+        and meta["eos_token_id"] == 256
+        and meta["options"]["seq_len"] == 50
+    )
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE}
-    D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False,
-              mds_seq_len=50)
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE} == mtimes
+    D.prepare(
+        str(tmp_path / "d.jsonl"),
+        "byte",
+        out,
+        split="all",
+        shard_tokens=300,
+        progress=False,
+        mds_seq_len=50,
+    )
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (out / "mds").iterdir() if p.name != LOCK_FILE
+    } == mtimes
     with pytest.raises(ValueError, match="other options"):
-        D.prepare(str(tmp_path / "d.jsonl"), "byte", out, split="all", shard_tokens=300, progress=False,
-                  mds_seq_len=64)
+        D.prepare(
+            str(tmp_path / "d.jsonl"),
+            "byte",
+            out,
+            split="all",
+            shard_tokens=300,
+            progress=False,
+            mds_seq_len=64,
+        )
 
 
 def test_an_interrupted_conversion_is_redone_cleanly(tmp_path, monkeypatch):
@@ -161,7 +233,7 @@ def test_an_interrupted_conversion_is_redone_cleanly(tmp_path, monkeypatch):
     monkeypatch.setattr(M._ShardWriter, "write_shard", real)
     left = [p for p in (tmp_path / "again").iterdir() if p.name != LOCK_FILE]
     assert not (tmp_path / "again" / "index.json").exists() and len(left) == 3
-    (tmp_path / "again" / "shard.09999.mds").write_bytes(b"stale")            # e.g. from a larger earlier try
+    (tmp_path / "again" / "shard.09999.mds").write_bytes(b"stale")  # e.g. from a larger earlier try
     D.write_mds(src, tmp_path / "again", **kw)
     names = sorted(p.name for p in (tmp_path / "clean").iterdir())
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == names
@@ -181,7 +253,9 @@ def test_clear_errors(tmp_path):
             D.write_mds(src, tmp_path / "m", 8, size_limit=bad, progress=False)
     with pytest.raises(ValueError, match="unknown hash algorithm.*sha256"):
         D.write_mds(src, tmp_path / "m", 8, hashes=["sha257"], progress=False)
-    with pytest.raises(ValueError, match="100 tokens: not one sample of seq_len \\+ 1 = 101 tokens"):
+    with pytest.raises(
+        ValueError, match="100 tokens: not one sample of seq_len \\+ 1 = 101 tokens"
+    ):
         D.write_mds(src, tmp_path / "m", 100, progress=False)
     with pytest.raises(ValueError, match="has no index.json: prepare it first"):
         D.write_mds(tmp_path / "nothing", tmp_path / "m", 8, progress=False)
@@ -195,10 +269,10 @@ def test_clear_errors(tmp_path):
     shard = src / "shard_00001.bin"
     data = bytearray(shard.read_bytes())
     data[3] ^= 1
-    shard.write_bytes(bytes(data))                                            # same size, other bytes
+    shard.write_bytes(bytes(data))  # same size, other bytes
     with pytest.raises(ValueError, match="shard_00001.bin is corrupt: its sha256"):
         D.write_mds(src, tmp_path / "m", 8, progress=False)
-    D.write_mds(src, tmp_path / "m", 8, verify=False, progress=False)       # size checks alone pass
+    D.write_mds(src, tmp_path / "m", 8, verify=False, progress=False)  # size checks alone pass
     shard.write_bytes(bytes(data[:-2]))
     with pytest.raises(ValueError, match="shard_00001.bin is corrupt: 78 bytes"):
         D.write_mds(src, tmp_path / "m2", 8, progress=False)
@@ -216,7 +290,7 @@ def test_read_mds_detects_corruption(tmp_path):
     flipped = bytearray(good)
     flipped[-1] ^= 0xFF
     shard.write_bytes(bytes(flipped))
-    assert sum(1 for _ in D.read_mds(tmp_path / "m")) == 49                  # hashes only on request
+    assert sum(1 for _ in D.read_mds(tmp_path / "m")) == 49  # hashes only on request
     with pytest.raises(ValueError, match="shard.00001.mds is corrupt: its sha256 differs"):
         list(D.read_mds(tmp_path / "m", verify=True))
     shard.write_bytes(good[:-1])
@@ -225,9 +299,14 @@ def test_read_mds_detects_corruption(tmp_path):
     shard.write_bytes(struct.pack("<I", 99) + good[4:])
     with pytest.raises(ValueError, match="header says 99 samples"):
         list(D.read_mds(tmp_path / "m"))
-    def offset_plus_one(k):                                                  # the k-th offset, one byte on
+
+    def offset_plus_one(k):  # the k-th offset, one byte on
         at = 4 + 4 * k
-        return good[:at] + struct.pack("<I", struct.unpack("<I", good[at : at + 4])[0] + 1) + good[at + 4 :]
+        return (
+            good[:at]
+            + struct.pack("<I", struct.unpack("<I", good[at : at + 4])[0] + 1)
+            + good[at + 4 :]
+        )
 
     shard.write_bytes(offset_plus_one(0))
     with pytest.raises(ValueError, match="offsets, config"):
@@ -246,52 +325,115 @@ def test_read_mds_detects_corruption(tmp_path):
 
 
 def test_read_mds_decodes_streamings_other_encodings(tmp_path):
-    """A shard built by hand from the format's definition: variable-size columns lead each sample with
-    their uint32 sizes; a dynamic ndarray has a dtype byte, then (ndim << 2 | shape dtype) and the shape."""
+    """A shard built by hand from the format's definition: variable-size columns lead each sample
+    with their uint32 sizes; a dynamic ndarray has a dtype byte, then (ndim << 2 | shape dtype) and
+    the shape."""
     arr = np.arange(6, dtype=np.int32).reshape(2, 3)
-    columns = {"a": "ndarray", "b": "str", "c": "int", "d": "float32", "e": "json", "f": "ndarray:uint8"}
-    values = {"a": bytes([33, (2 << 2) | 0, 2, 3]) + arr.tobytes(), "b": "héllo".encode(),
-              "c": np.int64(-7).tobytes(), "d": np.float32(1.5).tobytes(), "e": b'{"k": [1, 2]}',
-              "f": bytes([(1 << 2) | 1]) + np.uint16(4).tobytes() + bytes([9, 8, 7, 6])}
+    columns = {
+        "a": "ndarray",
+        "b": "str",
+        "c": "int",
+        "d": "float32",
+        "e": "json",
+        "f": "ndarray:uint8",
+    }
+    values = {
+        "a": bytes([33, (2 << 2) | 0, 2, 3]) + arr.tobytes(),
+        "b": "héllo".encode(),
+        "c": np.int64(-7).tobytes(),
+        "d": np.float32(1.5).tobytes(),
+        "e": b'{"k": [1, 2]}',
+        "f": bytes([(1 << 2) | 1]) + np.uint16(4).tobytes() + bytes([9, 8, 7, 6]),
+    }
     names = sorted(columns)
     sizes = [None if k in "abef" else len(values[k]) for k in names]
-    sample = struct.pack("<4I", *(len(values[k]) for k in "abef")) + b"".join(values[k] for k in names)
-    config = {"column_encodings": [columns[k] for k in names], "column_names": names, "column_sizes": sizes,
-              "compression": None, "format": "mds", "hashes": [], "size_limit": None, "version": 2}
+    sample = struct.pack("<4I", *(len(values[k]) for k in "abef")) + b"".join(
+        values[k] for k in names
+    )
+    config = {
+        "column_encodings": [columns[k] for k in names],
+        "column_names": names,
+        "column_sizes": sizes,
+        "compression": None,
+        "format": "mds",
+        "hashes": [],
+        "size_limit": None,
+        "version": 2,
+    }
     cfg = json.dumps(config, sort_keys=True).encode()
     start = 4 + 4 * 3 + len(cfg)
-    data = struct.pack("<4I", 2, start, start + len(sample), start + 2 * len(sample)) + cfg + sample * 2
+    data = (
+        struct.pack("<4I", 2, start, start + len(sample), start + 2 * len(sample))
+        + cfg
+        + sample * 2
+    )
     (tmp_path / "shard.00000.mds").write_bytes(data)
     raw = {"basename": "shard.00000.mds", "bytes": len(data), "hashes": {}}
-    (tmp_path / "index.json").write_text(json.dumps({"version": 2, "shards": [
-        {**config, "samples": 2, "raw_data": raw, "zip_data": None}]}))
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {"version": 2, "shards": [{**config, "samples": 2, "raw_data": raw, "zip_data": None}]}
+        )
+    )
     got = list(D.read_mds(tmp_path))
     assert len(got) == 2
     for s in got:
-        assert s["a"].dtype == np.int32 and (s["a"] == arr).all() and s["b"] == "héllo" and s["c"] == -7
-        assert s["d"] == np.float32(1.5) and s["e"] == {"k": [1, 2]} and s["f"].tolist() == [9, 8, 7, 6]
+        assert (
+            s["a"].dtype == np.int32
+            and (s["a"] == arr).all()
+            and s["b"] == "héllo"
+            and s["c"] == -7
+        )
+        assert (
+            s["d"] == np.float32(1.5)
+            and s["e"] == {"k": [1, 2]}
+            and s["f"].tolist() == [9, 8, 7, 6]
+        )
     config["column_encodings"][0] = "jpeg"
-    (tmp_path / "index.json").write_text(json.dumps({"version": 2, "shards": [
-        {**config, "samples": 2, "raw_data": raw, "zip_data": None}]}))
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {"version": 2, "shards": [{**config, "samples": 2, "raw_data": raw, "zip_data": None}]}
+        )
+    )
     with pytest.raises(ValueError, match="'jpeg' needs mosaicml-streaming"):
         list(D.read_mds(tmp_path))
 
 
 def test_data_prepare_command_writes_mds(tmp_path):
-    cmd = [sys.executable, "-m", "ssmkit.cli", "data", "prepare", "--source", "stdlib-docs",
-           "--tokenizer", "byte", "--out", str(tmp_path / "o"), "--max-tokens", "3000",
-           "--shard-tokens", "1000", "--mds-seq-len", "99"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssmkit.cli",
+        "data",
+        "prepare",
+        "--source",
+        "stdlib-docs",
+        "--tokenizer",
+        "byte",
+        "--out",
+        str(tmp_path / "o"),
+        "--max-tokens",
+        "3000",
+        "--shard-tokens",
+        "1000",
+        "--mds-seq-len",
+        "99",
+    ]
     env = {**os.environ, "SSMKIT_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert done.returncode == 0 and "MDS:" in done.stdout, done.stderr
-    assert sum(1 for _ in D.read_mds(tmp_path / "o" / "mds", verify=True)) == 30     # (3000 - 1) // 99
-    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, env=env)   # refused by argparse
-    assert bad.returncode == 2 and "argument --mds-seq-len: '0' is not a positive integer" in bad.stderr
+    assert sum(1 for _ in D.read_mds(tmp_path / "o" / "mds", verify=True)) == 30  # (3000 - 1) // 99
+    bad = subprocess.run(
+        cmd[:-1] + ["0"], capture_output=True, text=True, env=env
+    )  # refused by argparse
+    assert (
+        bad.returncode == 2
+        and "argument --mds-seq-len: '0' is not a positive integer" in bad.stderr
+    )
 
 
-# ---- against the real mosaicml-streaming -------------------------------------------------------------------
+# ---- against the real mosaicml-streaming ---------------------------------------------------------
 
-STREAMING_SIDE = r'''
+STREAMING_SIDE = r"""
 import json, sys
 import numpy as np
 from streaming import MDSWriter, StreamingDataset
@@ -335,28 +477,42 @@ elif mode == "mixed":   # other encodings, for our reader
                              else (list(v) if isinstance(v, bytes) else v))
                          for k, v in s.items()})
     json.dump(rows, open(expected, "w"))
-'''
+"""
 
 
 def streaming_python():
-    if importlib.util.find_spec("streaming") and importlib.util.find_spec("streaming.base.format.mds"):
+    if importlib.util.find_spec("streaming") and importlib.util.find_spec(
+        "streaming.base.format.mds"
+    ):
         return sys.executable
     return os.environ.get("SSMKIT_STREAMING_PYTHON")
 
 
-@pytest.mark.skipif(not streaming_python(), reason="mosaicml-streaming is not installed here (it pins "
-                    "huggingface-hub<1); set SSMKIT_STREAMING_PYTHON to a python that has it")
+@pytest.mark.skipif(
+    not streaming_python(),
+    reason="mosaicml-streaming is not installed here (it pins "
+    "huggingface-hub<1); set SSMKIT_STREAMING_PYTHON to a python that has it",
+)
 def test_against_real_mosaicml_streaming(tmp_path):
     script = tmp_path / "streaming_side.py"
     script.write_text(STREAMING_SIDE)
 
     def side(*args):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        done = subprocess.run([streaming_python(), str(script), *map(str, args)], capture_output=True,
-                              text=True, env=env, cwd=tmp_path, timeout=300)
+        done = subprocess.run(
+            [streaming_python(), str(script), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
 
-    for dtype, limit, hashes in (("uint16", 3000, ["sha256"]), ("uint32", None, ["md5", "sha1", "sha256"])):
+    for dtype, limit, hashes in (
+        ("uint16", 3000, ["sha256"]),
+        ("uint32", None, ["md5", "sha1", "sha256"]),
+    ):
         tokens = np.random.default_rng(2).integers(0, 70_000 if dtype == "uint32" else 50_000, 5000)
         src = fake_prepared(tmp_path / f"src-{dtype}", tokens, dtype=dtype, shard_tokens=1234)
         ours = tmp_path / f"ours-{dtype}"
@@ -364,14 +520,26 @@ def test_against_real_mosaicml_streaming(tmp_path):
         side("read", ours, tmp_path / f"cache-{dtype}", tmp_path / f"read-{dtype}.npy")
         read = np.load(tmp_path / f"read-{dtype}.npy")
         ours_rows = np.stack([s["tokens"] for s in D.read_mds(ours)])
-        assert read.dtype == dtype and read.shape == ((5000 - 1) // 31, 32) and (read == ours_rows).all()
+        assert (
+            read.dtype == dtype
+            and read.shape == ((5000 - 1) // 31, 32)
+            and (read == ours_rows).all()
+        )
         theirs = tmp_path / f"theirs-{dtype}"
-        side("write", tmp_path / f"read-{dtype}.npy", theirs, f"ndarray:{dtype}:32", limit,
-             json.dumps(hashes))
+        side(
+            "write",
+            tmp_path / f"read-{dtype}.npy",
+            theirs,
+            f"ndarray:{dtype}:32",
+            limit,
+            json.dumps(hashes),
+        )
         names = sorted(p.name for p in theirs.iterdir())
-        assert names == sorted(p.name for p in ours.iterdir() if p.name not in ("ssmkit.json", LOCK_FILE))
+        assert names == sorted(
+            p.name for p in ours.iterdir() if p.name not in ("ssmkit.json", LOCK_FILE)
+        )
         assert len(names) > 2 or limit is None
-        for name in names:                                           # byte-identical shards and index.json
+        for name in names:  # byte-identical shards and index.json
             assert (theirs / name).read_bytes() == (ours / name).read_bytes(), name
     side("mixed", tmp_path / "mixed", tmp_path / "mixed.json")
     expected = json.loads((tmp_path / "mixed.json").read_text())
@@ -379,6 +547,10 @@ def test_against_real_mosaicml_streaming(tmp_path):
     assert len(json.loads((tmp_path / "mixed" / "index.json").read_text())["shards"]) > 1
     assert len(got) == len(expected) == 40
     for g, e in zip(got, expected):
-        assert {k: v.tolist() if isinstance(v, np.ndarray) else (list(v) if isinstance(v, bytes) else v)
-                for k, v in g.items()} == e
-        assert g["arr"].dtype == np.uint16 and g["img"].shape == (2, 3) and g["i32"].dtype == np.int32
+        assert {
+            k: v.tolist() if isinstance(v, np.ndarray) else (list(v) if isinstance(v, bytes) else v)
+            for k, v in g.items()
+        } == e
+        assert (
+            g["arr"].dtype == np.uint16 and g["img"].shape == (2, 3) and g["i32"].dtype == np.int32
+        )

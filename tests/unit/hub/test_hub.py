@@ -27,19 +27,58 @@ ATOL = 1e-4
 
 
 HF_CASES = {
-    "mamba-tied": lambda: MambaForCausalLM(MambaConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, time_step_rank=3)),
-    "mamba-untied-d16": lambda: MambaForCausalLM(MambaConfig(
-        vocab_size=96, hidden_size=24, num_hidden_layers=3, state_size=16, expand=3, conv_kernel=3,
-        tie_word_embeddings=False)),
-    "falcon-mamba": lambda: FalconMambaForCausalLM(FalconMambaConfig(
-        vocab_size=80, hidden_size=32, num_hidden_layers=2, state_size=8, mixer_rms_eps=1e-5)),
-    "mamba2-groups": lambda: Mamba2ForCausalLM(Mamba2Config(
-        vocab_size=101, hidden_size=32, num_hidden_layers=2, state_size=16, head_dim=16, num_heads=4,
-        n_groups=2, chunk_size=8)),
-    "mamba2-tied-limit": lambda: Mamba2ForCausalLM(Mamba2Config(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8, num_heads=8,
-        n_groups=1, chunk_size=5, tie_word_embeddings=True, time_step_limit=(0.01, 0.2))),
+    "mamba-tied": lambda: MambaForCausalLM(
+        MambaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            expand=2,
+            time_step_rank=3,
+        )
+    ),
+    "mamba-untied-d16": lambda: MambaForCausalLM(
+        MambaConfig(
+            vocab_size=96,
+            hidden_size=24,
+            num_hidden_layers=3,
+            state_size=16,
+            expand=3,
+            conv_kernel=3,
+            tie_word_embeddings=False,
+        )
+    ),
+    "falcon-mamba": lambda: FalconMambaForCausalLM(
+        FalconMambaConfig(
+            vocab_size=80, hidden_size=32, num_hidden_layers=2, state_size=8, mixer_rms_eps=1e-5
+        )
+    ),
+    "mamba2-groups": lambda: Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=101,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=16,
+            head_dim=16,
+            num_heads=4,
+            n_groups=2,
+            chunk_size=8,
+        )
+    ),
+    "mamba2-tied-limit": lambda: Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            head_dim=8,
+            num_heads=8,
+            n_groups=1,
+            chunk_size=5,
+            tie_word_embeddings=True,
+            time_step_limit=(0.01, 0.2),
+        )
+    ),
 }
 
 
@@ -49,7 +88,9 @@ def test_transformers_checkpoints_load_with_equal_logits_and_generations(tmp_pat
     hf = perturb_(HF_CASES[name](), 1).eval()
     hf.save_pretrained(tmp_path / "ckpt")
     model = ssmkit.from_pretrained(tmp_path / "ckpt").eval()
-    ids = torch.randint(0, hf.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=ATOL, rtol=0)
     ours = ssmkit.generate(model, ids[:, :6], max_new_tokens=10, temperature=0)
@@ -84,16 +125,19 @@ def test_falcon_mamba_round_trip_and_no_mamba_ssm_layout(tmp_path):
 def test_sharded_and_bin_checkpoints(tmp_path):
     hf = perturb_(HF_CASES["mamba-untied-d16"](), 3).eval()
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
-    hf.config.save_pretrained(tmp_path / "bin")               # transformers 5 writes only safetensors:
-    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")   # the .bin layout of older ones
+    hf.config.save_pretrained(tmp_path / "bin")  # transformers 5 writes only safetensors:
+    torch.save(
+        hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin"
+    )  # the .bin layout of older ones
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     assert (tmp_path / "bin" / "pytorch_model.bin").exists()
     ids = torch.randint(0, 96, (1, 9))
     with torch.no_grad():
         want = hf(ids).logits
         for sub in ("sharded", "bin"):
-            torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / sub)(ids).logits, want,
-                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                ssmkit.from_pretrained(tmp_path / sub)(ids).logits, want, atol=ATOL, rtol=0
+            )
 
 
 def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
@@ -102,8 +146,10 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
     hf.config.save_pretrained(folder)
     state = hf.state_dict()
     names = sorted(state)
-    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
-              "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :]}
+    shards = {
+        "pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+        "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         torch.save({k: state[k] for k in keys}, folder / file)
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -113,7 +159,9 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
     assert model.lm_head.weight is model.backbone.embedding.weight
     ids = torch.randint(0, 100, (1, 7))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits.float(), hf(ids).logits, atol=0.1, rtol=0.05)   # bf16
+        torch.testing.assert_close(
+            model(ids).logits.float(), hf(ids).logits, atol=0.1, rtol=0.05
+        )  # bf16
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     with pytest.raises(CheckpointError, match="hidden_act 'gelu' is not supported"):
@@ -122,7 +170,9 @@ def test_bin_shards_dtype_and_unrepresentable_fields(tmp_path):
     ms_cfg = json.loads((tmp_path / "ms" / "config.json").read_text())
     ms_cfg["ssm_cfg"]["mystery_knob"] = 3
     (tmp_path / "ms" / "config.json").write_text(json.dumps(ms_cfg))
-    with pytest.raises(CheckpointError, match=r"ssm_cfg fields \['mystery_knob'\] cannot be represented"):
+    with pytest.raises(
+        CheckpointError, match=r"ssm_cfg fields \['mystery_knob'\] cannot be represented"
+    ):
         ssmkit.from_pretrained(tmp_path / "ms")
     ms_cfg["ssm_cfg"].pop("mystery_knob")
     (tmp_path / "ms" / "config.json").write_text(json.dumps({**ms_cfg, "attn_layer_idx": [1]}))
@@ -141,8 +191,12 @@ def test_convert_offers_every_format():
 @pytest.mark.parametrize("tie", [True, False])
 def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie):
     torch.manual_seed(0)
-    model = perturb_(ssmkit.build_model(ModelConfig.preset(preset, n_layer=2, vocab_size=250,
-                                                           tie_embeddings=tie)), 4)
+    model = perturb_(
+        ssmkit.build_model(
+            ModelConfig.preset(preset, n_layer=2, vocab_size=250, tie_embeddings=tie)
+        ),
+        4,
+    )
     model.eval()
     ids = torch.randint(0, 250, (2, 17))
     out = model.save_pretrained(tmp_path / "hf")
@@ -157,7 +211,9 @@ def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     again = ssmkit.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
-        torch.testing.assert_close(again(ids).logits[..., :250], model(ids).logits[..., :250], atol=0, rtol=0)
+        torch.testing.assert_close(
+            again(ids).logits[..., :250], model(ids).logits[..., :250], atol=0, rtol=0
+        )
 
 
 def write_mamba_ssm_fixture(folder, layer):
@@ -167,28 +223,57 @@ def write_mamba_ssm_fixture(folder, layer):
     ssm_cfg = {"layer": layer, "d_state": 8}
     if layer == "Mamba2":
         ssm_cfg.update(headdim=16, ngroups=2, chunk_size=8)
-    config = {"d_model": d, "d_intermediate": 0, "n_layer": n_layer, "vocab_size": vocab, "ssm_cfg": ssm_cfg,
-              "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
-              "fused_add_norm": True, "pad_vocab_size_multiple": pad, "tie_embeddings": True}
-    shapes = {"backbone.embedding.weight": (56, d), "backbone.norm_f.weight": (d,), "lm_head.weight": (56, d)}
+    config = {
+        "d_model": d,
+        "d_intermediate": 0,
+        "n_layer": n_layer,
+        "vocab_size": vocab,
+        "ssm_cfg": ssm_cfg,
+        "attn_layer_idx": [],
+        "attn_cfg": {},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": pad,
+        "tie_embeddings": True,
+    }
+    shapes = {
+        "backbone.embedding.weight": (56, d),
+        "backbone.norm_f.weight": (d,),
+        "lm_head.weight": (56, d),
+    }
     for i in range(n_layer):
         p = f"backbone.layers.{i}."
         shapes[p + "norm.weight"] = (d,)
         if layer == "Mamba1":
             rank = 2
-            shapes.update({p + "mixer.in_proj.weight": (2 * d_inner, d),
-                           p + "mixer.conv1d.weight": (d_inner, 1, 4), p + "mixer.conv1d.bias": (d_inner,),
-                           p + "mixer.x_proj.weight": (rank + 16, d_inner),
-                           p + "mixer.dt_proj.weight": (d_inner, rank), p + "mixer.dt_proj.bias": (d_inner,),
-                           p + "mixer.A_log": (d_inner, 8), p + "mixer.D": (d_inner,),
-                           p + "mixer.out_proj.weight": (d, d_inner)})
+            shapes.update(
+                {
+                    p + "mixer.in_proj.weight": (2 * d_inner, d),
+                    p + "mixer.conv1d.weight": (d_inner, 1, 4),
+                    p + "mixer.conv1d.bias": (d_inner,),
+                    p + "mixer.x_proj.weight": (rank + 16, d_inner),
+                    p + "mixer.dt_proj.weight": (d_inner, rank),
+                    p + "mixer.dt_proj.bias": (d_inner,),
+                    p + "mixer.A_log": (d_inner, 8),
+                    p + "mixer.D": (d_inner,),
+                    p + "mixer.out_proj.weight": (d, d_inner),
+                }
+            )
         else:
             heads, conv_dim = d_inner // 16, d_inner + 2 * 2 * 8
-            shapes.update({p + "mixer.in_proj.weight": (d_inner + conv_dim + heads, d),
-                           p + "mixer.conv1d.weight": (conv_dim, 1, 4), p + "mixer.conv1d.bias": (conv_dim,),
-                           p + "mixer.dt_bias": (heads,), p + "mixer.A_log": (heads,),
-                           p + "mixer.D": (heads,), p + "mixer.norm.weight": (d_inner,),
-                           p + "mixer.out_proj.weight": (d, d_inner)})
+            shapes.update(
+                {
+                    p + "mixer.in_proj.weight": (d_inner + conv_dim + heads, d),
+                    p + "mixer.conv1d.weight": (conv_dim, 1, 4),
+                    p + "mixer.conv1d.bias": (conv_dim,),
+                    p + "mixer.dt_bias": (heads,),
+                    p + "mixer.A_log": (heads,),
+                    p + "mixer.D": (heads,),
+                    p + "mixer.norm.weight": (d_inner,),
+                    p + "mixer.out_proj.weight": (d, d_inner),
+                }
+            )
     state = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
     state["lm_head.weight"] = state["backbone.embedding.weight"]
     folder.mkdir()
@@ -232,7 +317,9 @@ def test_errors_are_clear_and_nothing_is_half_written(tmp_path, monkeypatch):
         ssmkit.from_pretrained(bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "state_size": 4}))
     (bad / "model.safetensors").write_bytes(blob)
-    with pytest.raises(CheckpointError, match=r"A_log has shape \(64, 8\), the config implies \(64, 4\)"):
+    with pytest.raises(
+        CheckpointError, match=r"A_log has shape \(64, 8\), the config implies \(64, 4\)"
+    ):
         ssmkit.from_pretrained(bad)
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(CheckpointError, match=r"missing weights \['backbone.layers.2"):
@@ -263,7 +350,9 @@ def test_errors_are_clear_and_nothing_is_half_written(tmp_path, monkeypatch):
 
 def test_convert_command(tmp_path):
     HF_CASES["mamba2-groups"]().save_pretrained(tmp_path / "hf")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ssmkit.cli", *a], capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "ssmkit.cli", *a], capture_output=True, text=True
+    )  # noqa: E731
     ok = run("convert", str(tmp_path / "hf"), str(tmp_path / "ms"), "--to", "mamba_ssm")
     assert ok.returncode == 0 and "mamba_ssm layout" in ok.stdout, ok.stderr
     assert json.loads((tmp_path / "ms" / "config.json").read_text())["ssm_cfg"]["layer"] == "Mamba2"

@@ -28,8 +28,11 @@ IDS = torch.arange(12)[None] % 50
 
 def tiny(seed=0, mixer="mamba1"):
     torch.manual_seed(seed)
-    return ssmkit.build_model(ModelConfig(d_model=16, n_layer=2, vocab_size=50, mixer=mixer, d_state=4,
-                                          headdim=8, chunk_size=4)).eval()
+    return ssmkit.build_model(
+        ModelConfig(
+            d_model=16, n_layer=2, vocab_size=50, mixer=mixer, d_state=4, headdim=8, chunk_size=4
+        )
+    ).eval()
 
 
 def logits(model):
@@ -43,8 +46,10 @@ def same_model(folder, model):
 
 def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` with its bytes, and every directory: what 'untouched' means."""
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def run_cli(*args, capsys):
@@ -58,7 +63,8 @@ def run_cli(*args, capsys):
     return code, out.out, out.err
 
 
-# --- 1. a directory with other files in it -----------------------------------------------------------
+# --- 1. a directory with other files in it --------------------------------------------------------
+
 
 def test_save_into_a_foreign_directory_is_refused_and_touches_nothing(tmp_path):
     target = tmp_path / "project"
@@ -66,9 +72,13 @@ def test_save_into_a_foreign_directory_is_refused_and_touches_nothing(tmp_path):
     (target / "README.md").write_text("my notes")
     (target / "data").mkdir()
     (target / "data" / "train.txt").write_text("precious")
-    (target / "config.json").write_text('{"mine": true}')          # a name we write, in someone else's folder
+    (target / "config.json").write_text(
+        '{"mine": true}'
+    )  # a name we write, in someone else's folder
     before = snapshot(tmp_path)
-    with pytest.raises(ValueError, match=r"does not write: \['README.md', 'data'\].*overwrite=True"):
+    with pytest.raises(
+        ValueError, match=r"does not write: \['README.md', 'data'\].*overwrite=True"
+    ):
         tiny().save_pretrained(target)
     assert snapshot(tmp_path) == before
 
@@ -76,7 +86,7 @@ def test_save_into_a_foreign_directory_is_refused_and_touches_nothing(tmp_path):
 def test_overwrite_replaces_only_our_files_and_drops_the_shadowing_weights(tmp_path):
     target = tmp_path / "project"
     old = tiny(seed=1)
-    old.save_pretrained(target)                                         # model.safetensors + config.json
+    old.save_pretrained(target)  # model.safetensors + config.json
     (target / "README.md").write_text("my notes")
     (target / "tokenizer.json").write_text('{"user": "tokenizer"}')
     new = tiny(seed=2)
@@ -84,9 +94,14 @@ def test_overwrite_replaces_only_our_files_and_drops_the_shadowing_weights(tmp_p
     assert (target / "README.md").read_text() == "my notes"
     # not brought by this save: kept
     assert (target / "tokenizer.json").read_text() == '{"user": "tokenizer"}'
-    # loaders read model.safetensors before pytorch_model.bin: the old one must be gone, or it would win
-    assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "pytorch_model.bin",
-                                                        "tokenizer.json"]
+    # loaders read model.safetensors before pytorch_model.bin: the old one must be gone, or it would
+    # win
+    assert sorted(p.name for p in target.iterdir()) == [
+        "README.md",
+        "config.json",
+        "pytorch_model.bin",
+        "tokenizer.json",
+    ]
     assert same_model(target, new) and not same_model(target, old)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
 
@@ -114,7 +129,7 @@ def test_a_crash_in_an_in_place_overwrite_leaves_the_old_files(tmp_path, monkeyp
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError):
         tiny(seed=2).save_pretrained(target, format="mamba_ssm", overwrite=True)
-    assert snapshot(tmp_path) == before   # no temporary folder left inside either
+    assert snapshot(tmp_path) == before  # no temporary folder left inside either
 
 
 def test_our_checkpoint_is_replaced_whole_and_user_tokenizer_files_stay(tmp_path):
@@ -125,17 +140,23 @@ def test_our_checkpoint_is_replaced_whole_and_user_tokenizer_files_stay(tmp_path
     new = tiny(seed=2, mixer="mamba2")
     # only our files there: no overwrite needed
     new.save_pretrained(target, format="mamba_ssm")
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "pytorch_model.bin", "tokenizer.json"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        "pytorch_model.bin",
+        "tokenizer.json",
+    ]
     assert (target / "tokenizer.json").read_text() == '{"user": "tokenizer"}'
     assert same_model(target, new)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no .ckpt.tmp-* / .ckpt.old-* left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt"
+    ]  # no .ckpt.tmp-* / .ckpt.old-* left
 
 
 def test_the_swap_is_one_exchange_and_a_failed_swap_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     (a / "x").write_text("a"), (b / "y").write_text("b")
-    if hub._exchange(a, b):                                            # Linux: renameat2(RENAME_EXCHANGE)
+    if hub._exchange(a, b):  # Linux: renameat2(RENAME_EXCHANGE)
         assert [p.name for p in a.iterdir()] == ["y"] and [p.name for p in b.iterdir()] == ["x"]
     old = tiny(seed=1)
     old.save_pretrained(tmp_path / "ckpt")
@@ -170,7 +191,8 @@ def test_a_link_to_our_checkpoint_stays_a_link(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
 
 
-# --- 3. a target that is a file --------------------------------------------------------------------
+# --- 3. a target that is a file -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["file", "dangling-link"])
 def test_save_onto_a_file_is_refused_and_touches_nothing(tmp_path, kind):
@@ -185,7 +207,8 @@ def test_save_onto_a_file_is_refused_and_touches_nothing(tmp_path, kind):
     assert snapshot(tmp_path) == before and os.path.lexists(target)
 
 
-# --- 4. permissions --------------------------------------------------------------------------------
+# --- 4. permissions -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mask", [0o022, 0o027])
 def test_exported_files_follow_the_umask(tmp_path, mask):
@@ -194,12 +217,12 @@ def test_exported_files_follow_the_umask(tmp_path, mask):
         src = tmp_path / "src"
         tiny().save_pretrained(src)
         (src / "tokenizer.json").write_text("{}")
-        os.chmod(src / "tokenizer.json", 0o600)   # copied along with the umask's mode, not this
+        os.chmod(src / "tokenizer.json", 0o600)  # copied along with the umask's mode, not this
         model = ssmkit.from_pretrained(src)
-        model.save_pretrained(tmp_path / "new")   # a new directory (swap path)
+        model.save_pretrained(tmp_path / "new")  # a new directory (swap path)
         (tmp_path / "shared").mkdir()
         (tmp_path / "shared" / "README.md").write_text("x")
-        model.save_pretrained(tmp_path / "shared", format="mamba_ssm", overwrite=True)   # in place
+        model.save_pretrained(tmp_path / "shared", format="mamba_ssm", overwrite=True)  # in place
     finally:
         os.umask(old)
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o777 & ~mask
@@ -210,6 +233,7 @@ def test_exported_files_follow_the_umask(tmp_path, mask):
 
 
 # --- 2. and 7. the convert command ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("where", ["same", "inside", "parent"])
 def test_convert_refuses_overlapping_source_and_target(tmp_path, capsys, where):
@@ -231,8 +255,9 @@ def test_convert_reports_a_full_disk_in_one_line(tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     monkeypatch.setattr("safetensors.torch.save_file", disk_full)
-    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
-                             capsys=capsys)
+    code, out, err = run_cli(
+        "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf", capsys=capsys
+    )
     assert code == 1 and "disk is full" in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(tmp_path) == before
 
@@ -241,31 +266,46 @@ def test_convert_refuses_a_foreign_target_unless_overwrite(tmp_path, capsys):
     tiny().save_pretrained(tmp_path / "src", format="mamba_ssm")
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "notes.txt").write_text("keep me")
-    code, _, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
-                           capsys=capsys)
+    code, _, err = run_cli(
+        "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf", capsys=capsys
+    )
     assert code == 1 and "notes.txt" in err and len(err.strip().splitlines()) == 1, err
-    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf",
-                             "--overwrite", capsys=capsys)
+    code, out, err = run_cli(
+        "convert",
+        str(tmp_path / "src"),
+        str(tmp_path / "dst"),
+        "--to",
+        "hf",
+        "--overwrite",
+        capsys=capsys,
+    )
     assert code == 0 and "hf layout" in out, err
     assert (tmp_path / "dst" / "notes.txt").read_text() == "keep me"
     assert same_model(tmp_path / "dst", ssmkit.from_pretrained(tmp_path / "src").eval())
 
 
-# --- 5. shard indexes ------------------------------------------------------------------------------
+# --- 5. shard indexes -----------------------------------------------------------------------------
+
 
 def sharded(folder: Path, model) -> dict:
-    """``model`` as two safetensors shards and their index, as transformers writes big checkpoints."""
+    """``model`` as two safetensors shards and their index, as transformers writes big
+    checkpoints."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(folder)
     state = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
     names = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, keys in halves.items():
         save_file({k: state[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    index = {
+        "metadata": {},
+        "weight_map": {k: shard for shard, keys in halves.items() for k in keys},
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return index
 
@@ -275,24 +315,31 @@ def test_shard_index_entries_must_be_plain_names(tmp_path):
     folder = tmp_path / "a" / "ckpt"
     folder.mkdir(parents=True)
     index = sharded(folder, model)
-    assert same_model(folder, model)                                   # the sharded checkpoint itself loads
-    # a shard outside the folder that WOULD load (a copy of a real one): only the name check stops it
+    assert same_model(folder, model)  # the sharded checkpoint itself loads
+    # a shard outside the folder that WOULD load (a copy of a real one): only the name check stops
+    # it
     outside = tmp_path / "secret.safetensors"
     outside.write_bytes((folder / "model-00002-of-00002.safetensors").read_bytes())
     (folder / "model-00002-of-00002.safetensors").unlink()
-    hostile = {k: ("../../secret.safetensors" if v.startswith("model-00002") else v)
-               for k, v in index["weight_map"].items()}
+    hostile = {
+        k: ("../../secret.safetensors" if v.startswith("model-00002") else v)
+        for k, v in index["weight_map"].items()
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": hostile}))
-    with pytest.raises(CheckpointError,
-                       match=r"model.safetensors.index.json holds '../../secret.safetensors'"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors.index.json holds '../../secret.safetensors'"
+    ):
         ssmkit.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"weight_map": {"a": "model-0', "cannot be read"),                 # truncated
-    ('[1, 2]', "not a JSON object"),
-    ('{"metadata": {}}', "no 'weight_map'"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"weight_map": {"a": "model-0', "cannot be read"),  # truncated
+        ("[1, 2]", "not a JSON object"),
+        ('{"metadata": {}}', "no 'weight_map'"),
+    ],
+)
 def test_a_broken_shard_index_names_the_file(tmp_path, content, message):
     sharded(tmp_path, tiny())
     (tmp_path / "model.safetensors.index.json").write_text(content)
@@ -301,10 +348,10 @@ def test_a_broken_shard_index_names_the_file(tmp_path, content, message):
     assert "model.safetensors.index.json" in str(info.value)
 
 
-# --- 7. config.json fields -------------------------------------------------------------------------
+# --- 7. config.json fields ------------------------------------------------------------------------
 
 DROP = object()  # remove the field
-HF_BREAKS = {   # mutation of a transformers config.json -> the field the error must name
+HF_BREAKS = {  # mutation of a transformers config.json -> the field the error must name
     "negative width": ({"hidden_size": -16}, "hidden_size"),
     "string width": ({"hidden_size": "16"}, "hidden_size"),
     "missing width": ({"hidden_size": DROP}, "hidden_size"),
@@ -316,11 +363,15 @@ HF_BREAKS = {   # mutation of a transformers config.json -> the field the error 
     "inner size": ({"intermediate_size": 7}, "intermediate_size"),
     "expand string": ({"expand": "2"}, "expand"),
 }
-MS_BREAKS = {   # the same for a mamba_ssm config.json (Mamba-2)
-    "A range zero": ({"ssm_cfg": {"layer": "Mamba2", "headdim": 8, "d_state": 4, "A_init_range": [0, 16]}},
-                     "ssm_cfg.A_init_range"),
-    "dt limit text": ({"ssm_cfg": {"layer": "Mamba2", "headdim": 8, "d_state": 4, "dt_limit": ["a", "b"]}},
-                      "ssm_cfg.dt_limit"),
+MS_BREAKS = {  # the same for a mamba_ssm config.json (Mamba-2)
+    "A range zero": (
+        {"ssm_cfg": {"layer": "Mamba2", "headdim": 8, "d_state": 4, "A_init_range": [0, 16]}},
+        "ssm_cfg.A_init_range",
+    ),
+    "dt limit text": (
+        {"ssm_cfg": {"layer": "Mamba2", "headdim": 8, "d_state": 4, "dt_limit": ["a", "b"]}},
+        "ssm_cfg.dt_limit",
+    ),
     "ssm_cfg list": ({"ssm_cfg": [1]}, "ssm_cfg"),
     "missing vocab": ({"vocab_size": DROP}, "vocab_size"),
     "negative d_model": ({"d_model": -1}, "d_model"),
@@ -341,15 +392,19 @@ def break_config(folder: Path, change: dict):
 def test_every_config_problem_names_the_file_and_field(tmp_path, capsys, case):
     change, field = HF_BREAKS.get(case) or MS_BREAKS[case]
     tiny(mixer="mamba1" if case in HF_BREAKS else "mamba2").save_pretrained(
-        tmp_path / "src", format="hf" if case in HF_BREAKS else "mamba_ssm")
+        tmp_path / "src", format="hf" if case in HF_BREAKS else "mamba_ssm"
+    )
     break_config(tmp_path / "src", change)
     with pytest.raises(CheckpointError) as info:
         ssmkit.from_pretrained(tmp_path / "src")
     message = str(info.value)
     assert str(tmp_path / "src" / "config.json") in message and f"'{field}'" in message, message
-    code, out, err = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "mamba_ssm",
-                             capsys=capsys)
-    assert code == 1 and err.startswith("ssmkit convert: ") and len(err.strip().splitlines()) == 1, err
+    code, out, err = run_cli(
+        "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "mamba_ssm", capsys=capsys
+    )
+    assert (
+        code == 1 and err.startswith("ssmkit convert: ") and len(err.strip().splitlines()) == 1
+    ), err
     assert not (tmp_path / "dst").exists()
 
 
@@ -369,21 +424,31 @@ def test_an_unreadable_config_names_the_file(tmp_path, how):
     assert str(path) in str(info.value)
 
 
-# --- 6. dtype and device names ---------------------------------------------------------------------
+# --- 6. dtype and device names --------------------------------------------------------------------
+
 
 def test_dtype_names_and_devices(tmp_path):
     model = tiny()
     model.save_pretrained(tmp_path)
-    for name, dtype in [("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("fp16", torch.float16),
-                        ("half", torch.float16), ("float32", torch.float32), ("torch.float16", torch.float16),
-                        (torch.bfloat16, torch.bfloat16)]:
+    for name, dtype in [
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("half", torch.float16),
+        ("float32", torch.float32),
+        ("torch.float16", torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ]:
         loaded = ssmkit.from_pretrained(tmp_path, dtype=name)
         assert {p.dtype for p in loaded.parameters()} == {dtype}, name
         # the oracle: the same as casting the fp32 model
-        assert torch.equal(loaded.backbone.embedding.weight, model.backbone.embedding.weight.to(dtype))
+        assert torch.equal(
+            loaded.backbone.embedding.weight, model.backbone.embedding.weight.to(dtype)
+        )
     for bad in ("int8", "float", torch.int64, 16):
-        with pytest.raises(ValueError,
-                           match="valid: float32, fp32, bfloat16, bf16, float16, fp16, half") as info:
+        with pytest.raises(
+            ValueError, match="valid: float32, fp32, bfloat16, bf16, float16, fp16, half"
+        ) as info:
             ssmkit.from_pretrained(tmp_path, dtype=bad)
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="device='tpu' is not valid; valid: auto, cpu"):

@@ -1,7 +1,9 @@
-"""Mamba-3 checkpoints in mamba_ssm's layout, ``ssm_cfg = {"layer": "Mamba3", ...}``: read, written exactly.
+"""Mamba-3 checkpoints in mamba_ssm's layout, ``ssm_cfg = {"layer": "Mamba3", ...}``: read, written
+exactly.
 
-Oracles: a checkpoint written from mamba_ssm's documented names, shapes and defaults (``modules/mamba3.py``,
-``models/config_mamba.py``), not from ssmkit; the round trip (bit-equal tensors, equal config, equal logits).
+Oracles: a checkpoint written from mamba_ssm's documented names, shapes and defaults
+(``modules/mamba3.py``, ``models/config_mamba.py``), not from ssmkit; the round trip (bit-equal
+tensors, equal config, equal logits).
 """
 
 from __future__ import annotations
@@ -16,18 +18,45 @@ import ssmkit
 from ssmkit import CheckpointError
 from ssmkit.models import ModelConfig
 
-# mamba_ssm's Mamba3.__init__ arguments (modules/mamba3.py at the commit that lets MambaLMHeadModel build it)
-MAMBA3_ARGS = {"d_model", "d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
-               "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank",
-               "fuse_pregate_headwise_norm", "chunk_size", "dropout", "layer_idx", "n_layer", "device",
-               "dtype"}
+# mamba_ssm's Mamba3.__init__ arguments (modules/mamba3.py at the commit that lets MambaLMHeadModel
+# build it)
+MAMBA3_ARGS = {
+    "d_model",
+    "d_state",
+    "expand",
+    "headdim",
+    "ngroups",
+    "rope_fraction",
+    "dt_min",
+    "dt_max",
+    "dt_init_floor",
+    "A_floor",
+    "is_outproj_norm",
+    "is_mimo",
+    "mimo_rank",
+    "fuse_pregate_headwise_norm",
+    "chunk_size",
+    "dropout",
+    "layer_idx",
+    "n_layer",
+    "device",
+    "dtype",
+}
 
 CASES = {
     "siso": dict(),
-    "mimo-norm-full-rope-softplus": dict(is_mimo=True, mimo_rank=2, is_outproj_norm=True, rope_fraction=1.0,
-                                         a_activation="softplus", ngroups=2),
+    "mimo-norm-full-rope-softplus": dict(
+        is_mimo=True,
+        mimo_rank=2,
+        is_outproj_norm=True,
+        rope_fraction=1.0,
+        a_activation="softplus",
+        ngroups=2,
+    ),
     # mamba_ssm's hybrid fields: GatedMLP blocks (d_intermediate) and MHA layers
-    "mlp-attention": dict(d_intermediate=96, attn_layer_idx=[1], attn_cfg=dict(num_heads=2, causal=True)),
+    "mlp-attention": dict(
+        d_intermediate=96, attn_layer_idx=[1], attn_cfg=dict(num_heads=2, causal=True)
+    ),
 }
 
 
@@ -35,14 +64,21 @@ CASES = {
 @pytest.mark.parametrize("tie", [True, False])
 def test_round_trip_is_exact(tmp_path, case, tie):
     torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny-mamba3", n_layer=3, vocab_size=250, tie_embeddings=tie, **CASES[case])
+    cfg = ModelConfig.preset(
+        "tiny-mamba3", n_layer=3, vocab_size=250, tie_embeddings=tie, **CASES[case]
+    )
     model = perturb_(ssmkit.build_model(cfg), 4).eval()
-    out = model.save_pretrained(tmp_path / "ms")                  # Mamba-3's natural format is mamba_ssm's
+    out = model.save_pretrained(tmp_path / "ms")  # Mamba-3's natural format is mamba_ssm's
     config = json.loads((out / "config.json").read_text())
     assert set(config) == MAMBA_SSM_CONFIG_FIELDS
     assert config["ssm_cfg"]["layer"] == "Mamba3"
-    assert set(config["ssm_cfg"]) - {"layer", "a_activation"} <= MAMBA3_ARGS   # Mamba3(**ssm_cfg) takes them
-    assert (config["d_intermediate"], config["attn_layer_idx"]) == (cfg.d_intermediate, cfg.attn_layer_idx)
+    assert (
+        set(config["ssm_cfg"]) - {"layer", "a_activation"} <= MAMBA3_ARGS
+    )  # Mamba3(**ssm_cfg) takes them
+    assert (config["d_intermediate"], config["attn_layer_idx"]) == (
+        cfg.d_intermediate,
+        cfg.attn_layer_idx,
+    )
     back = ssmkit.from_pretrained(out)
     assert back.config == model.config
     mine, theirs = model.state_dict(), back.state_dict()
@@ -53,32 +89,64 @@ def test_round_trip_is_exact(tmp_path, case, tie):
 
 
 def write_mamba3_checkpoint(folder, ssm_cfg: dict, d_intermediate: int = 0) -> dict:
-    """A checkpoint as mamba_ssm's MambaLMHeadModel saves one, from its names and shapes (not from ssmkit)."""
+    """A checkpoint as mamba_ssm's MambaLMHeadModel saves one, from its names and shapes (not from
+    ssmkit)."""
     d, n_layer, vocab, g = 32, 2, 50, torch.Generator().manual_seed(5)
-    N, headdim, groups = ssm_cfg.get("d_state", 128), ssm_cfg.get("headdim", 64), ssm_cfg.get("ngroups", 1)
+    N, headdim, groups = (
+        ssm_cfg.get("d_state", 128),
+        ssm_cfg.get("headdim", 64),
+        ssm_cfg.get("ngroups", 1),
+    )
     R = ssm_cfg.get("mimo_rank", 4) if ssm_cfg.get("is_mimo") else 1
     E = 2 * d
     H, S = E // headdim, int(N * ssm_cfg.get("rope_fraction", 0.5)) // 2
-    config = {"d_model": d, "d_intermediate": d_intermediate, "n_layer": n_layer, "vocab_size": vocab,
-              "ssm_cfg": {"layer": "Mamba3", **ssm_cfg}, "attn_layer_idx": [], "attn_cfg": {},
-              "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
-              "pad_vocab_size_multiple": 16, "tie_embeddings": True}
+    config = {
+        "d_model": d,
+        "d_intermediate": d_intermediate,
+        "n_layer": n_layer,
+        "vocab_size": vocab,
+        "ssm_cfg": {"layer": "Mamba3", **ssm_cfg},
+        "attn_layer_idx": [],
+        "attn_cfg": {},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": 16,
+        "tie_embeddings": True,
+    }
     shapes = {"backbone.embedding.weight": (64, d), "backbone.norm_f.weight": (d,)}
     for i in range(n_layer):
         p = f"backbone.layers.{i}."
-        rows = 2 * E + 2 * N * groups * R + 3 * H + S          # z, x, B, C, Δ, A, λ, angles
+        rows = 2 * E + 2 * N * groups * R + 3 * H + S  # z, x, B, C, Δ, A, λ, angles
         m = p + "mixer."
-        shapes.update({p + "norm.weight": (d,), m + "in_proj.weight": (rows, d), m + "dt_bias": (H,),
-                       m + "B_bias": (H, R, N), m + "C_bias": (H, R, N), m + "B_norm.weight": (N,),
-                       m + "C_norm.weight": (N,), m + "D": (H,), m + "out_proj.weight": (d, E)})
+        shapes.update(
+            {
+                p + "norm.weight": (d,),
+                m + "in_proj.weight": (rows, d),
+                m + "dt_bias": (H,),
+                m + "B_bias": (H, R, N),
+                m + "C_bias": (H, R, N),
+                m + "B_norm.weight": (N,),
+                m + "C_norm.weight": (N,),
+                m + "D": (H,),
+                m + "out_proj.weight": (d, E),
+            }
+        )
         if R > 1 or ssm_cfg.get("is_mimo"):
             shapes.update({p + f"mixer.mimo_{k}": (H, R, headdim) for k in "xzo"})
         if ssm_cfg.get("is_outproj_norm"):
             shapes[p + "mixer.norm.weight"] = (E,)
         if d_intermediate:
-            hidden = (d_intermediate + 127) // 128 * 128        # GatedMLP rounds its hidden width up to 128
-            shapes.update({p + "norm2.weight": (d,), p + "mlp.fc1.weight": (2 * hidden, d),
-                           p + "mlp.fc2.weight": (d, hidden)})
+            hidden = (
+                (d_intermediate + 127) // 128 * 128
+            )  # GatedMLP rounds its hidden width up to 128
+            shapes.update(
+                {
+                    p + "norm2.weight": (d,),
+                    p + "mlp.fc1.weight": (2 * hidden, d),
+                    p + "mlp.fc2.weight": (d, hidden),
+                }
+            )
     state = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
     state["lm_head.weight"] = state["backbone.embedding.weight"]
     folder.mkdir()
@@ -87,12 +155,30 @@ def write_mamba3_checkpoint(folder, ssm_cfg: dict, d_intermediate: int = 0) -> d
     return state
 
 
-@pytest.mark.parametrize("ssm_cfg, d_intermediate", [
-    ({"d_state": 16, "headdim": 16}, 0),
-    ({"d_state": 16, "headdim": 16, "is_mimo": True, "mimo_rank": 2, "is_outproj_norm": True, "ngroups": 2,
-      "rope_fraction": 1.0, "fuse_pregate_headwise_norm": True, "chunk_size": 16}, 0),
-    ({"d_state": 16, "headdim": 16, "is_mimo": True, "chunk_size": 16}, 100),      # MLPs, rank 4 by default
-])
+@pytest.mark.parametrize(
+    "ssm_cfg, d_intermediate",
+    [
+        ({"d_state": 16, "headdim": 16}, 0),
+        (
+            {
+                "d_state": 16,
+                "headdim": 16,
+                "is_mimo": True,
+                "mimo_rank": 2,
+                "is_outproj_norm": True,
+                "ngroups": 2,
+                "rope_fraction": 1.0,
+                "fuse_pregate_headwise_norm": True,
+                "chunk_size": 16,
+            },
+            0,
+        ),
+        (
+            {"d_state": 16, "headdim": 16, "is_mimo": True, "chunk_size": 16},
+            100,
+        ),  # MLPs, rank 4 by default
+    ],
+)
 def test_mamba_ssm_checkpoint_loads_with_its_defaults(tmp_path, ssm_cfg, d_intermediate):
     state = write_mamba3_checkpoint(tmp_path / "ms", ssm_cfg, d_intermediate)
     model = ssmkit.from_pretrained(tmp_path / "ms")
@@ -113,13 +199,23 @@ def test_mamba_ssm_checkpoint_loads_with_its_defaults(tmp_path, ssm_cfg, d_inter
 def test_defaults_of_a_bare_mamba3_config(tmp_path):
     folder = tmp_path / "bare"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"d_model": 64, "n_layer": 1, "vocab_size": 10,
-                                                    "ssm_cfg": {"layer": "Mamba3"}}))
+    (folder / "config.json").write_text(
+        json.dumps({"d_model": 64, "n_layer": 1, "vocab_size": 10, "ssm_cfg": {"layer": "Mamba3"}})
+    )
     from ssmkit.hub import config_from_mamba_ssm
 
     cfg = config_from_mamba_ssm(json.loads((folder / "config.json").read_text())).mamba3
-    got = (cfg.d_state, cfg.headdim, cfg.ngroups, cfg.chunk_size, cfg.rope_fraction, cfg.is_mimo,
-           cfg.mimo_rank, cfg.is_outproj_norm, cfg.dt_init_floor)
+    got = (
+        cfg.d_state,
+        cfg.headdim,
+        cfg.ngroups,
+        cfg.chunk_size,
+        cfg.rope_fraction,
+        cfg.is_mimo,
+        cfg.mimo_rank,
+        cfg.is_outproj_norm,
+        cfg.dt_init_floor,
+    )
     assert got == (128, 64, 1, 64, 0.5, False, 4, False, 1e-4)
 
 
@@ -128,8 +224,11 @@ def test_bf16_model_saves_its_small_parameters_in_fp32(tmp_path):
     model = ssmkit.build_model(cfg, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "ms")
     state = torch.load(tmp_path / "ms" / "pytorch_model.bin", weights_only=True)
-    dtypes = {k.rsplit(".", 1)[-1] if "norm" not in k else "norm": v.dtype
-              for k, v in state.items() if ".mixer." in k}
+    dtypes = {
+        k.rsplit(".", 1)[-1] if "norm" not in k else "norm": v.dtype
+        for k, v in state.items()
+        if ".mixer." in k
+    }
     kept = {k for k, v in dtypes.items() if v == torch.float32}
     assert kept == {"dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o"}
     back = ssmkit.from_pretrained(tmp_path / "ms", dtype="bf16")
@@ -141,22 +240,44 @@ def test_bf16_model_saves_its_small_parameters_in_fp32(tmp_path):
 
 def test_what_cannot_be_represented_is_named(tmp_path):
     model = ssmkit.build_model("tiny-mamba3")
-    with pytest.raises(CheckpointError, match="transformers has no Mamba-3 model; save format='mamba_ssm'"):
+    with pytest.raises(
+        CheckpointError, match="transformers has no Mamba-3 model; save format='mamba_ssm'"
+    ):
         model.save_pretrained(tmp_path / "hf", format="hf")
     with pytest.raises(CheckpointError, match="mixer 'mamba3': Jamba's Mamba layers are Mamba-1"):
         model.save_pretrained(tmp_path / "jamba", format="jamba")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "jamba").exists()
-    mixed = ssmkit.build_model(ModelConfig(d_model=32, n_layer=2, vocab_size=64, layout=["mamba2", "mamba3"],
-                                           d_state=16, headdim=16))
+    mixed = ssmkit.build_model(
+        ModelConfig(
+            d_model=32,
+            n_layer=2,
+            vocab_size=64,
+            layout=["mamba2", "mamba3"],
+            d_state=16,
+            headdim=16,
+        )
+    )
     with pytest.raises(CheckpointError, match="one SSM layer type"):
         mixed.save_pretrained(tmp_path / "mixed", format="mamba_ssm")
-    for ssm_cfg, message in [({"use_rope": False}, r"ssm_cfg fields \['use_rope'\] cannot be represented"),
-                             ({"rope_fraction": 0.25}, "field 'ssm_cfg.rope_fraction'.*one of 0.5, 1.0"),
-                             ({"layer": "Mamba4"}, "ssm_cfg.layer 'Mamba4' is not supported; valid: Mamba1, "
-                                                   "Mamba2, Mamba3")]:
+    for ssm_cfg, message in [
+        ({"use_rope": False}, r"ssm_cfg fields \['use_rope'\] cannot be represented"),
+        ({"rope_fraction": 0.25}, "field 'ssm_cfg.rope_fraction'.*one of 0.5, 1.0"),
+        (
+            {"layer": "Mamba4"},
+            "ssm_cfg.layer 'Mamba4' is not supported; valid: Mamba1, Mamba2, Mamba3",
+        ),
+    ]:
         folder = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"d_model": 32, "n_layer": 1, "vocab_size": 10,
-                                                        "ssm_cfg": {"layer": "Mamba3", **ssm_cfg}}))
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "d_model": 32,
+                    "n_layer": 1,
+                    "vocab_size": 10,
+                    "ssm_cfg": {"layer": "Mamba3", **ssm_cfg},
+                }
+            )
+        )
         with pytest.raises(CheckpointError, match=message):
             ssmkit.from_pretrained(folder)

@@ -22,23 +22,42 @@ ATOL = 1e-4  # fp32, max abs difference against transformers
 
 def hf_mamba1_config(cfg: ModelConfig) -> MambaConfig:
     m = cfg.mamba1
-    return MambaConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model,
-                       state_size=m.d_state, num_hidden_layers=cfg.n_layer, expand=m.expand,
-                       conv_kernel=m.d_conv, time_step_rank=m.dt_rank_value(cfg.d_model),
-                       layer_norm_epsilon=cfg.norm_epsilon, use_bias=m.bias,
-                       use_conv_bias=m.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
-                       residual_in_fp32=cfg.residual_in_fp32, use_associative_scan=False)
+    return MambaConfig(
+        vocab_size=cfg.padded_vocab_size,
+        hidden_size=cfg.d_model,
+        state_size=m.d_state,
+        num_hidden_layers=cfg.n_layer,
+        expand=m.expand,
+        conv_kernel=m.d_conv,
+        time_step_rank=m.dt_rank_value(cfg.d_model),
+        layer_norm_epsilon=cfg.norm_epsilon,
+        use_bias=m.bias,
+        use_conv_bias=m.conv_bias,
+        tie_word_embeddings=cfg.tie_embeddings,
+        residual_in_fp32=cfg.residual_in_fp32,
+        use_associative_scan=False,
+    )
 
 
 def hf_mamba2_config(cfg: ModelConfig) -> Mamba2Config:
     m = cfg.mamba2
-    return Mamba2Config(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.d_model,
-                        state_size=m.d_state, num_hidden_layers=cfg.n_layer, expand=m.expand,
-                        conv_kernel=m.d_conv, head_dim=m.headdim, num_heads=m.nheads(cfg.d_model),
-                        n_groups=m.ngroups, chunk_size=m.chunk_size,
-                        layer_norm_epsilon=cfg.norm_epsilon, use_bias=m.bias,
-                        use_conv_bias=m.conv_bias, tie_word_embeddings=cfg.tie_embeddings,
-                        residual_in_fp32=cfg.residual_in_fp32)
+    return Mamba2Config(
+        vocab_size=cfg.padded_vocab_size,
+        hidden_size=cfg.d_model,
+        state_size=m.d_state,
+        num_hidden_layers=cfg.n_layer,
+        expand=m.expand,
+        conv_kernel=m.d_conv,
+        head_dim=m.headdim,
+        num_heads=m.nheads(cfg.d_model),
+        n_groups=m.ngroups,
+        chunk_size=m.chunk_size,
+        layer_norm_epsilon=cfg.norm_epsilon,
+        use_bias=m.bias,
+        use_conv_bias=m.conv_bias,
+        tie_word_embeddings=cfg.tie_embeddings,
+        residual_in_fp32=cfg.residual_in_fp32,
+    )
 
 
 def perturb_(module: torch.nn.Module, seed: int):
@@ -62,11 +81,17 @@ MAMBA2_CASES = [
 
 
 MIXER_CASES = [("mamba1", c) for c in MAMBA1_CASES] + [("mamba2", c) for c in MAMBA2_CASES]
-TWINS = {"mamba1": (Mamba1, MambaMixer, hf_mamba1_config), "mamba2": (Mamba2, Mamba2Mixer, hf_mamba2_config)}
+TWINS = {
+    "mamba1": (Mamba1, MambaMixer, hf_mamba1_config),
+    "mamba2": (Mamba2, Mamba2Mixer, hf_mamba2_config),
+}
 
 
-@pytest.mark.parametrize("mixer,case", MIXER_CASES,
-                         ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize(
+    "mixer,case",
+    MIXER_CASES,
+    ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())),
+)
 @pytest.mark.parametrize("seqlen", [1, 37])
 def test_mixer_matches_transformers(mixer, case, seqlen):
     ours_cls, theirs_cls, hf_config = TWINS[mixer]
@@ -74,7 +99,7 @@ def test_mixer_matches_transformers(mixer, case, seqlen):
     ours = ours_cls(cfg.d_model, cfg.mixer_cfg())
     perturb_(ours, 0)
     theirs = theirs_cls(hf_config(cfg), layer_idx=0).eval()
-    theirs.load_state_dict(ours.state_dict())                     # same names, strict
+    theirs.load_state_dict(ours.state_dict())  # same names, strict
     x = torch.randn(3, seqlen, cfg.d_model, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=ATOL, rtol=0)
@@ -82,14 +107,19 @@ def test_mixer_matches_transformers(mixer, case, seqlen):
 
 def to_hf_state_dict(model) -> dict:
     """ssmkit (mamba_ssm names) -> transformers names: only the embedding differs."""
-    return {k.replace("backbone.embedding.", "backbone.embeddings."): v
-            for k, v in model.state_dict().items()}
+    return {
+        k.replace("backbone.embedding.", "backbone.embeddings."): v
+        for k, v in model.state_dict().items()
+    }
 
 
 def hf_twin(model):
     cfg = model.config
-    hf = (MambaForCausalLM(hf_mamba1_config(cfg)) if cfg.mixer == "mamba1"
-          else Mamba2ForCausalLM(hf_mamba2_config(cfg)))
+    hf = (
+        MambaForCausalLM(hf_mamba1_config(cfg))
+        if cfg.mixer == "mamba1"
+        else Mamba2ForCausalLM(hf_mamba2_config(cfg))
+    )
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return hf.eval()
@@ -98,14 +128,32 @@ def hf_twin(model):
 LM_CASES = [
     dict(mixer="mamba1", d_model=32, n_layer=3, vocab_size=100, d_state=8),
     dict(mixer="mamba1", d_model=32, n_layer=2, vocab_size=100, d_state=16, tie_embeddings=False),
-    dict(mixer="mamba2", d_model=32, n_layer=3, vocab_size=100, d_state=16, headdim=16, ngroups=2,
-         chunk_size=16),
-    dict(mixer="mamba2", d_model=32, n_layer=2, vocab_size=100, d_state=8, headdim=8, chunk_size=5,
-         tie_embeddings=False),
+    dict(
+        mixer="mamba2",
+        d_model=32,
+        n_layer=3,
+        vocab_size=100,
+        d_state=16,
+        headdim=16,
+        ngroups=2,
+        chunk_size=16,
+    ),
+    dict(
+        mixer="mamba2",
+        d_model=32,
+        n_layer=2,
+        vocab_size=100,
+        d_state=8,
+        headdim=8,
+        chunk_size=5,
+        tie_embeddings=False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("case", LM_CASES, ids=lambda c: f"{c['mixer']}-tie{c.get('tie_embeddings', True)}")
+@pytest.mark.parametrize(
+    "case", LM_CASES, ids=lambda c: f"{c['mixer']}-tie{c.get('tie_embeddings', True)}"
+)
 def test_lm_logits_and_greedy_generation_match_transformers(case):
     torch.manual_seed(0)
     model = ssmkit.build_model(ModelConfig(**case))
@@ -121,9 +169,15 @@ def test_lm_logits_and_greedy_generation_match_transformers(case):
     ours = ssmkit.generate(model, ids[:, :7], max_new_tokens=12, temperature=0)
     # ssmkit never samples them
     padding_rows = list(range(case["vocab_size"], model.config.padded_vocab_size))
-    theirs = hf.generate(ids[:, :7], max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                         suppress_tokens=padding_rows, attention_mask=torch.ones_like(ids[:, :7]),
-                         pad_token_id=0)
+    theirs = hf.generate(
+        ids[:, :7],
+        max_new_tokens=12,
+        do_sample=False,
+        min_new_tokens=12,
+        suppress_tokens=padding_rows,
+        attention_mask=torch.ones_like(ids[:, :7]),
+        pad_token_id=0,
+    )
     assert torch.equal(ours, theirs)
 
 
@@ -172,8 +226,12 @@ def test_sampling_options():
     model = ssmkit.build_model("tiny")
     prompt = torch.randint(0, 256, (4, 5))
     g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
-    a = ssmkit.generate(model, prompt, max_new_tokens=8, temperature=0.9, top_k=5, top_p=0.9, generator=g())
-    b = ssmkit.generate(model, prompt, max_new_tokens=8, temperature=0.9, top_k=5, top_p=0.9, generator=g())
+    a = ssmkit.generate(
+        model, prompt, max_new_tokens=8, temperature=0.9, top_k=5, top_p=0.9, generator=g()
+    )
+    b = ssmkit.generate(
+        model, prompt, max_new_tokens=8, temperature=0.9, top_k=5, top_p=0.9, generator=g()
+    )
     assert torch.equal(a, b) and a.shape == (4, 13) and int(a.max()) < 256
     # top_k=1 is greedy; eos stops a row and pads it
     greedy = ssmkit.generate(model, prompt, max_new_tokens=8, temperature=0)
@@ -189,8 +247,10 @@ def test_nucleus_keeps_smallest_set_reaching_p():
     from ssmkit.models import sample_next
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    seen = {int(sample_next(logits, top_p=0.8, generator=torch.Generator().manual_seed(s)))
-            for s in range(200)}
+    seen = {
+        int(sample_next(logits, top_p=0.8, generator=torch.Generator().manual_seed(s)))
+        for s in range(200)
+    }
     assert seen == {0, 1}
 
 
@@ -201,23 +261,42 @@ def test_padded_vocab_and_parameter_names_follow_mamba_ssm():
     assert ModelConfig.preset("mamba2-130m").padded_vocab_size == 50288
     model = ssmkit.build_model(ModelConfig(d_model=16, n_layer=1, vocab_size=10))
     names = set(model.state_dict())
-    expected = {"backbone.embedding.weight", "backbone.norm_f.weight", "lm_head.weight",
-                "backbone.layers.0.norm.weight"}
-    expected |= {f"backbone.layers.0.mixer.{n}"
-                 for n in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
-                           "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")}
+    expected = {
+        "backbone.embedding.weight",
+        "backbone.norm_f.weight",
+        "lm_head.weight",
+        "backbone.layers.0.norm.weight",
+    }
+    expected |= {
+        f"backbone.layers.0.mixer.{n}"
+        for n in (
+            "in_proj.weight",
+            "conv1d.weight",
+            "conv1d.bias",
+            "x_proj.weight",
+            "dt_proj.weight",
+            "dt_proj.bias",
+            "A_log",
+            "D",
+            "out_proj.weight",
+        )
+    }
     assert names == expected
     assert model.backbone.embedding.weight.shape == (16, 16)
     assert model.lm_head.weight is model.backbone.embedding.weight
 
 
-@pytest.mark.parametrize("name,params", [
-    ("mamba-130m", 129.1e6),
-    ("mamba2-130m", 128.9e6),
-    ("mamba-370m", 371.5e6),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("mamba-130m", 129.1e6),
+        ("mamba2-130m", 128.9e6),
+        ("mamba-370m", 371.5e6),
+    ],
+)
 def test_preset_parameter_counts(name, params):
-    """Parameter counts of the official checkpoints (tied embeddings counted once), built on meta."""
+    """Parameter counts of the official checkpoints (tied embeddings counted once), built on
+    meta."""
     with torch.device("meta"):
         model = ssmkit.build_model(name)
     assert abs(model.num_parameters() - params) / params < 0.01
@@ -229,14 +308,23 @@ def test_initialisation_follows_mamba_ssm():
     mixer = ssmkit.build_model(cfg).backbone.layers[0].mixer
     dt = torch.nn.functional.softplus(mixer.dt_proj.bias)
     assert dt.min() >= cfg.mamba1.dt_min * 0.999 and dt.max() <= cfg.mamba1.dt_max * 1.001
-    torch.testing.assert_close(mixer.A_log.exp()[0], torch.arange(1, 17, dtype=torch.float32))  # S4D-real
+    torch.testing.assert_close(
+        mixer.A_log.exp()[0], torch.arange(1, 17, dtype=torch.float32)
+    )  # S4D-real
     assert torch.equal(mixer.D, torch.ones(128))
-    bound = 1 / 128 ** 0.5 / cfg.n_layer ** 0.5                    # kaiming_uniform(a=√5) / √n_layer
-    assert mixer.out_proj.weight.abs().max() <= bound and mixer.out_proj.weight.abs().max() > 0.8 * bound
-    m2 = ssmkit.build_model(ModelConfig(d_model=64, n_layer=2, vocab_size=32, mixer="mamba2", headdim=16))
+    bound = 1 / 128**0.5 / cfg.n_layer**0.5  # kaiming_uniform(a=√5) / √n_layer
+    assert (
+        mixer.out_proj.weight.abs().max() <= bound
+        and mixer.out_proj.weight.abs().max() > 0.8 * bound
+    )
+    m2 = ssmkit.build_model(
+        ModelConfig(d_model=64, n_layer=2, vocab_size=32, mixer="mamba2", headdim=16)
+    )
     A = -m2.backbone.layers[0].mixer.A_log.exp()
     assert ((A <= -1) & (A >= -16)).all()
-    assert all(getattr(p, "_no_weight_decay", False) for p in (mixer.A_log, mixer.D, mixer.dt_proj.bias))
+    assert all(
+        getattr(p, "_no_weight_decay", False) for p in (mixer.A_log, mixer.D, mixer.dt_proj.bias)
+    )
 
 
 def test_config_errors_name_what_is_valid():
@@ -257,15 +345,23 @@ def test_config_errors_name_what_is_valid():
 
 
 def test_layout_mixes_mixers_and_config_round_trips():
-    cfg = ModelConfig(d_model=32, n_layer=3, vocab_size=50, layout=["mamba1", "mamba2", "mamba1"], headdim=16,
-                      d_state=8)
+    cfg = ModelConfig(
+        d_model=32,
+        n_layer=3,
+        vocab_size=50,
+        layout=["mamba1", "mamba2", "mamba1"],
+        headdim=16,
+        d_state=8,
+    )
     model = ssmkit.build_model(cfg)
     kinds = [type(layer.mixer).__name__ for layer in model.backbone.layers]
     assert kinds == ["Mamba1", "Mamba2", "Mamba1"]
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     ids = torch.randint(0, 50, (2, 12))
-    assert torch.equal(ssmkit.generate(model, ids, 6, temperature=0),
-                       ssmkit.generate(model, ids, 6, temperature=0, use_cache=False))
+    assert torch.equal(
+        ssmkit.generate(model, ids, 6, temperature=0),
+        ssmkit.generate(model, ids, 6, temperature=0, use_cache=False),
+    )
 
 
 def test_training_reduces_loss_on_a_fixed_batch():
@@ -293,10 +389,13 @@ def test_mamba2_step_applies_dt_limit_like_the_chunked_scan():
     with torch.no_grad():
         full = model(ids).logits
         cache = model.allocate_cache(2)
-        steps = torch.cat([model(ids[:, :20], cache=cache).logits]
-                          + [model(ids[:, t : t + 1], cache=cache).logits for t in range(20, 30)], dim=1)
+        steps = torch.cat(
+            [model(ids[:, :20], cache=cache).logits]
+            + [model(ids[:, t : t + 1], cache=cache).logits for t in range(20, 30)],
+            dim=1,
+        )
         unclamped = ssmkit.build_model(ModelConfig.preset("tiny-mamba2", n_layer=2))
         unclamped.load_state_dict(model.state_dict())
         other = unclamped.eval()(ids).logits
     torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
-    assert (other - full).abs().max() > 1e-3          # the limit really changes the model
+    assert (other - full).abs().max() > 1e-3  # the limit really changes the model

@@ -1,10 +1,11 @@
-"""bf16 / fp16 inputs (the GPU training dtypes) through the torch backend of every op, against an fp32
-oracle, with the official kernels' own test tolerances.
+"""bf16 / fp16 inputs (the GPU training dtypes) through the torch backend of every op, against an
+fp32 oracle, with the official kernels' own test tolerances.
 
-The kernels keep weights in fp32 and accumulate in fp32, rounding once to the input dtype at the end; the
-torch path must do the same, or its weight gradients lose ~3 digits (a bf16 weight cast before the sum
-made the conv's weight gradient 300x the causal-conv1d suite's tolerance off). Each test's oracle is the
-kernel suite's reference: the same op on the inputs upcast to fp32, its output rounded to the input dtype.
+The kernels keep weights in fp32 and accumulate in fp32, rounding once to the input dtype at the
+end; the torch path must do the same, or its weight gradients lose ~3 digits (a bf16 weight cast
+before the sum made the conv's weight gradient 300x the causal-conv1d suite's tolerance off). Each
+test's oracle is the kernel suite's reference: the same op on the inputs upcast to fp32, its output
+rounded to the input dtype.
 
 The tolerances (rtol, atol) are the suites', from :mod:`ssmkit.ops.tolerances` (which names the
 suite and file of each): causal-conv1d's for the conv, mamba_ssm's selective scan's for the S6 and
@@ -40,8 +41,10 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def close(actual, expected, rtol, atol, what):
     actual, expected = actual.float(), expected.float()
     bad = (actual - expected).abs() - (atol + rtol * expected.abs())
-    assert bad.max() <= 0, (f"{what}: max excess {bad.max().item():.3g} over atol={atol}, rtol={rtol} "
-                            f"(max abs diff {(actual - expected).abs().max().item():.3g})")
+    assert bad.max() <= 0, (
+        f"{what}: max excess {bad.max().item():.3g} over atol={atol}, rtol={rtol} "
+        f"(max abs diff {(actual - expected).abs().max().item():.3g})"
+    )
 
 
 def torch_backend(fn):
@@ -54,21 +57,31 @@ def torch_backend(fn):
 
 
 def conv_oracle(x, weight, bias, activation):
-    """causal-conv1d's ``causal_conv1d_ref``: x cast to the weight's dtype (fp32), conv, cast back."""
+    """causal-conv1d's ``causal_conv1d_ref``: x cast to the weight's dtype (fp32), conv, cast
+    back."""
     width, seqlen = weight.shape[1], x.shape[-1]
-    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])
+    out = F.conv1d(
+        x.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1]
+    )
     out = out[..., :seqlen]
     return (out if activation is None else F.silu(out)).to(x.dtype)
 
 
-CONV_GRID = list(itertools.product(DTYPES, [False, True], [False, True], [None, "silu"], [2, 3, 4],
-                                   [1, 8, 129, 372], [64]))
+CONV_GRID = list(
+    itertools.product(
+        DTYPES, [False, True], [False, True], [None, "silu"], [2, 3, 4], [1, 8, 129, 372], [64]
+    )
+)
 
 
-@pytest.mark.parametrize("dtype, channel_last, has_bias, activation, width, seqlen, dim", CONV_GRID,
-                         ids=["-".join(map(str, c)) for c in CONV_GRID])
-def test_causal_conv1d_low_precision_as_the_kernel_suite(dtype, channel_last, has_bias, activation, width,
-                                                         seqlen, dim):
+@pytest.mark.parametrize(
+    "dtype, channel_last, has_bias, activation, width, seqlen, dim",
+    CONV_GRID,
+    ids=["-".join(map(str, c)) for c in CONV_GRID],
+)
+def test_causal_conv1d_low_precision_as_the_kernel_suite(
+    dtype, channel_last, has_bias, activation, width, seqlen, dim
+):
     itype = DTYPES[dtype]
     rtol, atol = CONV[itype]
     g = torch.Generator().manual_seed(0)
@@ -85,7 +98,11 @@ def test_causal_conv1d_low_precision_as_the_kernel_suite(dtype, channel_last, ha
         xi = x.detach().clone().requires_grad_()
         wi = weight.clone().requires_grad_()
         bi = bias.clone().requires_grad_() if bias is not None else None
-        out = fn(xi, wi, bi, activation=activation) if fn is not conv_oracle else fn(xi, wi, bi, activation)
+        out = (
+            fn(xi, wi, bi, activation=activation)
+            if fn is not conv_oracle
+            else fn(xi, wi, bi, activation)
+        )
         out.backward(grad)
         results.append((out, xi.grad, wi.grad, None if bi is None else bi.grad))
     (out, dx, dw, db), (out_ref, dx_ref, dw_ref, db_ref) = results
@@ -98,8 +115,9 @@ def test_causal_conv1d_low_precision_as_the_kernel_suite(dtype, channel_last, ha
 
 
 def test_causal_conv1d_weight_gradient_is_fp32_exact():
-    """The weight gradient of bf16 activations is a sum over batch x length in fp32: as exact as the same
-    sum computed in fp64 (relative error ~1e-6), where rounding the weight or the taps to bf16 gave ~3e-3."""
+    """The weight gradient of bf16 activations is a sum over batch x length in fp32: as exact as the
+    same sum computed in fp64 (relative error ~1e-6), where rounding the weight or the taps to bf16
+    gave ~3e-3."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 2048, 64, generator=g).bfloat16().transpose(1, 2)
     weight = torch.randn(64, 4, generator=g, requires_grad=True)
@@ -146,22 +164,24 @@ def run_with_grads(fn, inputs, grad_out, **kw):
 def test_selective_scan_low_precision_as_the_kernel_suite(dtype, seqlen, groups):
     itype = DTYPES[dtype]
     rtol, atol = SCAN[itype]
-    rtolw, atolw = scan_weight(itype)                          # with z, as the suite
+    rtolw, atolw = scan_weight(itype)  # with z, as the suite
     inputs = scan_case(itype, seqlen, groups)
     grad = torch.randn(2, 4, seqlen, generator=torch.Generator().manual_seed(5)).to(itype)
     kw = dict(delta_softplus=True, return_final_state=True)
     y, h, grads = run_with_grads(torch_backend(ops.selective_scan), inputs, grad, **kw)
     upcast = {k: v.float() for k, v in inputs.items()}
-    y_ref, h_ref, grads_ref = run_with_grads(lambda **a: ops.selective_scan(**a, backend="reference"),
-                                             upcast, grad.float(), **kw)
+    y_ref, h_ref, grads_ref = run_with_grads(
+        lambda **a: ops.selective_scan(**a, backend="reference"), upcast, grad.float(), **kw
+    )
     assert y.dtype == itype and y.is_contiguous() and h.dtype == torch.float32
     close(y, y_ref.to(itype), rtol, atol, "output")
     close(h, h_ref, rtol, atol, "final state")
     close(grads["u"], grads_ref["u"].to(itype), *scaled((rtol, atol), SCAN_DU), "du")
-    close(grads["delta"], grads_ref["delta"].to(itype), *scaled((rtol, atol), SCAN_DDELTA),
-          "ddelta")
+    close(
+        grads["delta"], grads_ref["delta"].to(itype), *scaled((rtol, atol), SCAN_DDELTA), "ddelta"
+    )
     close(grads["A"], grads_ref["A"], rtolw, SCAN_DA_ATOL * atolw, "dA")
-    for name in ("B", "C"):                                        # variable B, C: the input tolerance
+    for name in ("B", "C"):  # variable B, C: the input tolerance
         close(grads[name], grads_ref[name].to(itype), rtol, atol, f"d{name}")
     for name in ("D", "z", "delta_bias"):
         close(grads[name], grads_ref[name], rtolw, atolw, f"d{name}")
@@ -169,7 +189,8 @@ def test_selective_scan_low_precision_as_the_kernel_suite(dtype, seqlen, groups)
 
 def test_selective_scan_output_layout_follows_the_input():
     """Contiguous u gives a contiguous y (as the reference and the kernel: ``y.view`` works); a
-    channels-last view (what the mixers pass) gives a channels-last view, so no layout copy is added."""
+    channels-last view (what the mixers pass) gives a channels-last view, so no layout copy is
+    added."""
     inputs = scan_case(torch.float32, 16, 1)
     y = ops.selective_scan(**inputs, backend="torch")
     assert y.is_contiguous()
@@ -177,7 +198,9 @@ def test_selective_scan_output_layout_follows_the_input():
     u = inputs["u"].transpose(1, 2).contiguous().transpose(1, 2)
     y = ops.selective_scan(**{**inputs, "u": u}, backend="torch")
     assert y.stride(1) == 1
-    torch.testing.assert_close(y, ops.selective_scan(**inputs, backend="reference"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        y, ops.selective_scan(**inputs, backend="reference"), rtol=1e-5, atol=1e-5
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,15 +234,16 @@ def test_ssd_scan_low_precision(dtype, seqlen, ngroups):
     kw = dict(chunk_size=64, dt_softplus=True, return_final_states=True)
     y, h, grads = run_with_grads(lambda **a: ops.ssd_scan(**a, backend="torch"), inputs, grad, **kw)
     upcast = {k: v.float() for k, v in inputs.items()}
-    y_ref, h_ref, grads_ref = run_with_grads(lambda **a: ops.ssd_scan(**a, backend="reference"), upcast,
-                                             grad.float(), **kw)
+    y_ref, h_ref, grads_ref = run_with_grads(
+        lambda **a: ops.ssd_scan(**a, backend="reference"), upcast, grad.float(), **kw
+    )
     assert y.dtype == itype and h.dtype == torch.float32
     close(y, y_ref.to(itype), rtol, atol, "output")
     close(h, h_ref, rtol, atol, "final state")
     for name in ("x", "B", "C", "z"):
         close(grads[name], grads_ref[name].to(itype), *scaled((rtol, atol), SCAN_DU), f"d{name}")
     close(grads["dt"], grads_ref["dt"].to(itype), *scaled((rtol, atol), SCAN_DDELTA), "ddt")
-    for name in ("A", "D", "dt_bias"):                 # fp32 parameters: sums over every position
+    for name in ("A", "D", "dt_bias"):  # fp32 parameters: sums over every position
         scale = grads_ref[name].abs().max().item()
         close(grads[name], grads_ref[name], SSD_PARAM[0], SSD_PARAM[1] * scale, f"d{name}")
 
@@ -232,22 +256,30 @@ def test_ssd_scan_low_precision(dtype, seqlen, ngroups):
 NORM_GRID = list(itertools.product(DTYPES, [False, True], [None, 64], [True, False]))
 
 
-@pytest.mark.parametrize("dtype, has_z, group_size, norm_before_gate", NORM_GRID,
-                         ids=["-".join(map(str, c)) for c in NORM_GRID])
-def test_rms_norm_gated_low_precision_as_the_kernel_suite(dtype, has_z, group_size, norm_before_gate):
+@pytest.mark.parametrize(
+    "dtype, has_z, group_size, norm_before_gate",
+    NORM_GRID,
+    ids=["-".join(map(str, c)) for c in NORM_GRID],
+)
+def test_rms_norm_gated_low_precision_as_the_kernel_suite(
+    dtype, has_z, group_size, norm_before_gate
+):
     """|ours - fp32| <= NORM_PT |plain low-precision PyTorch - fp32| + NORM_ATOL, for the output and
     every gradient."""
     itype = DTYPES[dtype]
     g = torch.Generator().manual_seed(0)
     d, eps = 256, 1e-5
-    inputs = dict(x=torch.randn(4, 32, d, generator=g).to(itype), weight=torch.randn(d, generator=g))
+    inputs = dict(
+        x=torch.randn(4, 32, d, generator=g).to(itype), weight=torch.randn(d, generator=g)
+    )
     if has_z:
         inputs["z"] = torch.randn(4, 32, d, generator=g).to(itype)
     grad = torch.randn(4, 32, d, generator=g).to(itype)
     kw = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
 
     def plain(x, weight, z=None, cast=None, **_):
-        """The gated RMSNorm written out, every step in ``cast`` (the input dtype: the "pt" of the suite)."""
+        """The gated RMSNorm written out, every step in ``cast`` (the input dtype: the "pt" of the
+        suite)."""
         x, weight = x.to(cast), weight.to(cast)
         z = None if z is None else z.to(cast)
         if z is not None and not norm_before_gate:

@@ -1,5 +1,5 @@
-"""ssmkit.plots: the live loss plot, curves of several runs and panels: figures written whole, one line per
-run or group, log axes where asked, a display updated in place."""
+"""ssmkit.plots: the live loss plot, curves of several runs and panels: figures written whole, one
+line per run or group, log axes where asked, a display updated in place."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Fine-tuning through ssmkit.train: `base:`, `lora:`, `freeze_embedding`, `precision: bf16-pure`, SFT data.
+"""Fine-tuning through ssmkit.train: `base:`, `lora:`, `freeze_embedding`, `precision: bf16-pure`,
+SFT data.
 
-Oracles: an uninterrupted run for resuming (bitwise on CPU), the base checkpoint for what must not move,
-the model called by hand on the loader's batch for what the Trainer computes, and ssmkit.finetune's
-adapter loader for what a checkpoint's adapter/ holds.
+Oracles: an uninterrupted run for resuming (bitwise on CPU), the base checkpoint for what must not
+move, the model called by hand on the loader's batch for what the Trainer computes, and
+ssmkit.finetune's adapter loader for what a checkpoint's adapter/ holds.
 """
 
 from __future__ import annotations
@@ -39,22 +40,40 @@ def sft_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    """A "pretrained" base in transformers' format (a Mamba-1 of 2 layers, d_model 32, byte vocabulary; its
-    weights moved off the init, so its state carries across tokens as a trained model's does)."""
+    """A "pretrained" base in transformers' format (a Mamba-1 of 2 layers, d_model 32, byte
+    vocabulary; its weights moved off the init, so its state carries across tokens as a trained
+    model's does)."""
     torch.manual_seed(0)
-    model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8))
+    model = ssmkit.build_model(
+        ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8)
+    )
     with torch.no_grad():
         for layer in model.backbone.layers:
-            layer.mixer.A_log.sub_(2.0)                              # slow decay: a long memory
+            layer.mixer.A_log.sub_(2.0)  # slow decay: a long memory
     return perturb_(model, 0).save_pretrained(tmp_path_factory.mktemp("base") / "model")
 
 
 def run_config(tmp_path, base_dir, sft_dirs, name="run", **kw) -> TrainConfig:
     train, val = sft_dirs
-    base = dict(base=str(base_dir), lora=dict(LORA), data=str(train), val_data=str(val), tokenizer="byte",
-                seq_len=96, micro_batch=4, batch_tokens=384, lr=1e-2, min_lr=1e-3, warmup_steps=1,
-                max_steps=4, log_every=1, eval_every=0, eval_batches=2, progress=False,
-                out_dir=str(tmp_path / name))
+    base = dict(
+        base=str(base_dir),
+        lora=dict(LORA),
+        data=str(train),
+        val_data=str(val),
+        tokenizer="byte",
+        seq_len=96,
+        micro_batch=4,
+        batch_tokens=384,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=1,
+        max_steps=4,
+        log_every=1,
+        eval_every=0,
+        eval_batches=2,
+        progress=False,
+        out_dir=str(tmp_path / name),
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -62,22 +81,29 @@ def adapter_tensors(trainer) -> dict:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-# --- the config ------------------------------------------------------------------------------------------
+# --- the config -----------------------------------------------------------------------------------
+
 
 def test_the_config_checks_base_lora_and_precision(tmp_path, base_dir, sft_dirs):
     cfg = run_config(tmp_path, base_dir, sft_dirs)
-    again = TrainConfig.from_yaml(_write(tmp_path / "c.yaml", cfg.to_yaml()), overrides=["lora.r=8"])
+    again = TrainConfig.from_yaml(
+        _write(tmp_path / "c.yaml", cfg.to_yaml()), overrides=["lora.r=8"]
+    )
     assert again.lora == {**LORA, "r": 8} and again.base == str(base_dir)
-    assert TrainConfig.from_dict(cfg.to_dict(), overrides=["lora=none"]).lora is None   # full fine-tuning
+    assert (
+        TrainConfig.from_dict(cfg.to_dict(), overrides=["lora=none"]).lora is None
+    )  # full fine-tuning
     assert run_config(tmp_path, base_dir, sft_dirs, precision="bf16-pure").precision == "bf16-pure"
-    bad = [(dict(model="mamba-130m"), "leave model and model_overrides unset"),
-           (dict(model_overrides={"d_model": 64}), "leave model and model_overrides unset"),
-           (dict(base=None), "lora needs base"),
-           (dict(lora={"rank": 4}), "unknown lora keys \\['rank'\\]; valid keys: r, alpha"),
-           (dict(lora={"dropout": 1.5}), "lora.dropout must be a number in \\[0, 1\\)"),
-           (dict(lora={"target_modules": "in_proj"}), "lora.target_modules must be a list"),
-           (dict(strategy="fsdp"), "lora with strategy fsdp is not supported"),
-           (dict(precision="bf16-master"), "precision")]
+    bad = [
+        (dict(model="mamba-130m"), "leave model and model_overrides unset"),
+        (dict(model_overrides={"d_model": 64}), "leave model and model_overrides unset"),
+        (dict(base=None), "lora needs base"),
+        (dict(lora={"rank": 4}), "unknown lora keys \\['rank'\\]; valid keys: r, alpha"),
+        (dict(lora={"dropout": 1.5}), "lora.dropout must be a number in \\[0, 1\\)"),
+        (dict(lora={"target_modules": "in_proj"}), "lora.target_modules must be a list"),
+        (dict(strategy="fsdp"), "lora with strategy fsdp is not supported"),
+        (dict(precision="bf16-master"), "precision"),
+    ]
     for change, words in bad:
         with pytest.raises(ValueError, match=words):
             run_config(tmp_path, base_dir, sft_dirs, **change)
@@ -96,7 +122,8 @@ def test_the_cpu_tiny_lora_config_is_valid():
     assert cfg.base and cfg.lora is not None and cfg.data.startswith("sft")
 
 
-# --- LoRA: what trains, what is saved, resuming -----------------------------------------------------------
+# --- LoRA: what trains, what is saved, resuming ---------------------------------------------------
+
 
 def test_a_lora_run_trains_the_adapter_only_and_checkpoints_only_it(tmp_path, base_dir, sft_dirs):
     cfg = run_config(tmp_path, base_dir, sft_dirs, ckpt_every=2)
@@ -104,23 +131,34 @@ def test_a_lora_run_trains_the_adapter_only_and_checkpoints_only_it(tmp_path, ba
     history = trainer.fit()
     assert len(losses(history)) == 4 and all(map(torch.isfinite, torch.tensor(losses(history))))
     evals = [r for r in history if r["kind"] == "eval"]
-    assert len(evals) == 1 and evals[0]["val_loss"] > 0                    # the held-out completion loss
+    assert len(evals) == 1 and evals[0]["val_loss"] > 0  # the held-out completion loss
     base = ssmkit.from_pretrained(base_dir)
     inner = trainer.model.get_base_model()
-    for name, p in base.named_parameters():                                 # the base did not move
-        mine = inner.get_parameter(name.replace("weight", "base_layer.weight")
-                                   if any(name.endswith(f"{t}.weight") for t in LORA["target_modules"])
-                                   else name)
+    for name, p in base.named_parameters():  # the base did not move
+        mine = inner.get_parameter(
+            name.replace("weight", "base_layer.weight")
+            if any(name.endswith(f"{t}.weight") for t in LORA["target_modules"])
+            else name
+        )
         assert torch.equal(mine, p), name
     ckpt = trainer.ckpt_dir / "step_00000004"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "manifest.json", "rng", "state",
-                                                       "trainer.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "adapter",
+        "manifest.json",
+        "rng",
+        "state",
+        "trainer.json",
+    ]
     assert all(".lora_" in k for k in saved_shapes(ckpt)), sorted(saved_shapes(ckpt))[:3]
-    assert len(saved_shapes(ckpt)) == 2 * 2 * len(LORA["target_modules"])   # A and B, 2 layers, 4 targets
+    assert len(saved_shapes(ckpt)) == 2 * 2 * len(
+        LORA["target_modules"]
+    )  # A and B, 2 layers, 4 targets
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     reloaded = load_adapter(ssmkit.from_pretrained(base_dir), ckpt / "adapter")
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(x).logits, trainer.model.eval()(x).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            reloaded(x).logits, trainer.model.eval()(x).logits, rtol=0, atol=0
+        )
     where = resolve(trainer.out_dir)
     assert (where.kind, where.step_dir, where.adapter_dir) == ("lora", ckpt, ckpt / "adapter")
     with pytest.raises(ValueError, match="holds a LoRA adapter \\(adapter/\\).*load_adapter"):
@@ -136,62 +174,91 @@ def test_a_lora_run_resumes_exactly(tmp_path, base_dir, sft_dirs):
     assert resumed.resume()
     assert resumed.step == 2
     second = losses(resumed.fit())
-    assert first + second == uninterrupted                                  # bitwise, dropout included
+    assert first + second == uninterrupted  # bitwise, dropout included
     mine, want = adapter_tensors(resumed), adapter_tensors(whole)
     assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in want)
     # the adapter belongs to its base: another base is refused
     torch.manual_seed(1)
-    other = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8))
+    other = ssmkit.build_model(
+        ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8)
+    )
     other_dir = other.save_pretrained(tmp_path / "other-base")
     with pytest.raises(ValueError, match="trained on another base model"):
         Trainer(config=dataclasses.replace(cfg, base=str(other_dir), max_steps=6)).resume()
 
 
-# --- full fine-tuning, frozen embedding, bf16 weights ---------------------------------------------------
+# --- full fine-tuning, frozen embedding, bf16 weights ---------------------------------------------
 
-def test_full_fine_tuning_from_a_run_checkpoint_with_a_frozen_embedding(tmp_path, base_dir, sft_dirs):
+
+def test_full_fine_tuning_from_a_run_checkpoint_with_a_frozen_embedding(
+    tmp_path, base_dir, sft_dirs
+):
     cfg = run_config(tmp_path, base_dir, sft_dirs, lora=None, freeze_embedding=True, max_steps=2)
     first = Trainer(config=cfg)
     first.fit()
     # a run's out_dir is a base too (its latest checkpoint's model/)
-    again = Trainer(config=run_config(tmp_path, first.out_dir, sft_dirs, name="again", lora=None,
-                                      freeze_embedding=True, max_steps=1))
-    assert torch.equal(again.model.backbone.layers[0].mixer.in_proj.weight,
-                       first.model.backbone.layers[0].mixer.in_proj.weight)
+    again = Trainer(
+        config=run_config(
+            tmp_path,
+            first.out_dir,
+            sft_dirs,
+            name="again",
+            lora=None,
+            freeze_embedding=True,
+            max_steps=1,
+        )
+    )
+    assert torch.equal(
+        again.model.backbone.layers[0].mixer.in_proj.weight,
+        first.model.backbone.layers[0].mixer.in_proj.weight,
+    )
     base = ssmkit.from_pretrained(base_dir)
-    tuned = ssmkit.from_pretrained(first.ckpt_dir / "step_00000002" / "model")     # a full checkpoint
+    tuned = ssmkit.from_pretrained(first.ckpt_dir / "step_00000002" / "model")  # a full checkpoint
     # the embedding (and the head tied to it) stayed; the rest moved
     assert torch.equal(tuned.backbone.embedding.weight, base.backbone.embedding.weight)
     in_proj = (m.backbone.layers[0].mixer.in_proj.weight for m in (tuned, base))
     assert not torch.equal(*in_proj)
-    assert all(p is not first.model.backbone.embedding.weight for g in first.optimizer.param_groups
-               for p in g["params"])
+    assert all(
+        p is not first.model.backbone.embedding.weight
+        for g in first.optimizer.param_groups
+        for p in g["params"]
+    )
 
 
 def test_bf16_pure_trains_bf16_weights_without_a_master_copy(tmp_path, base_dir, sft_dirs):
     for precision, dtype in (("bf16-pure", torch.bfloat16), ("bf16", torch.float32)):
-        cfg = run_config(tmp_path, base_dir, sft_dirs, name=precision, lora=None, precision=precision,
-                         max_steps=2)
+        cfg = run_config(
+            tmp_path,
+            base_dir,
+            sft_dirs,
+            name=precision,
+            lora=None,
+            precision=precision,
+            max_steps=2,
+        )
         trainer = Trainer(config=cfg)
         history = trainer.fit()
         assert {p.dtype for p in trainer.model.parameters()} == {dtype}
-        states = [v for st in trainer.optimizer.state.values() for k, v in st.items() if k == "exp_avg"]
+        states = [
+            v for st in trainer.optimizer.state.values() for k, v in st.items() if k == "exp_avg"
+        ]
         assert states and {v.dtype for v in states} == {dtype}
         assert all(torch.isfinite(torch.tensor(losses(history))))
 
 
-# --- SFT data: seq_idx reaches the model; sources are prepared ---------------------------------------------
+# --- SFT data: seq_idx reaches the model; sources are prepared ------------------------------------
+
 
 def test_the_trainer_passes_seq_idx_and_scores_the_labelled_tokens(tmp_path, base_dir, sft_dirs):
     cfg = run_config(tmp_path, base_dir, sft_dirs, lora=None, max_steps=1, val_data=None)
     trainer = Trainer(config=cfg)
-    model = ssmkit.from_pretrained(base_dir)                       # the same weights, before the step
+    model = ssmkit.from_pretrained(base_dir)  # the same weights, before the step
     x, y, seq_idx = next(iter(SFTLoader(sft_dirs[0], cfg.seq_len, cfg.micro_batch, seed=cfg.seed)))
-    assert int(seq_idx.max()) >= 1                                 # rows hold several packed samples
+    assert int(seq_idx.max()) >= 1  # rows hold several packed samples
     with torch.no_grad():
         want = model(x, labels=y, shift_labels=False, seq_idx=seq_idx).loss.item()
         unpacked = model(x, labels=y, shift_labels=False).loss.item()
-    assert abs(want - unpacked) > 1e-4                  # the state reset matters (~9e-4 here), above 1e-6
+    assert abs(want - unpacked) > 1e-4  # the state reset matters (~9e-4 here), above 1e-6
     assert losses(trainer.fit()) == [pytest.approx(want, abs=1e-6)]
 
 
@@ -200,28 +267,53 @@ def test_sft_sources_are_prepared_with_their_held_out_split(tmp_path, base_dir, 
     rows = [{"prompt": f"{a} + {a} = ", "completion": str(2 * a)} for a in range(60)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:48]))
     (tmp_path / "d.val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[48:]))
-    cfg = run_config(tmp_path, base_dir, (None, None), data=f"sft:{tmp_path / 'd.jsonl'}", val_data=None,
-                     seq_len=48, batch_tokens=192, max_steps=1)
+    cfg = run_config(
+        tmp_path,
+        base_dir,
+        (None, None),
+        data=f"sft:{tmp_path / 'd.jsonl'}",
+        val_data=None,
+        seq_len=48,
+        batch_tokens=192,
+        max_steps=1,
+    )
     trainer = Trainer(config=cfg)
     assert trainer.sft and trainer.val_loader.index["options"]["split"] == "val"
     assert trainer.val_loader.index["samples"] == 12 and trainer.loader.data.index["samples"] == 48
     assert [r["kind"] for r in trainer.fit()] == ["train", "eval"]
-    (tmp_path / "d.val.jsonl").unlink()                            # no sibling: no validation
+    (tmp_path / "d.val.jsonl").unlink()  # no sibling: no validation
     alone = Trainer(config=dataclasses.replace(cfg, out_dir=str(tmp_path / "alone")))
     assert alone.val_loader is None
-    offline = Trainer(config=dataclasses.replace(cfg, data="sft-arith", out_dir=str(tmp_path / "arith"),
-                                                 seq_len=96, batch_tokens=384))
+    offline = Trainer(
+        config=dataclasses.replace(
+            cfg, data="sft-arith", out_dir=str(tmp_path / "arith"), seq_len=96, batch_tokens=384
+        )
+    )
     assert offline.val_loader.index["options"]["split"] == "val"
     assert offline.val_loader.index["options"]["source"] == "sft-arith"
     with pytest.raises(ValueError, match="the file .* does not exist"):
         Trainer(config=dataclasses.replace(cfg, data="sft:nowhere.jsonl"))
     # a prepared training directory with a .jsonl of its own for validation
-    given = Trainer(config=dataclasses.replace(cfg, data=str(trainer.loader.dir), out_dir=str(tmp_path / "g"),
-                                               val_data=f"sft:{tmp_path / 'd.jsonl'}"))
+    given = Trainer(
+        config=dataclasses.replace(
+            cfg,
+            data=str(trainer.loader.dir),
+            out_dir=str(tmp_path / "g"),
+            val_data=f"sft:{tmp_path / 'd.jsonl'}",
+        )
+    )
     assert given.val_loader.index["samples"] == 48
-    with pytest.raises(ValueError, match="is neither a prepared SFT directory nor 'sft:PATH.jsonl'"):
-        Trainer(config=dataclasses.replace(cfg, data=str(trainer.loader.dir), out_dir=str(tmp_path / "h"),
-                                           val_data=str(tmp_path)))
+    with pytest.raises(
+        ValueError, match="is neither a prepared SFT directory nor 'sft:PATH.jsonl'"
+    ):
+        Trainer(
+            config=dataclasses.replace(
+                cfg,
+                data=str(trainer.loader.dir),
+                out_dir=str(tmp_path / "h"),
+                val_data=str(tmp_path),
+            )
+        )
 
 
 def test_the_cli_trains_and_resumes_a_lora_run(tmp_path, base_dir, sft_dirs, capsys):
@@ -239,16 +331,21 @@ def test_the_cli_trains_and_resumes_a_lora_run(tmp_path, base_dir, sft_dirs, cap
     assert "leave model and model_overrides unset" in capsys.readouterr().err
 
 
-def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(tmp_path, base_dir, sft_dirs, capsys):
-    """A LoRA run's out_dir is what a batch user points the other commands at: its base with the adapter
-    merged (the oracle: the Trainer's own peft model), exported whole, refused on a changed base."""
+def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(
+    tmp_path, base_dir, sft_dirs, capsys
+):
+    """A LoRA run's out_dir is what a batch user points the other commands at: its base with the
+    adapter merged (the oracle: the Trainer's own peft model), exported whole, refused on a changed
+    base."""
     import shutil
 
     from ssmkit.cli import main
     from ssmkit.train.load import load_model
 
-    base = shutil.copytree(base_dir, tmp_path / "base")                # this test changes it at the end
-    trainer = Trainer(config=run_config(tmp_path, base, sft_dirs, max_steps=2, lora={**LORA, "dropout": 0.0}))
+    base = shutil.copytree(base_dir, tmp_path / "base")  # this test changes it at the end
+    trainer = Trainer(
+        config=run_config(tmp_path, base, sft_dirs, max_steps=2, lora={**LORA, "dropout": 0.0})
+    )
     trainer.fit()
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():
@@ -256,14 +353,25 @@ def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(tmp_path,
         merged, where = load_model(str(tmp_path / "run"))
         torch.testing.assert_close(merged(ids).logits, trained, rtol=0, atol=1e-5)
     assert not hasattr(merged, "peft_config") and where.tokenizer_dir == where.step_dir / "adapter"
-    main(["generate", str(tmp_path / "run"), "--prompt", "What is 2 + 2?", "--max-new-tokens", "4",
-          "--tokenizer", "byte"])
+    main(
+        [
+            "generate",
+            str(tmp_path / "run"),
+            "--prompt",
+            "What is 2 + 2?",
+            "--max-new-tokens",
+            "4",
+            "--tokenizer",
+            "byte",
+        ]
+    )
     assert capsys.readouterr().out.startswith("What is 2 + 2?")
     main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf"])
     assert "hf layout" in capsys.readouterr().out
     with torch.no_grad():
-        torch.testing.assert_close(ssmkit.from_pretrained(tmp_path / "hf")(ids).logits, trained,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            ssmkit.from_pretrained(tmp_path / "hf")(ids).logits, trained, rtol=0, atol=1e-5
+        )
     changed = ssmkit.from_pretrained(base)
     with torch.no_grad():
         changed.lm_head.weight.add_(0.01)

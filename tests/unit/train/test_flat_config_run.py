@@ -27,20 +27,19 @@ CHECKPOINT = "run/checkpoints/step_00000002"
 @pytest.fixture
 def old_run(tmp_path, monkeypatch):
     """A copy of the saved run, as the working directory (its config names data/ and run/)."""
-    shutil.copytree(DATA, tmp_path / "old",
-                    ignore=shutil.ignore_patterns("make.py", "expected.*"))
+    shutil.copytree(DATA, tmp_path / "old", ignore=shutil.ignore_patterns("make.py", "expected.*"))
     monkeypatch.chdir(tmp_path / "old")
     return tmp_path / "old"
 
 
 def test_its_flat_overrides_and_config_json_mean_what_they_meant(old_run):
     run = TrainConfig.from_yaml(old_run / "run" / "config.yaml")
-    assert run.model_overrides["d_state"] == 8                   # flat, as runs of then wrote it
+    assert run.model_overrides["d_state"] == 8  # flat, as runs of then wrote it
     cfg = run.model_config(vocab_size=257)
     assert cfg.mixers == ["mamba2", "attn"]
     assert cfg.mamba2 == Mamba2Config(d_state=8, headdim=8, chunk_size=16)
     expected = json.loads((DATA / "expected.json").read_text())
-    assert ModelConfig.from_dict(expected["config"]) == cfg       # the old code's flat to_dict()
+    assert ModelConfig.from_dict(expected["config"]) == cfg  # the old code's flat to_dict()
     assert ssmkit.from_pretrained(old_run / CHECKPOINT / "model").config == cfg
 
 

@@ -1,5 +1,6 @@
-"""Output a person can follow: the progress bar's form ($SSMKIT_PROGRESS) and label, checkpoint saves without
-bars of their own, the live plot's axes from the first point, and the one-line notes of ``--resume``."""
+"""Output a person can follow: the progress bar's form ($SSMKIT_PROGRESS) and label, checkpoint
+saves without bars of their own, the live plot's axes from the first point, and the one-line notes
+of ``--resume``."""
 
 import json
 import subprocess
@@ -21,9 +22,9 @@ def test_progress_modes(monkeypatch, capsys):
     monkeypatch.delenv("SSMKIT_PROGRESS", raising=False)
     assert io.progress_mode() == "auto"
     with io.tqdm_bar(total=1, disable=True) as bar:
-        assert isinstance(bar, tqdm.auto.tqdm)                       # the widget in a Jupyter kernel
+        assert isinstance(bar, tqdm.auto.tqdm)  # the widget in a Jupyter kernel
     monkeypatch.setenv("SSMKIT_PROGRESS", " Text ")
-    with io.tqdm_bar(total=100, desc="work") as bar:                  # a fast loop: two lines, not a hundred
+    with io.tqdm_bar(total=100, desc="work") as bar:  # a fast loop: two lines, not a hundred
         assert not isinstance(bar, tqdm.auto.tqdm)
         for _ in range(100):
             bar.update(1)
@@ -31,7 +32,7 @@ def test_progress_modes(monkeypatch, capsys):
     assert "\r" not in err and err.endswith("\n")
     lines = err.splitlines()
     assert len(lines) == 2 and lines[0].startswith("work:   0%|") and "100/100" in lines[1], lines
-    monkeypatch.setattr(io, "TEXT_INTERVAL", 0.0)                    # every redraw is a line of its own
+    monkeypatch.setattr(io, "TEXT_INTERVAL", 0.0)  # every redraw is a line of its own
     with io.tqdm_bar(total=3, desc="work") as bar:
         for _ in range(3):
             bar.update(1)
@@ -43,7 +44,9 @@ def test_progress_modes(monkeypatch, capsys):
         bar.update(3)
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("SSMKIT_PROGRESS", "txt")
-    with pytest.raises(ValueError, match=r"SSMKIT_PROGRESS='txt' is not a progress mode; valid: auto .*off"):
+    with pytest.raises(
+        ValueError, match=r"SSMKIT_PROGRESS='txt' is not a progress mode; valid: auto .*off"
+    ):
         io.tqdm_bar(total=1)
 
 
@@ -58,9 +61,11 @@ def test_data_prepare_bar_follows_the_mode(tmp_path, monkeypatch, capsys):
 
 # --- the trainer's bar: text in logs, named after the model ---------------------------------------
 def test_text_bar_names_the_model_and_the_plot_frames_the_run(tmp_path, shards, monkeypatch, capfd):
-    mamba = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257))
+    mamba = ssmkit.build_model(
+        ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257)
+    )
     llama = ssmkit.models.matched_transformer(mamba)
-    assert Trainer(config=small(tmp_path / "a", shards)).name == "tiny"            # built from the preset
+    assert Trainer(config=small(tmp_path / "a", shards)).name == "tiny"  # built from the preset
     assert Trainer(llama, small(tmp_path / "b", shards)).name == "LlamaForCausalLM"
     monkeypatch.setenv("SSMKIT_PROGRESS", "text")
     live = LivePlot(None, display=False)
@@ -73,16 +78,25 @@ def test_text_bar_names_the_model_and_the_plot_frames_the_run(tmp_path, shards, 
     assert bar and all(line.startswith("train Transformer++:") for line in bar), err
     assert "3/3" in bar[-1]
     ax = live.figure().axes[0]
-    assert ax.get_xlim() == (0, cfg.total_steps() * cfg.batch_tokens) and ax.get_title() == "Transformer++"
+    assert (
+        ax.get_xlim() == (0, cfg.total_steps() * cfg.batch_tokens)
+        and ax.get_title() == "Transformer++"
+    )
 
 
 # --- checkpoint saves draw no bars ----------------------------------------------------------------
 def test_checkpoint_saves_draw_no_bars(tmp_path, shards, monkeypatch, capfd):
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
     from transformers.utils import logging as hf_logging
 
     monkeypatch.delenv("SSMKIT_PROGRESS", raising=False)
-    mamba = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257))
+    mamba = ssmkit.build_model(
+        ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257)
+    )
     llama = ssmkit.models.matched_transformer(mamba)
     assert hf_logging.is_progress_bar_enabled()
     for name, model in (("mamba", mamba), ("llama", llama)):
@@ -91,9 +105,11 @@ def test_checkpoint_saves_draw_no_bars(tmp_path, shards, monkeypatch, capfd):
         trainer.save_checkpoint()
         err = capfd.readouterr().err
         assert "%|" not in err and "\r" not in err and "Writing" not in err, (name, err)
-        assert (tmp_path / name / "run" / "checkpoints" / "step_00000000" / "model" / "config.json").exists()
-    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()     # as they were
-    disable_progress_bars()                                          # the hub's bars off before: off after
+        assert (
+            tmp_path / name / "run" / "checkpoints" / "step_00000000" / "model" / "config.json"
+        ).exists()
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()  # as they were
+    disable_progress_bars()  # the hub's bars off before: off after
     try:
         Trainer(llama, small(tmp_path / "quiet", shards)).save_checkpoint()
         assert are_progress_bars_disabled()
@@ -104,15 +120,19 @@ def test_checkpoint_saves_draw_no_bars(tmp_path, shards, monkeypatch, capfd):
 
 # --- the live plot's axes from the first point ----------------------------------------------------
 def test_liveplot_frames_the_first_point():
-    trainer = SimpleNamespace(name="Mamba", config=SimpleNamespace(total_steps=lambda: 50, batch_tokens=2048))
+    trainer = SimpleNamespace(
+        name="Mamba", config=SimpleNamespace(total_steps=lambda: 50, batch_tokens=2048)
+    )
     live = LivePlot(None, display=False)
     live.on_log(trainer, {"step": 1, "tokens": 2048, "loss": 10.8})
     ax = live.figure().axes[0]
-    assert ax.get_xlim() == (0, 50 * 2048)                            # the whole run, not 2048 +- 0.04
+    assert ax.get_xlim() == (0, 50 * 2048)  # the whole run, not 2048 +- 0.04
     assert ax.get_ylim() == pytest.approx((0, 11.88)) and ax.get_title() == "Mamba"
     live.on_eval(trainer, {"step": 1, "tokens": 2048, "val_loss": 11.5, "val_ppl": 1e5})
-    assert live.figure().axes[0].get_ylim() == pytest.approx((0, 1.1 * 11.5))   # the highest loss fits
-    hand = LivePlot(None, display=False, title="by hand")             # fed without a trainer
+    assert live.figure().axes[0].get_ylim() == pytest.approx(
+        (0, 1.1 * 11.5)
+    )  # the highest loss fits
+    hand = LivePlot(None, display=False, title="by hand")  # fed without a trainer
     hand.on_log(None, {"step": 1, "tokens": 1000, "loss": 5.0})
     ax = hand.figure().axes[0]
     assert ax.get_xlim() == pytest.approx((0, 1050)) and ax.get_ylim() == pytest.approx((0, 5.5))
@@ -121,8 +141,13 @@ def test_liveplot_frames_the_first_point():
 
 # --- resume: nothing to resume, and a finished run ------------------------------------------------
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ssmkit", "train", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ssmkit", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_resume_says_what_it_does_and_a_finished_run_stays(tmp_path, shards):
@@ -132,7 +157,10 @@ def test_resume_says_what_it_does_and_a_finished_run_stays(tmp_path, shards):
     assert first.returncode == 0, first.stderr
     said = f"nothing to resume in {tmp_path / 'run'}: it holds no checkpoint; starting a new run from step 0"
     assert said in first.stdout
-    metrics, latest = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "checkpoints" / "latest"
+    metrics, latest = (
+        tmp_path / "run" / "metrics.jsonl",
+        tmp_path / "run" / "checkpoints" / "latest",
+    )
     before = metrics.read_text()
     manifest = tmp_path / "run" / "checkpoints" / latest.read_text().strip() / "manifest.json"
     saved_at = manifest.stat().st_mtime_ns
@@ -141,8 +169,10 @@ def test_resume_says_what_it_does_and_a_finished_run_stays(tmp_path, shards):
     assert "nothing to train, already at step 2 of 2 (the run is finished" in again.stdout
     after = metrics.read_text()
     evals = [r["step"] for r in map(json.loads, after.splitlines()) if r["kind"] == "eval"]
-    assert evals == [0, 1, 2]                                         # no second row for step 2
-    assert after == before and manifest.stat().st_mtime_ns == saved_at   # not evaluated nor saved again
+    assert evals == [0, 1, 2]  # no second row for step 2
+    assert (
+        after == before and manifest.stat().st_mtime_ns == saved_at
+    )  # not evaluated nor saved again
 
 
 def test_fit_until_a_step_already_reached_returns_at_once(tmp_path, shards, capsys):

@@ -38,11 +38,20 @@ def run(tmp_path):
 
 def test_every_name_of_a_checkpoint_resolves_to_it(run):
     step = run / "run" / "checkpoints" / "step_00000002"
-    for path in (run / "run", run / "run" / "checkpoints", step.parent / "latest", step,
-                 step / "model"):
+    for path in (
+        run / "run",
+        run / "run" / "checkpoints",
+        step.parent / "latest",
+        step,
+        step / "model",
+    ):
         where = resolve(path)
-        assert (where.kind, where.model_dir, where.step_dir, where.adapter_dir) == \
-            ("checkpoint", step / "model", step, None), path
+        assert (where.kind, where.model_dir, where.step_dir, where.adapter_dir) == (
+            "checkpoint",
+            step / "model",
+            step,
+            None,
+        ), path
         assert where.tokenizer_dir == step / "model" and where.model_source() == str(step / "model")
     plain = shutil.copytree(step / "model", run / "plain")
     assert resolve(plain) == Resolved("model", str(plain), model_dir=plain)
@@ -55,29 +64,47 @@ def test_a_lora_run_a_hub_id_and_what_is_neither(run, monkeypatch):
     with pytest.raises(ValueError, match="holds a LoRA adapter"):
         where.model_source()
     monkeypatch.chdir(run)
-    assert resolve("state-spaces/mamba-130m") == Resolved("hub", "state-spaces/mamba-130m",
-                                                         hub_id="state-spaces/mamba-130m")
+    assert resolve("state-spaces/mamba-130m") == Resolved(
+        "hub", "state-spaces/mamba-130m", hub_id="state-spaces/mamba-130m"
+    )
     with pytest.raises(ValueError, match=r"^run/nope: no such directory; expected a model dir"):
-        resolve("run/nope")                         # run/ is here: a mistyped path, not a hub id
+        resolve("run/nope")  # run/ is here: a mistyped path, not a hub id
     (run / "empty").mkdir()
     (run / "notes.txt").write_text("x")
-    for path, message in (("empty", "holds no model and no complete checkpoint"),
-                          ("notes.txt", "is a file: expected")):
+    for path, message in (
+        ("empty", "holds no model and no complete checkpoint"),
+        ("notes.txt", "is a file: expected"),
+    ):
         with pytest.raises(ValueError, match=message):
             resolve(path)
 
 
-@pytest.mark.parametrize("text, hub", [("state-spaces/mamba-130m", True), ("run/nope", False),
-                                       ("./a/b", False), ("/a", False), ("a/b/c", False),
-                                       ("~/a", False), ("a/", False), ("nope", False)])
+@pytest.mark.parametrize(
+    "text, hub",
+    [
+        ("state-spaces/mamba-130m", True),
+        ("run/nope", False),
+        ("./a/b", False),
+        ("/a", False),
+        ("a/b/c", False),
+        ("~/a", False),
+        ("a/", False),
+        ("nope", False),
+    ],
+)
 def test_is_hub_id(run, monkeypatch, text, hub):
     monkeypatch.chdir(run)
     assert is_hub_id(text) is hub
 
 
 def test_parse_dtype():
-    assert [parse_dtype(x) for x in (None, "bf16", "torch.float16", "FP32", torch.float64)] == \
-        [None, torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    assert [parse_dtype(x) for x in (None, "bf16", "torch.float16", "FP32", torch.float64)] == [
+        None,
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    ]
     for bad in ("int8", torch.int64, 16):
         with pytest.raises(ValueError, match="is not supported; valid: float32, fp32, bfloat16"):
             parse_dtype(bad)
@@ -90,7 +117,7 @@ def test_load_model_verifies_then_loads_what_from_pretrained_reads(run):
     assert where.step_dir == step and model.lm_head.weight.dtype == torch.bfloat16
     torch.testing.assert_close(model.lm_head.weight, oracle.lm_head.weight.to(torch.bfloat16))
     with pytest.raises(ValueError, match="dtype='int8' is not supported"):
-        load_model(run / "nowhere", dtype="int8")             # checked before the path is read
+        load_model(run / "nowhere", dtype="int8")  # checked before the path is read
     weights = step / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1

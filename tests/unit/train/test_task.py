@@ -1,4 +1,5 @@
-"""ssmkit.train.task: a short training on a synthetic task, with the Trainer's optimizer and schedule.
+"""ssmkit.train.task: a short training on a synthetic task, with the Trainer's optimizer and
+schedule.
 
 Oracles: chance (an untrained model) against a trained one on associative recall, and the recipe's
 learning rates against the schedule's closed form (warmup, then a cosine to lr / 10)."""

@@ -1,4 +1,5 @@
-"""The training engine: config, schedule, parameter groups, accumulation, exact resume, NaN guard, CLI.
+"""The training engine: config, schedule, parameter groups, accumulation, exact resume, NaN guard,
+CLI.
 
 Runs are tiny (byte tokenizer, d_model 32, seq_len 32) so the whole file takes seconds; the
 loss-falls test uses the real cpu-tiny recipe (GPT-2 tokenizer, embedded corpus) cut short.
@@ -11,7 +12,11 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import (
+    ROOT,
+    losses,
+    small,
+)  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 import ssmkit
 from ssmkit.eval import flops_per_token
@@ -22,14 +27,21 @@ from ssmkit.train import TrainConfig, Trainer, TrainingError, lr_at, split_param
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = TrainConfig.from_yaml(path)
-    ssmkit.ModelConfig.preset(cfg.model, **cfg.model_overrides)       # the model part is valid too
+    ssmkit.ModelConfig.preset(cfg.model, **cfg.model_overrides)  # the model part is valid too
     assert cfg.total_steps() > 0
 
 
 def test_plan_presets_carry_the_plan_numbers():
     c = TrainConfig.from_yaml(ROOT / "configs" / "mamba-130m.yaml")
-    assert (c.model, c.lr, c.batch_tokens, c.warmup_steps, c.betas, c.weight_decay, c.grad_clip) == (
-        "mamba-130m", 3e-3, 2**19, 2000, (0.9, 0.95), 0.1, 1.0)
+    assert (
+        c.model,
+        c.lr,
+        c.batch_tokens,
+        c.warmup_steps,
+        c.betas,
+        c.weight_decay,
+        c.grad_clip,
+    ) == ("mamba-130m", 3e-3, 2**19, 2000, (0.9, 0.95), 0.1, 1.0)
     big = TrainConfig.from_yaml(ROOT / "configs" / "mamba-1.4b.yaml")
     model = ssmkit.ModelConfig.preset(big.model, **big.model_overrides)
     assert (big.lr, model.n_layer, model.d_model) == (1.5e-3, 48, 2048)
@@ -39,21 +51,30 @@ def test_plan_presets_carry_the_plan_numbers():
 def test_overrides_and_yaml_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_tokens: 5e8\nlr: 3e-3\nseq_len: 128\nbatch_tokens: 1024\nmicro_batch: 8\n")
-    cfg = TrainConfig.from_yaml(path, overrides=["lr=1e-3", "model_overrides.d_model=96", "schedule=wsd"])
-    assert ((cfg.max_tokens, cfg.lr, cfg.model_overrides, cfg.schedule)
-            == (500_000_000, 1e-3, {"d_model": 96}, "wsd"))
+    cfg = TrainConfig.from_yaml(
+        path, overrides=["lr=1e-3", "model_overrides.d_model=96", "schedule=wsd"]
+    )
+    assert (cfg.max_tokens, cfg.lr, cfg.model_overrides, cfg.schedule) == (
+        500_000_000,
+        1e-3,
+        {"d_model": 96},
+        "wsd",
+    )
     assert cfg.total_steps() == math.ceil(5e8 / 1024)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(lr=-1.0), "lr must be a positive number"),
-    (dict(precision="fp8"), "valid: fp32, bf16, fp16"),
-    (dict(strategy="zero3"), "valid: single, ddp, fsdp"),
-    (dict(max_steps=None), "set max_steps or max_tokens"),
-    (dict(batch_tokens=1000), "nearest valid batch_tokens: 768 or 1024"),
-    (dict(micro_batch=0), "micro_batch must be a positive integer"),
-    (dict(min_lr=1.0), "min_lr must be in"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(lr=-1.0), "lr must be a positive number"),
+        (dict(precision="fp8"), "valid: fp32, bf16, fp16"),
+        (dict(strategy="zero3"), "valid: single, ddp, fsdp"),
+        (dict(max_steps=None), "set max_steps or max_tokens"),
+        (dict(batch_tokens=1000), "nearest valid batch_tokens: 768 or 1024"),
+        (dict(micro_batch=0), "micro_batch must be a positive integer"),
+        (dict(min_lr=1.0), "min_lr must be in"),
+    ],
+)
 def test_bad_configs(kw, message):
     base = dict(seq_len=64, micro_batch=4, batch_tokens=512, max_steps=10)
     with pytest.raises(ValueError, match=message):
@@ -61,7 +82,9 @@ def test_bad_configs(kw, message):
 
 
 def test_unknown_keys_list_the_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown TrainConfig keys \['learning_rate'\].*valid keys: model"):
+    with pytest.raises(
+        ValueError, match=r"unknown TrainConfig keys \['learning_rate'\].*valid keys: model"
+    ):
         TrainConfig.from_dict({"learning_rate": 1e-3, "max_steps": 1})
     with pytest.raises(ValueError, match="unknown key 'nope'"):
         TrainConfig.from_dict({"max_steps": 1}, overrides=["nope=1"])
@@ -86,13 +109,17 @@ def test_grad_accum_derivation():
 def test_schedule_values_at_known_steps():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
     assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
-    assert lr_at(10, cfg) == pytest.approx(1e-3)                                  # cosine starts at the peak
-    assert lr_at(60, cfg) == pytest.approx(0.5 * (1e-3 + 1e-4))                   # halfway: the mean
+    assert lr_at(10, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert lr_at(60, cfg) == pytest.approx(0.5 * (1e-3 + 1e-4))  # halfway: the mean
     assert lr_at(110, cfg) == pytest.approx(1e-4)
-    wsd = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2)
+    wsd = TrainConfig(
+        lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2
+    )
     assert lr_at(50, wsd) == lr_at(79, wsd) == 1e-3
     assert lr_at(89, wsd) == pytest.approx(0.5e-3) and lr_at(99, wsd) == pytest.approx(0.0)
-    assert lr_at(50, TrainConfig(lr=2e-3, warmup_steps=0, max_steps=100, schedule="constant")) == 2e-3
+    assert (
+        lr_at(50, TrainConfig(lr=2e-3, warmup_steps=0, max_steps=100, schedule="constant")) == 2e-3
+    )
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2"])
@@ -100,8 +127,12 @@ def test_weight_decay_groups(preset):
     model = ssmkit.build_model(preset)
     decay, no_decay = split_parameters(model)
     assert all(n.endswith(".weight") and "norm" not in n and "embedding" not in n for n in decay)
-    assert "backbone.embedding.weight" in no_decay and "lm_head.weight" not in decay + no_decay   # tied: once
-    kinds = {n.split(".")[-1] if "norm" not in n else "norm" for n in no_decay if "embedding" not in n}
+    assert (
+        "backbone.embedding.weight" in no_decay and "lm_head.weight" not in decay + no_decay
+    )  # tied: once
+    kinds = {
+        n.split(".")[-1] if "norm" not in n else "norm" for n in no_decay if "embedding" not in n
+    }
     expected = {"A_log", "D", "bias", "norm"} | ({"dt_bias"} if preset == "tiny-mamba2" else set())
     assert kinds == expected
     assert any("in_proj" in n for n in decay) and any("conv1d" in n for n in decay)
@@ -113,8 +144,11 @@ def test_weight_decay_groups(preset):
 def test_flops_per_token():
     model = ssmkit.build_model("tiny")
     cfg = model.config
-    linear = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
+    linear = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))
+    )
     m = cfg.mamba1
     scan = cfg.n_layer * 3 * 9 * m.d_inner(cfg.d_model) * m.d_state
     assert flops_per_token(model, 128) == 6 * linear + scan
@@ -123,7 +157,7 @@ def test_flops_per_token():
 # --- the loop -----------------------------------------------------------------------------------
 def test_accumulation_equals_the_large_batch(tmp_path, shards):
     runs = {}
-    for micro in (8, 4, 2):                   # 1, 2 and 4 micro-batches per step, same 8 windows
+    for micro in (8, 4, 2):  # 1, 2 and 4 micro-batches per step, same 8 windows
         cfg = small(tmp_path / str(micro), shards, micro_batch=micro, max_steps=3)
         trainer = Trainer(config=cfg)
         assert trainer.grad_accum == 8 // micro
@@ -136,16 +170,20 @@ def test_accumulation_equals_the_large_batch(tmp_path, shards):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2", "tiny-hybrid"])
 def test_resume_is_exact(tmp_path, shards, preset):
-    straight = losses(Trainer(config=small(tmp_path / "a", shards, model=preset, max_steps=8)).fit())
+    straight = losses(
+        Trainer(config=small(tmp_path / "a", shards, model=preset, max_steps=8)).fit()
+    )
     half = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))
-    part1 = losses(half.fit(until=4))                                # stops at 4 with a checkpoint
+    part1 = losses(half.fit(until=4))  # stops at 4 with a checkpoint
     resumed = Trainer(config=small(tmp_path / "b", shards, model=preset, max_steps=8))
     assert resumed.resume()
     assert resumed.step == 4 and resumed.loader.step == 4 * resumed.grad_accum
     part2 = losses(resumed.fit())
     assert len(part1) == len(part2) == 4
     assert part1 + part2 == pytest.approx(straight, abs=1e-6)
-    lines = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
 
 
@@ -163,7 +201,9 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path, shards):
 
 
 def test_keep_last_and_metrics(tmp_path, shards):
-    trainer = Trainer(config=small(tmp_path, shards, max_steps=6, ckpt_every=1, keep_last=2, eval_every=3))
+    trainer = Trainer(
+        config=small(tmp_path, shards, max_steps=6, ckpt_every=1, keep_last=2, eval_every=3)
+    )
     history = trainer.fit()
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert names == ["step_00000005", "step_00000006"]
@@ -172,8 +212,16 @@ def test_keep_last_and_metrics(tmp_path, shards):
     assert [r["step"] for r in evals] == [0, 3, 6]
     assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
     train = [r for r in history if r["kind"] == "train"]
-    assert set(train[0]) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
-                             "peak_mem_mb"}
+    assert set(train[0]) >= {
+        "step",
+        "tokens",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_mb",
+    }
 
 
 class Poisoned(torch.nn.Module):
@@ -181,8 +229,9 @@ class Poisoned(torch.nn.Module):
 
     def __init__(self, bad_calls):
         super().__init__()
-        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2,
-                                                                  vocab_size=257))
+        self.inner = ssmkit.build_model(
+            ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257)
+        )
         self.config, self.bad, self.calls = self.inner.config, set(bad_calls), 0
 
     def forward(self, x):
@@ -192,22 +241,28 @@ class Poisoned(torch.nn.Module):
 
 
 def test_nan_guard_skips_and_stops(tmp_path, shards):
-    model = Poisoned({3})                                    # the 3rd step (micro_batch 8: one call a step)
+    model = Poisoned({3})  # the 3rd step (micro_batch 8: one call a step)
     trainer = Trainer(model, small(tmp_path / "a", shards, micro_batch=8), data=shards / "train")
     with pytest.warns(UserWarning, match="step 3: loss is nan; step skipped"):
         history = trainer.fit()
     assert trainer.skipped == 1 and len(losses(history)) == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    stuck = Trainer(Poisoned(range(2, 100)), small(tmp_path / "b", shards, micro_batch=8, max_bad_steps=3),
-                    data=shards / "train")
-    with pytest.warns(UserWarning), pytest.raises(TrainingError, match="not finite for 3 steps in a row"):
+    stuck = Trainer(
+        Poisoned(range(2, 100)),
+        small(tmp_path / "b", shards, micro_batch=8, max_bad_steps=3),
+        data=shards / "train",
+    )
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(TrainingError, match="not finite for 3 steps in a row"),
+    ):
         stuck.fit()
 
 
 def test_a_new_run_never_mixes_with_an_old_one(tmp_path, shards):
     Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
     refused = r"already holds a run \(1 checkpoints, a metrics.jsonl\): resume it"
-    for start in ("fit", "save_checkpoint"):             # a Trainer not resumed starts a new run
+    for start in ("fit", "save_checkpoint"):  # a Trainer not resumed starts a new run
         with pytest.raises(ValueError, match=refused):
             getattr(Trainer(config=small(tmp_path, shards, max_steps=2)), start)()
     again = Trainer(config=small(tmp_path, shards, max_steps=3, overwrite=True))
@@ -222,19 +277,19 @@ def test_the_trainer_builds_and_resume_is_explicit(tmp_path, shards, capsys):
     cfg = small(tmp_path, shards, max_steps=4)
     fresh = Trainer(config=cfg)
     assert not (tmp_path / "run").exists()
-    assert fresh.resume() is False and fresh.step == 0                   # nothing there: a new run
+    assert fresh.resume() is False and fresh.step == 0  # nothing there: a new run
     assert "nothing to resume in" in capsys.readouterr().out
     fresh.fit(until=2)
     with pytest.raises(ValueError, match=r"resume\(\) comes before the first fit\(\)"):
         fresh.resume()
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    again = Trainer(config=cfg)                                # a run there: no refusal yet
+    again = Trainer(config=cfg)  # a run there: no refusal yet
     assert again.step == 0 and (tmp_path / "run" / "metrics.jsonl").read_text() == before
     assert again.resume() is True and again.step == 2
 
 
 def test_wandb_missing_only_warns(tmp_path, shards, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)          # import wandb -> ImportError
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.warns(UserWarning, match="wandb is not installed"):
         Trainer(config=small(tmp_path, shards, max_steps=1, tracking="wandb")).fit()
 
@@ -253,39 +308,61 @@ def test_data_as_a_token_loader(tmp_path, shards):
 
 
 def test_vocab_mismatch_is_an_error(tmp_path, shards):
-    model = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=100))
-    with pytest.raises(ValueError, match="104 vocabulary rows but the data's tokenizer 'byte' has 257"):
+    model = ssmkit.build_model(
+        ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=100)
+    )
+    with pytest.raises(
+        ValueError, match="104 vocabulary rows but the data's tokenizer 'byte' has 257"
+    ):
         Trainer(model, small(tmp_path, shards))
 
 
 def test_loss_falls_with_cpu_tiny_on_the_embedded_corpus(tmp_path):
-    cfg = TrainConfig.from_yaml(ROOT / "configs" / "cpu-tiny.yaml", overrides=[
-        "seq_len=128", "micro_batch=2", "batch_tokens=256", "max_steps=30", "warmup_steps=5", "eval_every=30",
-        "eval_batches=4", "log_every=5", "progress=false", f"out_dir={tmp_path}"])
+    cfg = TrainConfig.from_yaml(
+        ROOT / "configs" / "cpu-tiny.yaml",
+        overrides=[
+            "seq_len=128",
+            "micro_batch=2",
+            "batch_tokens=256",
+            "max_steps=30",
+            "warmup_steps=5",
+            "eval_every=30",
+            "eval_batches=4",
+            "log_every=5",
+            "progress=false",
+            f"out_dir={tmp_path}",
+        ],
+    )
     history = Trainer(config=cfg).fit()
     evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
-    assert evals[0] > 10.0 and evals[-1] < evals[0] - 2.0, evals     # ln(50257) = 10.8 at init
+    assert evals[0] > 10.0 and evals[-1] < evals[0] - 2.0, evals  # ln(50257) = 10.8 at init
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_on_cpu(tmp_path, shards, precision):
-    history = Trainer(config=small(tmp_path, shards, precision=precision, max_steps=4, eval_every=4)).fit()
+    history = Trainer(
+        config=small(tmp_path, shards, precision=precision, max_steps=4, eval_every=4)
+    ).fit()
     assert all(math.isfinite(x) for x in losses(history))
     evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
     assert evals[-1] < evals[0]
     trainer = Trainer(config=small(tmp_path / "b", shards, precision=precision))
     trainer_dtypes = {p.dtype for p in trainer.model.parameters()}
-    assert trainer_dtypes == {torch.float32}                          # fp32 master weights
+    assert trainer_dtypes == {torch.float32}  # fp32 master weights
 
 
 def test_matched_transformer_baseline_trains(tmp_path, shards):
     from transformers import LlamaForCausalLM
 
-    mamba = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=64, n_layer=4, vocab_size=257))
+    mamba = ssmkit.build_model(
+        ssmkit.ModelConfig.preset("tiny", d_model=64, n_layer=4, vocab_size=257)
+    )
     llama = ssmkit.models.matched_transformer(mamba)
     rows = {r["model"]: r for r in ssmkit.models.parameter_report({"mamba": mamba, "llama": llama})}
     assert abs(rows["llama"]["non_embedding"] / rows["mamba"]["non_embedding"] - 1) < 0.25
-    assert llama.config.vocab_size == mamba.config.padded_vocab_size and llama.config.hidden_size == 64
+    assert (
+        llama.config.vocab_size == mamba.config.padded_vocab_size and llama.config.hidden_size == 64
+    )
     trainer = Trainer(llama, small(tmp_path, shards, max_steps=4, eval_every=4))
     history = trainer.fit()
     evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
@@ -298,8 +375,14 @@ def test_matched_transformer_baseline_trains(tmp_path, shards):
 
 # --- command line -------------------------------------------------------------------------------
 def run_cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "ssmkit", "train", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "ssmkit", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        **kw,
+    )
 
 
 def test_cli_trains_and_resumes(tmp_path, shards):
@@ -327,5 +410,5 @@ def test_cpu_training_reuses_freed_memory():
 def test_torch_compile_gives_the_eager_losses(tmp_path, shards):
     eager = losses(Trainer(config=small(tmp_path / "a", shards, max_steps=3)).fit())
     compiled = Trainer(config=small(tmp_path / "b", shards, max_steps=3, compile=True))
-    assert compiled.module is not compiled.model                     # the compiled wrapper runs the steps
+    assert compiled.module is not compiled.model  # the compiled wrapper runs the steps
     assert losses(compiled.fit()) == pytest.approx(eager, abs=1e-4)

@@ -19,7 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT, losses, small  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import (
+    ROOT,
+    losses,
+    small,
+)  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
 
 from ssmkit.io import LockError
 from ssmkit.train import TrainConfig, Trainer, checkpoint, safe_load
@@ -37,13 +41,16 @@ def crash_at(point):
     def hook(where):
         if where == point:
             raise Killed(where)
+
     return hook
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, shards):
     """Losses of 8 uninterrupted steps: the oracle every resumed run must reproduce."""
-    return losses(Trainer(config=small(tmp_path_factory.mktemp("straight"), shards, max_steps=8)).fit())
+    return losses(
+        Trainer(config=small(tmp_path_factory.mktemp("straight"), shards, max_steps=8)).fit()
+    )
 
 
 def train_losses(run: Path) -> list[float]:
@@ -56,28 +63,34 @@ def leftovers(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("."))
 
 
-# --- the commit sequence ------------------------------------------------------------------------------
+# --- the commit sequence --------------------------------------------------------------------------
 @pytest.mark.parametrize("point", [p for p in POINTS if p != "old moved aside"])
-def test_a_kill_while_saving_a_new_step_resumes_exactly(tmp_path, shards, straight, monkeypatch, point):
+def test_a_kill_while_saving_a_new_step_resumes_exactly(
+    tmp_path, shards, straight, monkeypatch, point
+):
     cfg = small(tmp_path, shards, max_steps=8)
     first = Trainer(config=cfg)
-    first.fit(until=4)                                                   # step_00000004 committed
+    first.fit(until=4)  # step_00000004 committed
     monkeypatch.setattr(checkpoint, "_commit_point", crash_at(point))
     with pytest.raises(Killed):
-        first.fit(until=6)                                               # killed while saving step 6
+        first.fit(until=6)  # killed while saving step 6
     monkeypatch.undo()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                                   # `latest` is intact: no fallback
+        warnings.simplefilter("error")  # `latest` is intact: no fallback
         resumed = Trainer(config=cfg)
         assert resumed.resume()
-    expected = 6 if point == "latest written" else 4                     # committed = `latest` names it
+    expected = 6 if point == "latest written" else 4  # committed = `latest` names it
     assert resumed.step == expected and leftovers(tmp_path / "run") == []
     resumed.fit()
-    assert train_losses(tmp_path / "run") == pytest.approx(straight, abs=1e-6)   # each step once, exact
+    assert train_losses(tmp_path / "run") == pytest.approx(
+        straight, abs=1e-6
+    )  # each step once, exact
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_a_kill_while_saving_the_same_step_again_keeps_it(tmp_path, shards, straight, monkeypatch, point):
+def test_a_kill_while_saving_the_same_step_again_keeps_it(
+    tmp_path, shards, straight, monkeypatch, point
+):
     cfg = small(tmp_path, shards, max_steps=8)
     first = Trainer(config=cfg)
     first.fit(until=4)
@@ -87,10 +100,10 @@ def test_a_kill_while_saving_the_same_step_again_keeps_it(tmp_path, shards, stra
         first.save_checkpoint()
     monkeypatch.undo()
     ckpts = tmp_path / "run" / "checkpoints"
-    if point == "old moved aside":                                       # the window that lost it before
+    if point == "old moved aside":  # the window that lost it before
         assert not (ckpts / "step_00000004").exists() and (ckpts / ".old-step_00000004").is_dir()
     resumed = Trainer(config=cfg)
-    assert resumed.resume()                                              # recover() puts it back
+    assert resumed.resume()  # recover() puts it back
     assert resumed.step == 4 and leftovers(tmp_path / "run") == []
     resumed.fit()
     assert train_losses(tmp_path / "run") == pytest.approx(straight, abs=1e-6)
@@ -101,18 +114,22 @@ def test_a_missing_or_dangling_latest_falls_back_to_the_newest_complete(tmp_path
     Trainer(config=cfg).fit(until=6)
     ckpts = tmp_path / "run" / "checkpoints"
     (ckpts / "latest").unlink()
-    with pytest.warns(UserWarning, match="no latest pointer; resuming from the newest complete checkpoint "
-                                         "step_00000006"):
+    with pytest.warns(
+        UserWarning,
+        match="no latest pointer; resuming from the newest complete checkpoint step_00000006",
+    ):
         resumed = Trainer(config=cfg)
         assert resumed.resume() and resumed.step == 6
-    (ckpts / "latest").write_text("step_00000008\n")                    # points at nothing
-    (ckpts / "step_00000006" / "manifest.json").unlink()                # and step 6 is incomplete
+    (ckpts / "latest").write_text("step_00000008\n")  # points at nothing
+    (ckpts / "step_00000006" / "manifest.json").unlink()  # and step 6 is incomplete
     with pytest.warns(UserWarning, match="names step_00000008, which is not a complete checkpoint"):
         resumed = Trainer(config=cfg)
         assert resumed.resume() and resumed.step == 4
 
 
-@pytest.mark.parametrize("pointer", ["../..", "../../other/checkpoints/step_00000002", "/etc", "step_2"])
+@pytest.mark.parametrize(
+    "pointer", ["../..", "../../other/checkpoints/step_00000002", "/etc", "step_2"]
+)
 def test_latest_outside_the_checkpoint_folder_is_refused(tmp_path, shards, pointer):
     cfg = small(tmp_path, shards, max_steps=4)
     Trainer(config=cfg).fit(until=2)
@@ -128,32 +145,37 @@ def test_stale_temporaries_are_cleaned_at_start(tmp_path, shards):
     (run / "checkpoints" / ".tmp-step_00000003" / "state").mkdir(parents=True)
     (run / "checkpoints" / ".latest.tmp-999").write_text("step_00000003\n")
     (run / ".metrics.jsonl.tmp-999").write_text("{")
-    (run / "notes.txt").write_text("mine")                              # not ours: stays
+    (run / "notes.txt").write_text("mine")  # not ours: stays
     Trainer(config=cfg).resume()
     assert leftovers(run) == [] and not (run / ".metrics.jsonl.tmp-999").exists()
     assert (run / "notes.txt").read_text() == "mine"
 
 
-# --- overwrite ------------------------------------------------------------------------------------------
+# --- overwrite ------------------------------------------------------------------------------------
 def _old_run(tmp_path, shards):
     Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
     return _files(tmp_path / "run")
 
 
 def _files(run):
-    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and not p.name.startswith(".")}
+    return {
+        p.relative_to(run).as_posix(): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
 
 
 class Boom(torch.nn.Module):
-    """A model whose forward raises on the 2nd training call: a run that fails before its first checkpoint."""
+    """A model whose forward raises on the 2nd training call: a run that fails before its first
+    checkpoint."""
 
     def __init__(self):
         super().__init__()
         import ssmkit
 
-        self.inner = ssmkit.build_model(ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2,
-                                                                  vocab_size=257))
+        self.inner = ssmkit.build_model(
+            ssmkit.ModelConfig.preset("tiny", d_model=32, n_layer=2, vocab_size=257)
+        )
         self.config, self.calls = self.inner.config, 0
 
     def forward(self, x):
@@ -167,19 +189,22 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     before = _old_run(tmp_path, shards)
     aside = []
 
-    class Probe:                                                # after step 1, before the boom
+    class Probe:  # after step 1, before the boom
         def on_log(self, trainer, record):
             aside.append((tmp_path / "run" / PREVIOUS / "checkpoints").is_dir())
 
-    failing = Trainer(Boom(), small(tmp_path, shards, max_steps=4, overwrite=True, micro_batch=8),
-                      callbacks=[Probe()])
-    assert _files(tmp_path / "run") == before                 # building touches nothing there
+    failing = Trainer(
+        Boom(),
+        small(tmp_path, shards, max_steps=4, overwrite=True, micro_batch=8),
+        callbacks=[Probe()],
+    )
+    assert _files(tmp_path / "run") == before  # building touches nothing there
     with pytest.raises(RuntimeError, match="boom"):
         failing.fit()
-    assert aside == [True]                           # moved aside, not deleted, while it ran
+    assert aside == [True]  # moved aside, not deleted, while it ran
     assert _files(tmp_path / "run") == before and not (tmp_path / "run" / PREVIOUS).exists()
     with pytest.raises(ValueError, match="no longer belongs to this Trainer"):
-        failing.fit()                                                    # it must not write into the old run
+        failing.fit()  # it must not write into the old run
     good = Trainer(config=small(tmp_path, shards, max_steps=3, overwrite=True))
     good.fit()
     assert not (tmp_path / "run" / PREVIOUS).exists()
@@ -191,17 +216,18 @@ def test_a_killed_overwrite_gives_the_old_run_back_at_the_next_start(tmp_path, s
     new = Trainer(config=small(tmp_path, shards, max_steps=4, overwrite=True))
     monkeypatch.setattr(checkpoint, "_commit_point", crash_at("written"))
     with pytest.raises(Killed):
-        new.fit()                                                        # killed in its first save
+        new.fit()  # killed in its first save
     monkeypatch.undo()
     assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()
     resumed = Trainer(config=small(tmp_path, shards, max_steps=4))
     assert resumed.resume()
     after = _files(tmp_path / "run")
-    assert resumed.step == 2 and {k: v for k, v in after.items() if k != "config.yaml"} == \
-        {k: v for k, v in before.items() if k != "config.yaml"}
+    assert resumed.step == 2 and {k: v for k, v in after.items() if k != "config.yaml"} == {
+        k: v for k, v in before.items() if k != "config.yaml"
+    }
 
 
-# --- what a checkpoint may contain ------------------------------------------------------------------------
+# --- what a checkpoint may contain ----------------------------------------------------------------
 def _committed(tmp_path, shards, **kw):
     cfg = small(tmp_path, shards, max_steps=4, **kw)
     Trainer(config=cfg).fit(until=2)
@@ -220,8 +246,9 @@ def test_a_bit_flip_in_an_optimizer_shard_is_refused(tmp_path, shards):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt,
-                       match=rf"the sha256 of state/{shard.name} differs from its manifest"):
+    with pytest.raises(
+        CheckpointCorrupt, match=rf"the sha256 of state/{shard.name} differs from its manifest"
+    ):
         Trainer(config=cfg).resume()
 
 
@@ -230,8 +257,9 @@ def test_a_truncated_checkpoint_file_is_refused(tmp_path, shards, name):
     cfg, ckpt = _committed(tmp_path, shards)
     path = ckpt / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointCorrupt,
-                       match=rf"{name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"):
+    with pytest.raises(
+        CheckpointCorrupt, match=rf"{name} has \d+ bytes, the manifest says \d+ \(truncated\?\)"
+    ):
         Trainer(config=cfg).resume()
 
 
@@ -249,7 +277,7 @@ def test_a_pickle_payload_in_dcp_metadata_never_runs(tmp_path, shards):
     cfg, ckpt = _committed(tmp_path, shards)
     marker = tmp_path / "pwned"
     (ckpt / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    write_manifest(ckpt)                                 # a forger updates the manifest too
+    write_manifest(ckpt)  # a forger updates the manifest too
     with pytest.raises(CheckpointCorrupt, match=r"refers to pathlib.Path.touch|refers to pathlib"):
         Trainer(config=cfg).resume()
     assert not marker.exists()
@@ -268,8 +296,11 @@ def test_resume_after_changing_the_model_names_the_difference(tmp_path, shards):
     cfg, _ = _committed(tmp_path, shards)
     before = (tmp_path / "run" / "config.yaml").read_text()
     changed = small(tmp_path, shards, max_steps=4, model_overrides={"d_model": 48, "n_layer": 2})
-    with pytest.raises(ValueError, match=r"its model differs from this run's \(backbone\.embedding\.weight: "
-                                         r"\(264, 32\) there, \(264, 48\) here.* after model_overrides="):
+    with pytest.raises(
+        ValueError,
+        match=r"its model differs from this run's \(backbone\.embedding\.weight: "
+        r"\(264, 32\) there, \(264, 48\) here.* after model_overrides=",
+    ):
         Trainer(config=changed).resume()
     # written only after a successful resume
     assert (tmp_path / "run" / "config.yaml").read_text() == before
@@ -281,7 +312,7 @@ def test_resume_after_changing_the_model_names_the_difference(tmp_path, shards):
 def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, shards, straight):
     cfg, _ = _committed(tmp_path, shards)
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
-        f.write('{"kind": "train", "step": 3, "lo')                     # killed mid-line
+        f.write('{"kind": "train", "step": 3, "lo')  # killed mid-line
     with pytest.warns(UserWarning, match="dropped 1 unreadable line"):
         resumed = Trainer(config=cfg)
         assert resumed.resume()
@@ -290,16 +321,24 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, shards, straig
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
 
 
-# --- one writer -------------------------------------------------------------------------------------------
+# --- one writer -----------------------------------------------------------------------------------
 def test_a_second_trainer_in_the_same_out_dir_is_refused_naming_the_first(tmp_path, shards):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from ssmkit.io import DirLock; "
-                               "lock = DirLock(sys.argv[1], 'training').acquire(); "
-                               "print('held', flush=True); time.sleep(60)", str(out)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from ssmkit.io import DirLock; "
+            "lock = DirLock(sys.argv[1], 'training').acquire(); "
+            "print('held', flush=True); time.sleep(60)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        trainer = Trainer(config=small(tmp_path, shards))                # building needs no lock
+        trainer = Trainer(config=small(tmp_path, shards))  # building needs no lock
         for start in (trainer.fit, trainer.resume):
             with pytest.raises(LockError, match=rf"in use by pid {holder.pid} on .*training since"):
                 start()
@@ -307,14 +346,16 @@ def test_a_second_trainer_in_the_same_out_dir_is_refused_naming_the_first(tmp_pa
     finally:
         holder.kill()
         holder.wait()
-    Trainer(config=small(tmp_path, shards, max_steps=1)).fit()          # a dead holder's lock is taken over
+    Trainer(config=small(tmp_path, shards, max_steps=1)).fit()  # a dead holder's lock is taken over
 
 
 def test_a_trainer_whose_out_dir_was_claimed_by_another_stops(tmp_path, shards):
     first = Trainer(config=small(tmp_path, shards, max_steps=2))
-    first.fit(until=1)                                          # out_dir is first's run now
+    first.fit(until=1)  # out_dir is first's run now
     Trainer(config=small(tmp_path, shards, max_steps=2, overwrite=True)).fit()
-    with pytest.raises(ValueError, match="no longer belongs to this Trainer: another run claimed it"):
+    with pytest.raises(
+        ValueError, match="no longer belongs to this Trainer: another run claimed it"
+    ):
         first.fit()
 
 
@@ -335,15 +376,18 @@ def test_the_lock_is_held_while_training(tmp_path, shards):
     assert len(seen) == 1 and "in use by this process" in seen[0]
 
 
-# --- bad configs and the command line ---------------------------------------------------------------------
-@pytest.mark.parametrize("kw, message", [
-    (dict(betas=5), r"betas must be two numbers in \[0, 1\); got 5"),
-    (dict(betas=["a", "b"]), r"betas must be two numbers"),
-    (dict(betas=[0.9]), r"betas must be two numbers"),
-    (dict(out_dir=5), "out_dir must be a non-empty string"),
-    (dict(compile="yes"), "compile must be true or false"),
-    (dict(decay_frac="x"), r"decay_frac must be a number in \(0, 1\]"),
-])
+# --- bad configs and the command line -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(betas=5), r"betas must be two numbers in \[0, 1\); got 5"),
+        (dict(betas=["a", "b"]), r"betas must be two numbers"),
+        (dict(betas=[0.9]), r"betas must be two numbers"),
+        (dict(out_dir=5), "out_dir must be a non-empty string"),
+        (dict(compile="yes"), "compile must be true or false"),
+        (dict(decay_frac="x"), r"decay_frac must be a number in \(0, 1\]"),
+    ],
+)
 def test_bad_values_are_one_clear_error(kw, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{**dict(max_steps=1), **kw})
@@ -357,19 +401,31 @@ def test_a_config_path_that_is_a_directory(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ssmkit", "train", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ssmkit", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_cli_bad_nproc_and_config_directory(tmp_path):
     bad = run_cli("--config", str(tmp_path), "--nproc", "0")
-    assert bad.returncode == 2 and "--nproc must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "--nproc must be >= 1" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
     folder = run_cli("--config", str(tmp_path))
-    assert folder.returncode == 2 and folder.stderr.strip().endswith("is a directory, not a YAML file (see "
-                                                                     "configs/*.yaml)")
+    assert folder.returncode == 2 and folder.stderr.strip().endswith(
+        "is a directory, not a YAML file (see configs/*.yaml)"
+    )
 
 
-@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only")])
+@pytest.mark.parametrize(
+    "code, words", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only")]
+)
 def test_cli_disk_full_or_read_only_is_one_line(tmp_path, shards, monkeypatch, capsys, code, words):
     from ssmkit.train import cli
 
@@ -384,16 +440,21 @@ def test_cli_disk_full_or_read_only_is_one_line(tmp_path, shards, monkeypatch, c
         cli.main(["--config", str(config)])
     err = capsys.readouterr().err
     assert exit_.value.code == 1 and words in err and len(err.strip().splitlines()) == 1
-    assert leftovers(tmp_path / "run") == []                            # no partial checkpoint left
+    assert leftovers(tmp_path / "run") == []  # no partial checkpoint left
 
 
 @pytest.mark.slow
 def test_errors_of_every_rank_come_first_under_nproc(tmp_path, shards):
     config = tmp_path / "c.yaml"
     config.write_text(small(tmp_path, shards, max_steps=1, strategy="ddp").to_yaml())
-    assert run_cli("--config", str(config)).returncode == 0             # the out_dir now holds a run
+    assert run_cli("--config", str(config)).returncode == 0  # the out_dir now holds a run
     again = run_cli("--config", str(config), "--nproc", "2")
     assert again.returncode == 1
     tail = again.stderr.strip().splitlines()[-3:]
-    assert tail[0] == "ssmkit train: 2 of 2 processes failed:" or tail[0].startswith("ssmkit train: 1 of 2")
-    assert any("already holds a run" in line for line in tail) and "ChildFailedError" not in again.stderr
+    assert tail[0] == "ssmkit train: 2 of 2 processes failed:" or tail[0].startswith(
+        "ssmkit train: 1 of 2"
+    )
+    assert (
+        any("already holds a run" in line for line in tail)
+        and "ChildFailedError" not in again.stderr
+    )

@@ -1,5 +1,6 @@
-"""ssmkit.workbook.cells (what every notebook's cells share) and chapter 00's estimates, against a second
-path: the run config built by TrainConfig itself, a model built and counted, a file read back."""
+"""ssmkit.workbook.cells (what every notebook's cells share) and chapter 00's estimates, against a
+second path: the run config built by TrainConfig itself, a model built and counted, a file read
+back."""
 
 from __future__ import annotations
 

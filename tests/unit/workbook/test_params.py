@@ -1,8 +1,9 @@
-"""ssmkit.workbook.params: a notebook's parameters declared once (Param, Parameters), checked in its first
-cell, written as its parameters cell; the checks every notebook shares; what papermill injected.
+"""ssmkit.workbook.params: a notebook's parameters declared once (Param, Parameters), checked in its
+first cell, written as its parameters cell; the checks every notebook shares; what papermill
+injected.
 
-Oracles: the values papermill and YAML hand over (text, floats for integers), each bad value's message
-naming it and what is valid, and the parameters cell read back by the runner's own reader
+Oracles: the values papermill and YAML hand over (text, floats for integers), each bad value's
+message naming it and what is valid, and the parameters cell read back by the runner's own reader
 (declared_parameters) giving the declared defaults."""
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def test_values_as_papermill_and_yaml_hand_them_over(tmp_path):
             {"micro_bach": 4},
             "overrides: unknown TrainConfig key\\(s\\) micro_bach; valid: ",
         ),
-        # overrides may not repeat a parameter of the notebook, nor a key the notebook derives from one
+        # overrides may not repeat a parameter of the notebook, nor a key the notebook derives from
+        # one
         ("overrides", {"seed": 1}, "overrides: seed is a parameter of this notebook"),
         ("overrides", {"eval_every": 1}, "sets eval_every from its parameter evals"),
     ],
@@ -133,7 +135,8 @@ def test_a_notebook_without_a_chapter_is_named():
 
 
 def test_relative_out_dir_starts_at_the_notebooks_folder(tmp_path, monkeypatch):
-    """Whatever the working directory (papermill from the repository root, a cluster job elsewhere)."""
+    """Whatever the working directory (papermill from the repository root, a cluster job
+    elsewhere)."""
     name = f"pytest-out-dir-{os.getpid()}"
     try:
         for cwd in (ROOT, tmp_path):
@@ -191,8 +194,8 @@ def test_what_papermill_injected_is_compared_with_the_declared(monkeypatch, caps
     assert (
         "overrides from papermill's parameters: micro_batch=8, lr=0.003" in capsys.readouterr().out
     )
-    # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the parameters of
-    # the workbook's other notebooks (evals: 01's) are noted as not used
+    # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the
+    # parameters of the workbook's other notebooks (evals: 01's) are noted as not used
     seed_only = Parameters(Param("seed", 0, checks.integer, "seed", minimum=0))
     injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\n"
     monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))

@@ -1,10 +1,10 @@
 """ssmkit.workbook.chapters.ch04_finetune: what notebook 04 (path B, fine-tuning) calls.
 
-The notebook itself runs under papermill in test_notebooks.py; here each function is checked against an
-independent count or oracle: the parameters' checks (bad values named), the run configs of LoRA and full
-fine-tuning, the plan's peft snippet on transformers (peft's own refusal of out_proj), the merged export
-reloaded by transformers (logits equal to ssmkit's, fp32 1e-4), the counted training state (12 bytes per
-trainable fp32 parameter) and a fine-tuning comparison on a tiny base.
+The notebook itself runs under papermill in test_notebooks.py; here each function is checked against
+an independent count or oracle: the parameters' checks (bad values named), the run configs of LoRA
+and full fine-tuning, the plan's peft snippet on transformers (peft's own refusal of out_proj), the
+merged export reloaded by transformers (logits equal to ssmkit's, fp32 1e-4), the counted training
+state (12 bytes per trainable fp32 parameter) and a fine-tuning comparison on a tiny base.
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path,
 
 
 def test_a_model_transformers_has_no_class_for_says_so_and_exports_in_its_own_layout(tmp_path):
-    """Mamba-3 (notebook 04 with config cpu-tiny-mamba3): no transformers class, so the plan's snippet has
-    nothing to run on (one row saying so) and the merged model goes out in mamba_ssm's layout, reloaded by
-    ssmkit with the same logits."""
+    """Mamba-3 (notebook 04 with config cpu-tiny-mamba3): no transformers class, so the plan's
+    snippet has nothing to run on (one row saying so) and the merged model goes out in mamba_ssm's
+    layout, reloaded by ssmkit with the same logits."""
     torch.manual_seed(0)
     model = ssmkit.build_model(
         ssmkit.ModelConfig(
@@ -226,8 +226,9 @@ def test_step_memory_leaves_the_weights_as_they_were():
 
 
 def test_a_params_file_s_base_reaches_notebook_04_only():
-    """`base` is a TrainConfig key too: routed as one, a fine-tuning params file would turn notebook 01's
-    pretraining into a fine-tuning of that checkpoint. It reaches only the notebook that declares it."""
+    """`base` is a TrainConfig key too: routed as one, a fine-tuning params file would turn notebook
+    01's pretraining into a fine-tuning of that checkpoint. It reaches only the notebook that
+    declares it."""
     from ssmkit.workbook.params import route_parameters
 
     root = ROOT / "notebooks"

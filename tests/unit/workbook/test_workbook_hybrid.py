@@ -1,5 +1,6 @@
 """ssmkit.workbook.chapters.ch03_hybrid: what notebooks/03_hybrid.ipynb calls (Jamba's rule, layer
-patterns, parameter split, the ratio sweep, long-context rows) and its parameters, on tiny models."""
+patterns, parameter split, the ratio sweep, long-context rows) and its parameters, on tiny
+models."""
 
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def test_hybrid_config_follows_jambas_rule(cfg):
 
 
 def test_mamba3_is_a_state_space_layer_everywhere(cfg):
-    """Mamba-3 has its letter, counts as an SSM (not as attention) in the share, the sweep's rows and the
-    parameter split, and is a mixer hybrid_config can swap in, with its own state size and heads."""
+    """Mamba-3 has its letter, counts as an SSM (not as attention) in the share, the sweep's rows
+    and the parameter split, and is a mixer hybrid_config can swap in, with its own state size and
+    heads."""
     mixed = ModelConfig(
         d_model=32,
         n_layer=4,
@@ -89,7 +91,7 @@ def test_mamba3_is_a_state_space_layer_everywhere(cfg):
     )
     m3 = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba3", d_model=16, n_layer=4).model_config(257)
     assert ch03_hybrid.layer_pattern(m3) == "M3 M3 A M3"
-    g3 = m3.mamba3                                   # with_mixer's sizes for d_inner 32: N 64, P 32
+    g3 = m3.mamba3  # with_mixer's sizes for d_inner 32: N 64, P 32
     assert (g3.d_state, g3.headdim, g3.chunk_size) == (64, 32, 64)
     model = build_model(m3)
     split = ch03_hybrid.parameter_split(model)
@@ -119,15 +121,15 @@ def test_hybrid_config_swaps_the_ssm_with_its_own_defaults(cfg):
     g2 = m2.mamba2
     assert (g2.d_state, g2.headdim, g2.chunk_size) == (64, 32, 64)
     same_shape = ch03_hybrid.hybrid_config(cfg, 4, d_model=16, n_layer=4).model_config(257)
-    assert g2 == same_shape.with_mixer("mamba2").mamba2          # one rule: ModelConfig.with_mixer's
+    assert g2 == same_shape.with_mixer("mamba2").mamba2  # one rule: ModelConfig.with_mixer's
     back = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba1", d_model=16, n_layer=4).model_config(
         257
     )
     assert back.mamba1.d_state == 16 and ch03_hybrid.layer_pattern(back) == "M M A M"
     given = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba2", d_model=16, n_layer=4, d_state=8)
-    assert given.model_config(257).mamba2.d_state == 8                      # the caller's own knob wins
+    assert given.model_config(257).mamba2.d_state == 8  # the caller's own knob wins
     odd = ch03_hybrid.hybrid_config(cfg, 4, mixer="mamba2", d_model=24, n_layer=4).model_config(257)
-    assert odd.mamba2.headdim == 16                                          # divides d_inner 48
+    assert odd.mamba2.headdim == 16  # divides d_inner 48
 
 
 def test_parameter_split_adds_up():

@@ -65,7 +65,7 @@ def fake_run(losses, nproc=1, val=None, **extra):
     return {**summarize_run(history), "history": history, "nproc": nproc}
 
 
-# --- the power law -----------------------------------------------------------------------------------
+# --- the power law --------------------------------------------------------------------------------
 
 
 def test_fit_power_law_recovers_a_known_exponent():
@@ -106,7 +106,7 @@ def test_plot_scaling_writes_a_figure(tmp_path):
     assert len(fig.axes[0].lines) == 3  # points, the fit, the prediction
 
 
-# --- 2.1: tables of the strategy runs ------------------------------------------------------------------
+# --- 2.1: tables of the strategy runs -------------------------------------------------------------
 
 
 def test_loss_table_and_differences():
@@ -149,10 +149,10 @@ def test_memory_rows_and_metrics(shards, tmp_path):
 
 
 def test_memory_rows_plan_a_mamba3_run(shards, tmp_path, monkeypatch):
-    """Notebook 02 with a Mamba-3 preset: the planner's rows (the planner refused Mamba-3 before). The planned
-    state is 12 bytes per parameter of the real model (fp32 weights, AdamW's m and v), halved by FSDP on 2
-    ranks. On GPUs the rows use the kernels' formulas only where every mixer's kernel imports: mamba_ssm
-    2.3 has none for Mamba-3, whose layers then take the torch path."""
+    """Notebook 02 with a Mamba-3 preset: the planner's rows (the planner refused Mamba-3 before).
+    The planned state is 12 bytes per parameter of the real model (fp32 weights, AdamW's m and v),
+    halved by FSDP on 2 ranks. On GPUs the rows use the kernels' formulas only where every mixer's
+    kernel imports: mamba_ssm 2.3 has none for Mamba-3, whose layers then take the torch path."""
     import ssmkit.env
     import ssmkit.ops.backend
     from ssmkit.models import build_model
@@ -211,8 +211,8 @@ def test_compare_strategies_wants_a_gpu_per_rank(shards, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba3"])
 def test_compare_strategies_trains_alike(shards, tmp_path, preset):
-    """2.1 with the default preset and a Mamba-3 one; the planner's state per rank (its weights + AdamW
-    rows) is the state each rank counted."""
+    """2.1 with the default preset and a Mamba-3 one; the planner's state per rank (its weights +
+    AdamW rows) is the state each rank counted."""
     cfg = tiny_cfg(
         shards, tmp_path, max_steps=2, model=preset, tokenizer="byte"
     )  # the shards' vocabulary
@@ -225,7 +225,7 @@ def test_compare_strategies_trains_alike(shards, tmp_path, preset):
         assert row["planned_state_mb"] == pytest.approx(row["state_mb"], rel=0.05), row
 
 
-# --- 2.2: data ---------------------------------------------------------------------------------------
+# --- 2.2: data ------------------------------------------------------------------------------------
 
 
 def test_prepare_at_scale_writes_shards_and_their_mds_copy(tmp_path):
@@ -257,7 +257,7 @@ def test_stream_remote_offline_says_why():
         ch02_scale_up.stream_remote("stdlib-docs")
 
 
-# --- 2.3: mixed precision ------------------------------------------------------------------------------
+# --- 2.3: mixed precision -------------------------------------------------------------------------
 
 
 def test_autocast_support_on_cpu():
@@ -303,7 +303,7 @@ def test_the_trainer_records_the_scale_and_resumes_the_count(shards, tmp_path):
     assert resumed.scaler_skipped == 2 and resumed.scaler.get_scale() == 2.0**38
 
 
-# --- 2.4 and 2.5 --------------------------------------------------------------------------------------
+# --- 2.4 and 2.5 ----------------------------------------------------------------------------------
 
 
 def test_mixer_throughput_rows():
@@ -312,7 +312,8 @@ def test_mixer_throughput_rows():
     )
     assert [(r["seq_len"], r["d_state"]) for r in rows] == [(32, 8), (32, 16)]
     for r in rows:
-        # the ratio of the rates, each row's tok/s rounded to an integer: within what that rounding moves
+        # the ratio of the rates, each row's tok/s rounded to an integer: within what that rounding
+        # moves
         m1, m2 = r["mamba1_tok_s"], r["mamba2_tok_s"]
         assert r["ratio"] == pytest.approx(m2 / m1, rel=0.5 / m1 + 0.5 / m2, abs=0.01)
         assert r["mamba1_params"] > 0 and r["mamba2_params"] > 0
@@ -320,8 +321,9 @@ def test_mixer_throughput_rows():
 
 
 def test_mixer_throughput_times_mamba3_too():
-    """With mixers=(..., "mamba3"): a Mamba-3 LM of the same width and depth (its size as built here) timed
-    with the others, and its ratio to Mamba-2; unknown or repeated mixers are refused."""
+    """With mixers=(..., "mamba3"): a Mamba-3 LM of the same width and depth (its size as built
+    here) timed with the others, and its ratio to Mamba-2; unknown or repeated mixers are
+    refused."""
     from ssmkit.models import ModelConfig, build_model
 
     rows = ch02_scale_up.mixer_throughput(
@@ -384,7 +386,7 @@ def test_evaluate_models_on_the_offline_tasks(tmp_path):
     )
 
 
-# --- beyond: the sweep -------------------------------------------------------------------------------
+# --- beyond: the sweep ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mamba3"])
@@ -399,7 +401,7 @@ def test_scaling_sweep_rows(shards, tmp_path, preset):
     assert (tmp_path / "sweep" / "d32" / "config.yaml").exists()
 
 
-# --- the notebook's parameters -----------------------------------------------------------------------
+# --- the notebook's parameters --------------------------------------------------------------------
 
 
 def test_the_notebook_parameters_are_checked(tmp_path):
