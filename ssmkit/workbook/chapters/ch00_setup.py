@@ -19,41 +19,23 @@ from ..params import Param, Parameters, check_data, check_device, check_out_dir,
 
 __all__ = ["PARAMETERS", "run_config_info", "system_info"]
 
+# fmt: off
 PARAMETERS = Parameters(
-    Param(
-        "config",
-        "cpu-tiny",
-        check_run_config,
-        'run config the later notebooks train (configs/<config>.yaml); GPU: "mamba-130m"',
-    ),
-    Param(
-        "data",
-        "stdlib-docs",
-        check_data,
-        'training text: the embedded corpus (offline); GPU nodes: "slimpajama-6b"',
-    ),
-    Param(
-        "max_tokens",
-        1_200_000,
-        checks.integer,
-        "token budget of a training run; here it sizes disk and compute",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "device",
-        "auto",
-        check_device,
-        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
-    ),
-    Param(
-        "out_dir",
-        "../runs/lab/00_setup",
-        check_out_dir,
-        "metrics.json goes here (a relative path starts at notebooks/, always)",
-    ),
-    Param("seed", 0, checks.integer, "random seed of the smoke test", minimum=0, whole_floats=True),
+    Param("config",     "cpu-tiny",    check_run_config,
+          'run config the later notebooks train (configs/<config>.yaml); GPU: "mamba-130m"'),
+    Param("data",       "stdlib-docs", check_data,
+          'training text: the embedded corpus (offline); GPU nodes: "slimpajama-6b"'),
+    Param("max_tokens", 1_200_000,     checks.integer,
+          "token budget of a training run; here it sizes disk and compute",
+          minimum=1, whole_floats=True),
+    Param("device",     "auto",        check_device,
+          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    Param("out_dir",    "../runs/lab/00_setup", check_out_dir,
+          "metrics.json goes here (a relative path starts at notebooks/, always)"),
+    Param("seed",       0,             checks.integer,
+          "random seed of the smoke test", minimum=0, whole_floats=True),
 )
+# fmt: on
 
 
 def system_info(path: str | Path = ".") -> dict:

@@ -38,83 +38,36 @@ from ..params import (
 
 __all__ = ["PARAMETERS", "compare_mixers", "comparison_tokens"]
 
+# fmt: off
 PARAMETERS = Parameters(
-    Param(
-        "config",
-        "cpu-tiny",
-        check_run_config,
-        'run config (configs/<config>.yaml) or a model preset: "cpu-tiny-mamba2", "cpu-tiny-mamba3" for '
-        'Mamba-2 / Mamba-3 blocks; GPU node: "mamba-130m"',
-    ),
-    Param(
-        "data",
-        "stdlib-docs",
-        check_data,
-        'training text: the embedded corpus (offline); GPU node: "slimpajama"',
-    ),
-    Param(
-        "tokenizer",
-        "gpt2",
-        check_tokenizer,
-        '"gpt2" (the plan\'s), or "bpe-8192": a byte-level BPE trained on `data`',
-    ),
-    Param(
-        "max_tokens",
-        250_000,
-        checks.integer,
-        "training tokens for each model; the plan: 10_000_000_000",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "device",
-        "auto",
-        check_device,
-        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
-    ),
-    Param(
-        "precision",
-        "fp32",
-        checks.choice,
-        '"fp32" on CPU; "bf16" on A100/H100 (autocast, fp32 master weights)',
-        valid=CHOICES["precision"],
-    ),
-    Param(
-        "evals",
-        6,
-        checks.integer,
-        "validation points per run: the resolution of the loss curves",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "baseline",
-        True,
-        checks.boolean,
-        "also train the matched Transformer++ (Llama) on the same tokens",
-    ),
-    Param(
-        "overrides",
-        {},
-        check_overrides,
-        'more TrainConfig keys for the run, e.g. {"micro_batch": 4, "lr": 1e-3}; a recipe\'s keys '
-        "(-f params/gpu-a100.yaml) arrive here",
-    ),
-    Param(
-        "out_dir",
-        "../runs/lab/01_prototype_130m",
-        check_out_dir,
-        "figures, metrics.json, checkpoints (relative: from notebooks/)",
-    ),
-    Param(
-        "seed",
-        0,
-        checks.integer,
-        "model initialisation and data order",
-        minimum=0,
-        whole_floats=True,
-    ),
+    Param("config",     "cpu-tiny",    check_run_config,
+          'run config (configs/<config>.yaml) or a model preset: "cpu-tiny-mamba2", '
+          '"cpu-tiny-mamba3" for Mamba-2 / Mamba-3 blocks; GPU node: "mamba-130m"'),
+    Param("data",       "stdlib-docs", check_data,
+          'training text: the embedded corpus (offline); GPU node: "slimpajama"'),
+    Param("tokenizer",  "gpt2",        check_tokenizer,
+          '"gpt2" (the plan\'s), or "bpe-8192": a byte-level BPE trained on `data`'),
+    Param("max_tokens", 250_000,       checks.integer,
+          "training tokens for each model; the plan: 10_000_000_000", minimum=1, whole_floats=True),
+    Param("device",     "auto",        check_device,
+          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    Param("precision",  "fp32",        checks.choice,
+          '"fp32" on CPU; "bf16" on A100/H100 (autocast, fp32 master weights)',
+          valid=CHOICES["precision"]),
+    Param("evals",      6,             checks.integer,
+          "validation points per run: the resolution of the loss curves",
+          minimum=1, whole_floats=True),
+    Param("baseline",   True,          checks.boolean,
+          "also train the matched Transformer++ (Llama) on the same tokens"),
+    Param("overrides",  {},            check_overrides,
+          'more TrainConfig keys for the run, e.g. {"micro_batch": 4, "lr": 1e-3}; a recipe\'s '
+          "keys (-f params/gpu-a100.yaml) arrive here"),
+    Param("out_dir",    "../runs/lab/01_prototype_130m", check_out_dir,
+          "figures, metrics.json, checkpoints (relative: from notebooks/)"),
+    Param("seed",       0,             checks.integer,
+          "model initialisation and data order", minimum=0, whole_floats=True),
 )
+# fmt: on
 
 NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
 

@@ -1,22 +1,17 @@
 """Chapter 02, scaling up: what notebooks/02_scale_up.ipynb calls (stage 2 of the plan).
 
     p = PARAMETERS.check(globals())
-    runs = compare_strategies(cfg, nproc=2, out_dir=d)          # one process, DDP, FSDP:
-                                                                # launch_train each
-    loss_table(runs), max_loss_difference(runs)                  # the same losses, to fp32 rounding
-    memory_rows(runs, cfg)                                       # per rank: peak memory, state
-                                                                 # held, planned
-    print(slurm_command("mamba-1.4b", nodes=2))                   # the real run: sbatch / torchrun
-    prepare_at_scale("stdlib-docs", "byte", d, max_tokens=2**18, seq_len=256)   # shards + MDS, tokens/s
-    stream_remote("slimpajama")                                  # HF streaming, or
-                                                                 # why it cannot here
-    runs = precision_runs(cfg, train_dir, val_dir, out_dir=d)   # fp32, bf16 autocast,
-                                                                # fp16 + grad scaler
-    rows = mixer_throughput([256, 1024], [16, 64])              # Mamba-2 / Mamba-1
-                                                                # training tokens/s
-    evaluate_models({"fp32": model}, "offline", tokenizer="byte")   # lm-eval tasks (ssmkit.eval)
+    runs = compare_strategies(cfg, nproc=2, out_dir=d)  # one process, DDP, FSDP: launch_train each
+    loss_table(runs), max_loss_difference(runs)         # the same losses, to fp32 rounding
+    memory_rows(runs, cfg)                              # per rank: peak memory, state held, planned
+    print(slurm_command("mamba-1.4b", nodes=2))         # the real run: sbatch / torchrun
+    prepare_at_scale("stdlib-docs", "byte", d, max_tokens=2**18, seq_len=256)  # shards + MDS, tok/s
+    stream_remote("slimpajama")                         # HF streaming, or why it cannot here
+    runs = precision_runs(cfg, train_dir, val_dir, out_dir=d)  # fp32, bf16 autocast, fp16 + scaler
+    rows = mixer_throughput([256, 1024], [16, 64])      # Mamba-2 / Mamba-1 training tokens/s
+    evaluate_models({"fp32": model}, "offline", tokenizer="byte")  # lm-eval tasks (ssmkit.eval)
     rows = scaling_sweep(cfg, [32, 64, 128], tokens, train_dir, val_dir, out_dir=d)
-    fit = fit_power_law([r["compute"] for r in rows], [r["val_loss"] for r in rows])   # L = a * C^-b
+    fit = fit_power_law([r["compute"] for r in rows], [r["val_loss"] for r in rows])  # L = a C^-b
 
 The plan's memory table is :func:`ssmkit.train.scale_up_plans`.
 
@@ -122,110 +117,47 @@ def eval_limit(value, name: str = "eval_limit"):
         ) from None
 
 
+# fmt: off
 PARAMETERS = Parameters(
-    Param(
-        "config",
-        "cpu-tiny",
-        check_run_config,
-        'the run config every run here starts from (configs/<config>.yaml); GPU node: "mamba-130m"',
-    ),
-    Param(
-        "data",
-        "stdlib-docs",
-        check_data,
-        'training text: the embedded corpus (offline); GPU node: "slimpajama"',
-    ),
-    Param(
-        "tokenizer",
-        "byte",
-        check_tokenizer,
-        '"byte" (257 ids: a small LM head, cheap on a CPU); GPU node: "gpt2"',
-    ),
-    Param(
-        "max_tokens",
-        24_576,
-        checks.integer,
-        "2.1 and 2.3: training tokens of each run (one process, DDP, FSDP; fp32, bf16, fp16); GPU node: "
-        "50_000_000",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "nproc",
-        2,
-        checks.integer,
-        "2.1: processes of the DDP and FSDP runs (on GPUs: one per GPU)",
-        minimum=2,
-        whole_floats=True,
-    ),
-    Param(
-        "ssd_lengths",
-        [256, 1024],
-        checks.integers,
-        "2.4: sequence lengths at which Mamba-2 and Mamba-1 are timed ...",
-        minimum=2,
-        ascending=True,
-    ),
-    Param(
-        "ssd_states",
-        [16, 128],
-        checks.integers,
-        "... and state sizes N; GPU node: [2048, 8192] and [16, 64, 128]",
-        minimum=1,
-        ascending=True,
-    ),
-    Param(
-        "eval_tasks",
-        "offline",
-        eval_tasks,
-        '2.5: "offline" (ssmkit\'s tasks), "plan" (hellaswag, piqa, arc_easy, arc_challenge, '
-        "winogrande, lambada_openai: needs the hub), or names",
-    ),
-    Param("eval_limit", 50, eval_limit, "2.5: items per task (None: all of them)"),
-    Param(
-        "scaling_widths",
-        [32, 64, 128],
-        checks.integers,
-        "beyond: d_model of the scaling sweep's models",
-        minimum=8,
-        ascending=True,
-    ),
-    Param(
-        "scaling_tokens",
-        24_576,
-        checks.integer,
-        "beyond: training tokens of each of them",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "device",
-        "auto",
-        check_device,
-        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
-    ),
-    Param(
-        "overrides",
-        {"eval_batches": 2},
-        check_overrides,
-        "more TrainConfig keys for every run: here 2 micro-batches per evaluation; a recipe's keys "
-        "arrive here (-f params/gpu-8xa100.yaml)",
-    ),
-    Param(
-        "out_dir",
-        "../runs/lab/02_scale_up",
-        check_out_dir,
-        "figures, metrics.json, runs (relative: from notebooks/)",
-    ),
-    Param(
-        "seed",
-        0,
-        checks.integer,
-        "model initialisation and data order",
-        minimum=0,
-        whole_floats=True,
-    ),
+    Param("config",         "cpu-tiny",    check_run_config,
+          "the run config every run here starts from (configs/<config>.yaml); GPU node: "
+          '"mamba-130m"'),
+    Param("data",           "stdlib-docs", check_data,
+          'training text: the embedded corpus (offline); GPU node: "slimpajama"'),
+    Param("tokenizer",      "byte",        check_tokenizer,
+          '"byte" (257 ids: a small LM head, cheap on a CPU); GPU node: "gpt2"'),
+    Param("max_tokens",     24_576,        checks.integer,
+          "2.1 and 2.3: training tokens of each run (one process, DDP, FSDP; fp32, bf16, fp16); "
+          "GPU node: 50_000_000", minimum=1, whole_floats=True),
+    Param("nproc",          2,             checks.integer,
+          "2.1: processes of the DDP and FSDP runs (on GPUs: one per GPU)",
+          minimum=2, whole_floats=True),
+    Param("ssd_lengths",    [256, 1024],   checks.integers,
+          "2.4: sequence lengths at which Mamba-2 and Mamba-1 are timed ...",
+          minimum=2, ascending=True),
+    Param("ssd_states",     [16, 128],     checks.integers,
+          "... and state sizes N; GPU node: [2048, 8192] and [16, 64, 128]",
+          minimum=1, ascending=True),
+    Param("eval_tasks",     "offline",     eval_tasks,
+          '2.5: "offline" (ssmkit\'s tasks), "plan" (hellaswag, piqa, arc_easy, arc_challenge, '
+          "winogrande, lambada_openai: needs the hub), or names"),
+    Param("eval_limit",     50,            eval_limit,
+          "2.5: items per task (None: all of them)"),
+    Param("scaling_widths", [32, 64, 128], checks.integers,
+          "beyond: d_model of the scaling sweep's models", minimum=8, ascending=True),
+    Param("scaling_tokens", 24_576,        checks.integer,
+          "beyond: training tokens of each of them", minimum=1, whole_floats=True),
+    Param("device",         "auto",        check_device,
+          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    Param("overrides",      {"eval_batches": 2}, check_overrides,
+          "more TrainConfig keys for every run: here 2 micro-batches per evaluation; a recipe's "
+          "keys arrive here (-f params/gpu-8xa100.yaml)"),
+    Param("out_dir",        "../runs/lab/02_scale_up", check_out_dir,
+          "figures, metrics.json, runs (relative: from notebooks/)"),
+    Param("seed",           0,             checks.integer,
+          "model initialisation and data order", minimum=0, whole_floats=True),
 )
+# fmt: on
 
 
 ONE = "one process"
@@ -423,12 +355,14 @@ def slurm_command(name: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=())
         [
             f"# one node, {gpus_per_node} GPUs:",
             f"ssmkit train --config {config} --nproc {gpus_per_node}{extra}",
-            f"# {nodes} node(s) x {gpus_per_node} GPUs with Slurm (adapt the #SBATCH lines to the cluster):",
-            f"sbatch --nodes={nodes} --gres=gpu:{gpus_per_node} scripts/slurm/train.sbatch {config}{extra}",
+            f"# {nodes} node(s) x {gpus_per_node} GPUs with Slurm "
+            "(adapt the #SBATCH lines to the cluster):",
+            f"sbatch --nodes={nodes} --gres=gpu:{gpus_per_node} "
+            f"scripts/slurm/train.sbatch {config}{extra}",
             "# ... which runs on every node (the rendezvous on the first node assigns the ranks):",
-            f"srun torchrun --nnodes=$SLURM_NNODES --nproc_per_node={gpus_per_node} --rdzv-id=$SLURM_JOB_ID "
-            f"--rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 -m ssmkit.train --config {config} "
-            f"--resume{extra}",
+            f"srun torchrun --nnodes=$SLURM_NNODES --nproc_per_node={gpus_per_node} "
+            f"--rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 "
+            f"-m ssmkit.train --config {config} --resume{extra}",
         ]
     )
 

@@ -60,113 +60,48 @@ __all__ = [
     "ratio_sweep",
 ]
 
+# fmt: off
 PARAMETERS = Parameters(
-    Param(
-        "config",
-        "cpu-tiny",
-        check_run_config,
-        'the SSM run config the hybrid is built from (configs/<config>.yaml); GPU node: "mamba-130m"',
-    ),
-    Param(
-        "data",
-        "stdlib-docs",
-        check_data,
-        'training text: the embedded corpus (offline); GPU node: "slimpajama"',
-    ),
-    Param(
-        "tokenizer",
-        "byte",
-        check_tokenizer,
-        '"byte" (257 ids: a small LM head, cheap on a CPU); GPU node: "gpt2"',
-    ),
-    Param(
-        "max_tokens",
-        131_072,
-        checks.integer,
-        "3.1: training tokens for each of the three models; the plan: 10B",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "attn_every",
-        4,
-        checks.integer,
-        "3.1: attention at layer i when i mod attn_every is attn_every // 2; with cpu-tiny's 4 layers: "
-        "M M A M (Jamba, and GPU node: 8 -> layer 4)",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "sweep_width",
-        32,
-        checks.integer,
-        "3.2: d_model of every model of the ratio sweep",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "sweep_depth",
-        8,
-        checks.integer,
-        "3.2: their layers (at least 8: attention every 8 layers is 1 of 8)",
-        minimum=8,
-        whole_floats=True,
-    ),
-    Param(
-        "sweep_steps",
-        200,
-        checks.integer,
-        "3.2: training steps of each on the recall task (16 sequences a step)",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "sweep_tokens",
-        65_536,
-        checks.integer,
-        "3.2: language-model training tokens of each (0: the recall task only)",
-        minimum=0,
-        whole_floats=True,
-    ),
-    Param(
-        "context_lengths",
-        [256, 1024, 4096, 16384],
-        checks.integers,
-        "3.3: lengths timed and evaluated at; GPU: up to 131072",
-        minimum=2,
-        ascending=True,
-    ),
-    Param(
-        "device",
-        "auto",
-        check_device,
-        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
-    ),
-    Param(
-        "evals", 4, checks.integer, "3.1: validation points per run", minimum=1, whole_floats=True
-    ),
-    Param(
-        "overrides",
-        {},
-        check_overrides,
-        'more TrainConfig keys for the runs, e.g. {"micro_batch": 4, "lr": 1e-3}; a recipe\'s keys '
-        "arrive here (-f params/gpu-a100.yaml: bf16, ...)",
-    ),
-    Param(
-        "out_dir",
-        "../runs/lab/03_hybrid",
-        check_out_dir,
-        "figures, metrics.json, runs (relative: from notebooks/)",
-    ),
-    Param(
-        "seed",
-        0,
-        checks.integer,
-        "model initialisation, data order and the recall task's sequences",
-        minimum=0,
-        whole_floats=True,
-    ),
+    Param("config",          "cpu-tiny",    check_run_config,
+          "the SSM run config the hybrid is built from (configs/<config>.yaml); GPU node: "
+          '"mamba-130m"'),
+    Param("data",            "stdlib-docs", check_data,
+          'training text: the embedded corpus (offline); GPU node: "slimpajama"'),
+    Param("tokenizer",       "byte",        check_tokenizer,
+          '"byte" (257 ids: a small LM head, cheap on a CPU); GPU node: "gpt2"'),
+    Param("max_tokens",      131_072,       checks.integer,
+          "3.1: training tokens for each of the three models; the plan: 10B",
+          minimum=1, whole_floats=True),
+    Param("attn_every",      4,             checks.integer,
+          "3.1: attention at layer i when i mod attn_every is attn_every // 2; with cpu-tiny's 4 "
+          "layers: M M A M (Jamba, and GPU node: 8 -> layer 4)", minimum=1, whole_floats=True),
+    Param("sweep_width",     32,            checks.integer,
+          "3.2: d_model of every model of the ratio sweep", minimum=1, whole_floats=True),
+    Param("sweep_depth",     8,             checks.integer,
+          "3.2: their layers (at least 8: attention every 8 layers is 1 of 8)",
+          minimum=8, whole_floats=True),
+    Param("sweep_steps",     200,           checks.integer,
+          "3.2: training steps of each on the recall task (16 sequences a step)",
+          minimum=1, whole_floats=True),
+    Param("sweep_tokens",    65_536,        checks.integer,
+          "3.2: language-model training tokens of each (0: the recall task only)",
+          minimum=0, whole_floats=True),
+    Param("context_lengths", [256, 1024, 4096, 16384], checks.integers,
+          "3.3: lengths timed and evaluated at; GPU: up to 131072", minimum=2, ascending=True),
+    Param("device",          "auto",        check_device,
+          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    Param("evals",           4,             checks.integer,
+          "3.1: validation points per run", minimum=1, whole_floats=True),
+    Param("overrides",       {},            check_overrides,
+          'more TrainConfig keys for the runs, e.g. {"micro_batch": 4, "lr": 1e-3}; a recipe\'s '
+          "keys arrive here (-f params/gpu-a100.yaml: bf16, ...)"),
+    Param("out_dir",         "../runs/lab/03_hybrid", check_out_dir,
+          "figures, metrics.json, runs (relative: from notebooks/)"),
+    Param("seed",            0,             checks.integer,
+          "model initialisation, data order and the recall task's sequences",
+          minimum=0, whole_floats=True),
 )
+# fmt: on
 
 SWEEP = (0, 8, 4, 2, 1)  # attn_every of the ratio sweep: pure SSM, 1/8, 1/4, 1/2, pure attention
 LETTERS = {"mamba1": "M", "mamba2": "M2", "mamba3": "M3", "attn": "A", "swa": "W"}

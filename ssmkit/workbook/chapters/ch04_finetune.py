@@ -2,19 +2,15 @@
 from a pretrained model).
 
     p = PARAMETERS.check(globals())
-    base, history = base_checkpoint(p)                       # p["base"], or a short
-                                                             # pretraining here
-    plan_snippet_on_transformers(base, out_dir)              # the plan's LoraConfig on
-                                                             # transformers' Mamba
+    base, history = base_checkpoint(p)                      # p["base"], or a short pretraining here
+    plan_snippet_on_transformers(base, out_dir)             # the plan's LoraConfig on transformers
     cfgs = {"LoRA": finetune_config(p, base, "lora"), "full": finetune_config(p, base, "full")}
-    rows, models = compare_finetuning(base, cfgs, val_dir)   # held-out loss, exact
-                                                             # match, tok/s, memory
-    export_to_transformers(models["LoRA"], out_dir)          # merge, save as transformers,
-                                                             # reload, compare
+    rows, models = compare_finetuning(base, cfgs, val_dir)  # held-out loss, exact match, tok/s, MB
+    export_to_transformers(models["LoRA"], out_dir)  # merge, save as transformers, reload, compare
 
 LoRA (Hu et al. 2021) freezes each target weight W (out, in) and trains a low-rank update,
 
-    y = x W^T + (alpha / r) · dropout(x) A^T B^T,      A (r, in) random,  B (out, r) = 0 at the start,
+    y = x W^T + (alpha / r) · dropout(x) A^T B^T,   A (r, in) random,  B (out, r) = 0 at the start,
 
 so the model starts as the pretrained one and only r (in + out) numbers per target train. Full
 fine-tuning trains every weight with the same data and steps. Both runs use
@@ -178,8 +174,8 @@ def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
             {
                 "model": f"(mixers {', '.join(sorted(set(model.config.mixers)))})",
                 "target_modules": "-",
-                "result": "transformers has no class for this model (it is saved in mamba_ssm's layout): "
-                "the plan's snippet has nothing to run on",
+                "result": "transformers has no class for this model "
+                "(it is saved in mamba_ssm's layout): the plan's snippet has nothing to run on",
             }
         ]
     hf_dir = save_pretrained(
@@ -393,105 +389,41 @@ def check_lora_targets(value, name: str = "lora_targets"):
     )
 
 
+# fmt: off
 PARAMETERS = Parameters(
-    Param(
-        "base",
-        "",
-        check_base,
-        'pretrained model: a checkpoint directory, a run\'s out_dir or a hub id; "" = pretrain `config` '
-        'here (offline); GPU: "state-spaces/mamba-130m-hf"',
-    ),
-    Param(
-        "config",
-        "cpu-tiny",
-        check_run_config,
-        'the model pretrained here when base is "" (configs/<config>.yaml)',
-    ),
-    Param("data", "stdlib-docs", check_data, "its pretraining text: the embedded corpus (offline)"),
-    Param(
-        "tokenizer",
-        "gpt2",
-        check_tokenizer,
-        "the base's tokenizer (GPT-2 BPE; the mamba-*-hf models: their hub id)",
-    ),
-    Param(
-        "max_tokens",
-        131_072,
-        checks.integer,
-        'pretraining tokens when base is "" (the plan\'s path B needs none)',
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "sft_data",
-        "sft-arith",
-        check_sft_data,
-        'SFT data: "sft-arith" (checkable), "sft-docstrings", "sft:PATH.jsonl"',
-    ),
-    Param(
-        "sft_steps",
-        80,
-        checks.integer,
-        "optimizer steps of each fine-tuning run (8 packed windows of 128 tokens)",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "lora_r",
-        16,
-        checks.integer,
-        "the plan's LoraConfig: rank r ...",
-        minimum=1,
-        whole_floats=True,
-    ),
-    Param(
-        "lora_alpha",
-        32,
-        checks.number,
-        "... lora_alpha (the update is scaled by alpha / r) ...",
-        low=0,
-        low_open=True,
-    ),
-    Param(
-        "lora_dropout",
-        0.05,
-        checks.number,
-        "... lora_dropout on the adapter's input ...",
-        low=0,
-        high=1,
-        high_open=True,
-    ),
-    Param(
-        "lora_targets",
-        "plan",
-        check_lora_targets,
-        '... and target_modules: "plan" (x_proj, in_proj, out_proj, those the model has; Mamba-2/3 have '
-        'no x_proj), or a list, e.g. ["in_proj"]',
-    ),
-    Param(
-        "device",
-        "auto",
-        check_device,
-        '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
-    ),
-    Param(
-        "overrides",
-        {},
-        check_overrides,
-        'more TrainConfig keys for every run, e.g. {"micro_batch": 4}',
-    ),
-    Param(
-        "out_dir",
-        "../runs/lab/04_lora_finetune",
-        check_out_dir,
-        "checkpoints, adapter, exports, metrics.json (from notebooks/)",
-    ),
-    Param(
-        "seed",
-        0,
-        checks.integer,
-        "initialisation, LoRA's A, data order",
-        minimum=0,
-        whole_floats=True,
-    ),
+    Param("base",         "",            check_base,
+          'pretrained model: a checkpoint directory, a run\'s out_dir or a hub id; "" = pretrain '
+          '`config` here (offline); GPU: "state-spaces/mamba-130m-hf"'),
+    Param("config",       "cpu-tiny",    check_run_config,
+          'the model pretrained here when base is "" (configs/<config>.yaml)'),
+    Param("data",         "stdlib-docs", check_data,
+          "its pretraining text: the embedded corpus (offline)"),
+    Param("tokenizer",    "gpt2",        check_tokenizer,
+          "the base's tokenizer (GPT-2 BPE; the mamba-*-hf models: their hub id)"),
+    Param("max_tokens",   131_072,       checks.integer,
+          'pretraining tokens when base is "" (the plan\'s path B needs none)',
+          minimum=1, whole_floats=True),
+    Param("sft_data",     "sft-arith",   check_sft_data,
+          'SFT data: "sft-arith" (checkable), "sft-docstrings", "sft:PATH.jsonl"'),
+    Param("sft_steps",    80,            checks.integer,
+          "optimizer steps of each fine-tuning run (8 packed windows of 128 tokens)",
+          minimum=1, whole_floats=True),
+    Param("lora_r",       16,            checks.integer,
+          "the plan's LoraConfig: rank r ...", minimum=1, whole_floats=True),
+    Param("lora_alpha",   32,            checks.number,
+          "... lora_alpha (the update is scaled by alpha / r) ...", low=0, low_open=True),
+    Param("lora_dropout", 0.05,          checks.number,
+          "... lora_dropout on the adapter's input ...", low=0, high=1, high_open=True),
+    Param("lora_targets", "plan",        check_lora_targets,
+          '... and target_modules: "plan" (x_proj, in_proj, out_proj, those the model has; '
+          'Mamba-2/3 have no x_proj), or a list, e.g. ["in_proj"]'),
+    Param("device",       "auto",        check_device,
+          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    Param("overrides",    {},            check_overrides,
+          'more TrainConfig keys for every run, e.g. {"micro_batch": 4}'),
+    Param("out_dir",      "../runs/lab/04_lora_finetune", check_out_dir,
+          "checkpoints, adapter, exports, metrics.json (from notebooks/)"),
+    Param("seed",         0,             checks.integer,
+          "initialisation, LoRA's A, data order", minimum=0, whole_floats=True),
 )
+# fmt: on
