@@ -25,8 +25,8 @@ Targets (issue "Speed II"), printed as PASS / FAIL lines: decode tokens/s at bat
 at a 2K prompt and >= 4x at 8K, for Mamba-1 and Mamba-2; their decode memory flat in the prompt
 length (within 5% from the shortest to the longest prompt, or within the 1 MB resolution).
 
-    .venv/bin/python benchmarks/generate.py [--prompts 512,2048,8192] [--batches 1,8] [--new-tokens 32]
-        [--rounds 2] [--prefill-chunk 1024] [--threads N] [--quick] [--json-only]
+    .venv/bin/python benchmarks/generate.py [--prompts 512,2048,8192] [--batches 1,8] \
+        [--new-tokens 32] [--rounds 2] [--prefill-chunk 1024] [--threads N] [--quick] [--json-only]
 
 On a busy machine use --threads 1. The last stdout line is one JSON object.
 """
@@ -210,7 +210,8 @@ def main():
         or args.prefill_chunk < 0
     ):
         p.error(
-            "need prompts >= 1, batches >= 1, --new-tokens >= 1, --rounds >= 1, --prefill-chunk >= 0"
+            "need prompts >= 1, batches >= 1, --new-tokens >= 1, --rounds >= 1, "
+            "--prefill-chunk >= 0"
         )
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,7 +243,8 @@ def main():
     if not args.json_only:
         print(
             f"\n== generation, CPU, {torch.get_num_threads()} threads, fp32, d_model {D_MODEL}, "
-            f"vocab {VOCAB}, {args.new_tokens} new tokens, prefill chunk {chunk or 'whole prompt'}; "
+            f"vocab {VOCAB}, {args.new_tokens} new tokens, "
+            f"prefill chunk {chunk or 'whole prompt'}; "
             f"median of {args.rounds} round-robin rounds =="
         )
         for n, r in params.items():
@@ -264,7 +266,8 @@ def main():
                 f"{n} {'n/a' if v is None else f'{v:.2f}x'}" for n, v in g["ratios"].items()
             )
             print(
-                f"{verdict(g['pass'])} decode tokens/s at prompt {g['prompt']}, batch {g['batch']} >= "
+                f"{verdict(g['pass'])} decode tokens/s at prompt {g['prompt']}, "
+                f"batch {g['batch']} >= "
                 f"{g['target']:g}x Llama's: {shown}"
             )
         for name, g in goals["decode_memory_flat"].items():
@@ -275,7 +278,8 @@ def main():
                 for n, v in g["models"].items()
             )
             print(
-                f"{verdict(g['pass'])} decode memory flat from prompt {g['from']} to {g['to']} ({name}; "
+                f"{verdict(g['pass'])} decode memory flat from prompt {g['from']} "
+                f"to {g['to']} ({name}; "
                 f"{100 * FLAT_TOLERANCE:.0f}% or {FLAT_RESOLUTION_MB:g} MB): {shown}"
             )
         print(f"wall time {wall:.0f} s")

@@ -254,7 +254,8 @@ def main():
     threads, load = torch.get_num_threads(), os.getloadavg()[0]
     if threads > 1 and load > (os.cpu_count() or 1):
         log(
-            f"note: load average {load:.1f} on {os.cpu_count()} cores with {threads} torch threads: "
+            f"note: load average {load:.1f} on {os.cpu_count()} cores "
+            f"with {threads} torch threads: "
             "timings may be far off (try --threads 1)"
         )
     # before the models exist: their tensors then never sit in the heap, whose reuse RSS cannot see
@@ -323,7 +324,8 @@ def main():
 
     if not args.json_only:
         print(
-            f"\n== long context, CPU, {threads} threads, fp32, batch 1, d_model {D_MODEL}, vocab {VOCAB}; "
+            f"\n== long context, CPU, {threads} threads, fp32, batch 1, "
+            f"d_model {D_MODEL}, vocab {VOCAB}; "
             f"median of {args.steps} round-robin rounds per length =="
         )
         for n, r in params.items():
@@ -358,13 +360,15 @@ def main():
             for n, v in flat["models"].items()
         )
         print(
-            f"\n{verdict(flat['pass'])} Mamba generation memory flat from L={flat['from']} to {flat['to']} "
+            f"\n{verdict(flat['pass'])} Mamba generation memory flat "
+            f"from L={flat['from']} to {flat['to']} "
             f"(within {100 * FLAT_TOLERANCE:.0f}%): {changes}"
         )
         shown = "n/a" if speed["ratio"] is None else f"{speed['ratio']:.2f}x"
+        note = f" ({speed['note']})" if speed["note"] else ""
         print(
             f"{verdict(speed['pass'])} Mamba-2 training tokens/s at L={speed['at']} >= "
-            f"{speed['target']:.0f}x Llama's: {shown}{' (' + speed['note'] + ')' if speed['note'] else ''}"
+            f"{speed['target']:.0f}x Llama's: {shown}{note}"
         )
         print(f"wall time {wall:.0f} s")
     print(

@@ -64,8 +64,9 @@ def main():
         (after.ru_majflt - before.ru_majflt) / args.steps,
     )
     print(
-        f"{args.model}, {args.config} config, batch {c['batch']} x {c['seqlen']}: step {step * 1e3:.1f} ms "
-        f"({c['batch'] * c['seqlen'] / step:,.0f} tokens/s), page faults per step {minflt:,.0f} minor / "
+        f"{args.model}, {args.config} config, batch {c['batch']} x {c['seqlen']}: "
+        f"step {step * 1e3:.1f} ms ({c['batch'] * c['seqlen'] / step:,.0f} tokens/s), "
+        f"page faults per step {minflt:,.0f} minor / "
         f"{majflt:,.0f} major, {torch.get_num_threads()} threads"
     )
     events = prof.key_averages()

@@ -279,7 +279,8 @@ def bench_config(cfg_name, args, log, seqlen=None):
     if c["seqlen"] > SLOW_MAX_LEN:
         names.remove(SLOW)
         log(
-            f"[{cfg_name}] L={c['seqlen']}: transformers' per-token path not timed (> {SLOW_MAX_LEN})"
+            f"[{cfg_name}] L={c['seqlen']}: transformers' per-token path not timed "
+            f"(> {SLOW_MAX_LEN})"
         )
     if "hf_mambapy" not in names:
         log("mambapy does not import: skipping transformers use_mambapy=True (reported as null)")
@@ -288,7 +289,8 @@ def bench_config(cfg_name, args, log, seqlen=None):
     models["llama"] = build("llama", c, llama_ffn)
     params = {n: n_params(m) for n, m in models.items()}
     log(
-        f"[{cfg_name}] params: ssmkit_mamba1 {params['ssmkit_mamba1']:,}, llama {params['llama']:,} "
+        f"[{cfg_name}] params: ssmkit_mamba1 {params['ssmkit_mamba1']:,}, "
+        f"llama {params['llama']:,} "
         f"(intermediate_size {llama_ffn}, {params['llama'] / params['ssmkit_mamba1']:.2f}x)"
     )
 
@@ -381,7 +383,8 @@ def targets_at(seqlen: int) -> dict:
 def print_table(res):
     print(
         f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
-        f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads, allocator: {res['allocator']}; "
+        f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads, "
+        f"allocator: {res['allocator']}; "
         f"{res['timing']} =="
     )
     print(

@@ -112,7 +112,8 @@ def main(argv=None):
     print(f"{'Trainer':8}{t:>14,.0f}  {', '.join(f'{r:,.0f}' for r in trainer_rates)}")
     print(f"{'bare':8}{b:>14,.0f}  {', '.join(f'{r:,.0f}' for r in bare_rates)}")
     print(
-        f"median of window-by-window ratios: {paired:.3f} (robust to load drift on a shared machine)"
+        f"median of window-by-window ratios: {paired:.3f} "
+        "(robust to load drift on a shared machine)"
     )
     print(
         json.dumps(

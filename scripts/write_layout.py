@@ -31,11 +31,12 @@ SCRIPT_DIRS = ("benchmarks", "scripts")  # their .py files are listed like the p
 
 # The checkout's top-level entries (as git tracks them) and their one job. A folder ends with "/".
 TOP = {
-    "README.md": "the front door: what ssmkit is, the two commands, the notebooks, the reading order",
+    "README.md": "the front door: what ssmkit is, the two commands, the notebooks, "
+    "the reading order",
     "docs/": "reference: data, models, hub formats, training, evaluation, fine-tuning, speed, GPU "
     "nodes, safety, the workbook's runner, and this layout",
-    "pyproject.toml": "the package `ssmkit`, its extras (cuda, dev, workbook, eval, finetune, track), "
-    "pytest and ruff settings",
+    "pyproject.toml": "the package `ssmkit`, its extras (cuda, dev, workbook, eval, finetune, "
+    "track), pytest and ruff settings",
     "Makefile": "`make run`, `make test` and the other targets; each sets up the venv it needs",
     "environment.yml": "the conda environment for GPU nodes (CUDA torch, the kernels' build needs)",
     ".ci/": "`.ci/run`: what CI runs (`make test`)",
@@ -46,7 +47,8 @@ TOP = {
     "notebooks/": "the workbook: one notebook per stage of the plan (listed below)",
     "papers/": "companion notes, one notebook per paper",
     "ssmkit/": "the library (listed below, module by module)",
-    "benchmarks/": "ssmkit timed against its peers in one process, printed as ratios (listed below)",
+    "benchmarks/": "ssmkit timed against its peers in one process, printed as ratios "
+    "(listed below)",
     "scripts/": "the GPU check, Slurm examples, and this file's generator (listed below)",
     "tests/": "tests laid out like the code: `tests/unit/<layer>/` and `tests/integration/`",
 }
@@ -166,7 +168,8 @@ def render() -> str:
         "# Layout",
         "",
         f"<!-- written by `{COMMAND}` from the modules' docstrings: edit a docstring (or TOP",
-        "     in the script) and run it again; tests/unit/test_layout.py fails when this file is stale -->",
+        "     in the script) and run it again; tests/unit/test_layout.py fails "
+        "when this file is stale -->",
         "",
         textwrap.fill(
             "Every file of the library with its one job: the first sentence of its docstring. "

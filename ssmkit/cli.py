@@ -3,7 +3,8 @@
 
     ssmkit --help                  every command, one line each
     ssmkit CMD --help              that command's options (data prepare, workbook run: two words)
-    ssmkit generate runs/cpu-tiny/checkpoints/latest --prompt "The for statement" --max-new-tokens 64
+    ssmkit generate runs/cpu-tiny/checkpoints/latest --prompt "The for statement" \
+        --max-new-tokens 64
     ssmkit eval --model runs/cpu-tiny --tasks ssmkit_docstring_cloze,ssmkit_lastword \
         --out runs/cpu-tiny/eval
 

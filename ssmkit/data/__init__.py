@@ -1,18 +1,17 @@
 """Data: tokenizers, text sources, synthetic tasks, packing into token shards, and the resumable
 loader.
 
-tok = ssmkit.data.get_tokenizer("gpt2")
-ssmkit.data.prepare("stdlib-docs", "gpt2", "data/stdlib-gpt2")
-loader = ssmkit.data.TokenLoader("data/stdlib-gpt2", seq_len=256, batch_size=8)
-for input_ids, labels in loader:   # labels already shifted: model(x, labels=y, shift_labels=False)
-    ...
-ssmkit.data.write_mds("data/stdlib-gpt2", "data/stdlib-gpt2/mds", seq_len=256)   # MosaicML streaming copy
-ssmkit.data.source_fingerprint("corpus/")  # changes when a local corpus is
-                                           # edited (None: remote names)
-ssmkit.data.prepare_sft("sft-arith", "data/arith-train")      # SFT: trl's formats or an offline set
-for input_ids, labels, seq_idx in ssmkit.data.SFTLoader("data/arith-train", seq_len=256, batch_size=8):
-    ...                            # packed samples: model(x, labels=y,
-                                   # shift_labels=False, seq_idx=s)
+    tok = ssmkit.data.get_tokenizer("gpt2")
+    ssmkit.data.prepare("stdlib-docs", "gpt2", "data/stdlib-gpt2")
+    loader = ssmkit.data.TokenLoader("data/stdlib-gpt2", seq_len=256, batch_size=8)
+    for input_ids, labels in loader:  # already shifted: model(x, labels=y, shift_labels=False)
+        ...
+    ssmkit.data.write_mds("data/stdlib-gpt2", "data/stdlib-gpt2/mds", seq_len=256)  # MosaicML copy
+    ssmkit.data.source_fingerprint("corpus/")  # changes with a local corpus; None: remote
+    ssmkit.data.prepare_sft("sft-arith", "data/arith-train")  # SFT: trl's formats or an offline set
+    sft = ssmkit.data.SFTLoader("data/arith-train", seq_len=256, batch_size=8)
+    for input_ids, labels, seq_idx in sft:  # packed samples
+        ...  # model(x, labels=y, shift_labels=False, seq_idx=s)
 """
 
 from .loader import TokenLoader

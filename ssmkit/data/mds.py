@@ -2,10 +2,10 @@
 
     ssmkit.data.write_mds("data/sp-gpt2", "data/sp-gpt2/mds", seq_len=2048)
     # or prepare(..., mds_seq_len=2048)
-    for sample in ssmkit.data.read_mds("data/sp-gpt2/mds"):                     # {"tokens": array (2049,)}
+    for sample in ssmkit.data.read_mds("data/sp-gpt2/mds"):  # {"tokens": array (2049,)}
         ...
     # on a GPU cluster, with mosaicml-streaming installed:
-    streaming.StreamingDataset(local="data/sp-gpt2/mds")[i]["tokens"]          # the same arrays
+    streaming.StreamingDataset(local="data/sp-gpt2/mds")[i]["tokens"]  # the same arrays
 
 Samples. Sample ``i`` holds one column, ``tokens``: the numpy array of tokens
 ``[i * seq_len, i * seq_len + seq_len + 1)`` of the prepared stream (shape ``(seq_len + 1,)``, dtype
@@ -225,11 +225,14 @@ def _span(maps: list[np.ndarray], starts: np.ndarray, lo: int, hi: int) -> np.nd
 def _clear_partial(out: Path):
     """Remove what an interrupted conversion left (it had no index.json yet); refuse foreign
     files."""
-    ours = lambda name: (
-        _SHARD.fullmatch(name)
-        or name in (META, LOCK_FILE)  # noqa: E731
-        or name.startswith((".shard.", f".{META}.", f".{INDEX}."))
-    )
+
+    def ours(name):
+        return (
+            _SHARD.fullmatch(name)
+            or name in (META, LOCK_FILE)
+            or name.startswith((".shard.", f".{META}.", f".{INDEX}."))
+        )
+
     foreign = [p.name for p in out.iterdir() if not ours(p.name)]
     if foreign:
         raise ValueError(

@@ -309,7 +309,8 @@ def get_tokenizer(name: str | os.PathLike, corpus: str | os.PathLike | Iterable[
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise ValueError(
-            f"tokenizer {name!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            f"tokenizer {name!r} could not be loaded "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}). "
             "Offline, use 'gpt2', 'byte', 'bpe-<N>' or a local directory holding tokenizer files."
         ) from None
     if not tok.encode("Hello world", add_special_tokens=False):

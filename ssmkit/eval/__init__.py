@@ -2,33 +2,23 @@
 the notebooks and benchmarks for their tables.
 
     from ssmkit import eval as ev
-    ev.perplexity(model, val_loader, batches=20)          # {"loss": nats/token, "ppl":
-                                                          # exp(loss), "batches"}
-    ev.lm_loss(model, input_ids, labels)                  # mean next-token cross-entropy,
-                                                          # a scalar tensor
+    ev.perplexity(model, val_loader, batches=20)   # {"loss": nats/token, "ppl", "batches"}
+    ev.lm_loss(model, input_ids, labels)           # mean next-token cross-entropy, a scalar tensor
     ev.task_accuracy(model, ssmkit.data.make_task("mqar", vocab_size=64, seq_len=64), n=256, seed=1)
-    ev.flops_per_token(model, seq_len=256)                # training FLOPs per
-                                                          # token (6N + the scans)
+    ev.flops_per_token(model, seq_len=256)         # training FLOPs per token (6N + the scans)
     ev.mfu(flops, tokens_per_s, ev.peak_flops(device, "bf16"))   # None on CPUs
-    ev.throughput(step, tokens_per_step=8 * 256)          # tokens/s: median over
-                                                          # timed calls after warm-up
+    ev.throughput(step, tokens_per_step=8 * 256)   # tokens/s: median over timed calls after warm-up
     ev.time_round_robin({"ours": a, "peer": b}, steps=7)  # seconds per call, peers interleaved
-    ev.peak_memory_mb(device)                             # MiB: CUDA allocator peak, else peak RSS
-    ev.summarize_run(history)                             # first/last val loss,
-                                                          # perplexity, median tokens/s
-    ev.train_step_cost(model, seq_len=4096)               # {"tokens_per_s", "peak_mb",
-                                                          # ...}: long context
-    ev.generation_cost(model, prompt_len=4096)            # prefill s, decode tokens/s,
-                                                          # peak MB, cache MB
-    ev.run_lm_eval(model_or_dir, "ssmkit_lastword,ssmkit_docstring_cloze", tokenizer="gpt2", out_dir=d)
-    print(ev.lm_eval_table(results))                      # lm-eval's results as
-                                                          # markdown: task, metric, ...
-    ev.OFFLINE_TASKS, ev.PLAN_TASKS                       # lm-eval tasks shipped
-                                                          # with ssmkit; the plan's
-    ev.completion_loss(model, "data/arith-val")           # SFT: held-out loss on
-                                                          # the completion tokens
-    ev.exact_match(model, "data/arith-val", n=100)        # greedy answers == references:
-                                                          # {"accuracy", ...}
+    ev.peak_memory_mb(device)                      # MiB: CUDA allocator peak, else peak RSS
+    ev.summarize_run(history)                      # first/last val loss and ppl, median tokens/s
+    ev.train_step_cost(model, seq_len=4096)        # {"tokens_per_s", "peak_mb", ...}: long context
+    ev.generation_cost(model, prompt_len=4096)     # prefill s, decode tokens/s, peak MB, cache MB
+    ev.run_lm_eval(model_or_dir, "ssmkit_lastword,ssmkit_docstring_cloze", tokenizer="gpt2",
+                   out_dir=d)
+    print(ev.lm_eval_table(results))               # lm-eval's results as markdown
+    ev.OFFLINE_TASKS, ev.PLAN_TASKS                # lm-eval tasks shipped with ssmkit; the plan's
+    ev.completion_loss(model, "data/arith-val")    # SFT: held-out loss on the completion tokens
+    ev.exact_match(model, "data/arith-val", n=100)  # greedy answers == references: {"accuracy"...}
     print(ev.generation_table({"before": a, "after": b}, "data/arith-val", n=5))
 
 Modules: ``loss`` (loss, perplexity), ``tasks`` (synthetic-task accuracy), ``flops`` (FLOPs, peak,

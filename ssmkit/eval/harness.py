@@ -2,7 +2,8 @@
 lm_eval).
 
     from ssmkit.eval.harness import SsmkitLM               # registers "ssmkit" with lm-eval
-    lm = SsmkitLM(pretrained="runs/cpu-tiny/checkpoints/latest/model", tokenizer="gpt2", batch_size=8)
+    lm = SsmkitLM(pretrained="runs/cpu-tiny/checkpoints/latest/model", tokenizer="gpt2",
+                  batch_size=8)
     lm_eval.simple_evaluate(model=lm, tasks=[...])         # or model="ssmkit",
                                                            # model_args="pretrained=DIR"
 

@@ -56,17 +56,21 @@ _NOT_PROSE = re.compile(
 )
 _ABBREVIATION = re.compile(r"\b(e\.g|i\.e|etc|vs|cf)\.$")
 
-_HEADER = """\
-# {task}: {what}
-# Built by ssmkit.eval.build_offline_tasks() from the validation split of ssmkit's embedded corpus
-# (stdlib-docs: CPython {python}'s pydoc topics and standard-library docstrings; a document is in the
-# validation split when ssmkit.data.sources.in_validation(its id) holds), {n} items, seed {seed}.
-# A model trained on the train split of stdlib-docs has never seen this text.
-# {how}
-# Data: {task}.jsonl next to this file, read by ssmkit_data.load (lm-eval's custom_dataset):
-# datasets.load_dataset would resolve a relative data_files path against the current directory.
-# Run: ssmkit eval --model DIR --tasks {task}
-"""
+_HEADER = (
+    "# {task}: {what}\n"
+    "# Built by ssmkit.eval.build_offline_tasks() from the validation split of ssmkit's embedded "
+    "corpus\n"
+    "# (stdlib-docs: CPython {python}'s pydoc topics and standard-library docstrings; "
+    "a document is in the\n"
+    "# validation split when ssmkit.data.sources.in_validation(its id) holds), {n} items, "
+    "seed {seed}.\n"
+    "# A model trained on the train split of stdlib-docs has never seen this text.\n"
+    "# {how}\n"
+    "# Data: {task}.jsonl next to this file, read by ssmkit_data.load (lm-eval's custom_dataset):\n"
+    "# datasets.load_dataset would resolve a relative data_files path against the current "
+    "directory.\n"
+    "# Run: ssmkit eval --model DIR --tasks {task}\n"
+)
 
 _CLOZE = """\
 task: ssmkit_docstring_cloze
@@ -116,17 +120,22 @@ metadata:
 _WHAT = {
     "ssmkit_docstring_cloze": (
         "which word comes next in a stdlib docstring sentence (4-way multiple choice)",
-        "Item: up to 2 prose sentences, then a sentence up to a word (its 4th or later, not its last;\n"
-        "# alphabetic, 3+ letters); choices: that word and 3 words of other documents with the same\n"
-        "# capitalization and 1-3 letters shorter or longer, its length rank among the 4 uniform (choosing\n"
+        "Item: up to 2 prose sentences, then a sentence up to a word (its 4th or later, "
+        "not its last;\n"
+        "# alphabetic, 3+ letters); choices: that word and 3 words of other documents "
+        "with the same\n"
+        "# capitalization and 1-3 letters shorter or longer, its length rank among the 4 "
+        "uniform (choosing\n"
         "# by length alone scores 0.25). Metrics: acc (highest log-likelihood), acc_norm (highest\n"
         "# log-likelihood per character). Chance is 0.25.",
         _CLOZE,
     ),
     "ssmkit_lastword": (
         "predict the last word of a docstring passage (LAMBADA-style, no final period)",
-        "Item: up to 2 prose sentences, then a sentence without its last word (context); target: that\n"
-        "# word (alphabetic, 3+ letters), scored as ' ' + word. Metrics: acc (the greedy continuation is\n"
+        "Item: up to 2 prose sentences, then a sentence without its last word (context); "
+        "target: that\n"
+        "# word (alphabetic, 3+ letters), scored as ' ' + word. Metrics: acc (the greedy "
+        "continuation is\n"
         "# exactly the word), perplexity (exp of minus the mean log-likelihood of the word).",
         _LASTWORD,
     ),

@@ -11,8 +11,8 @@ Completion loss: the samples run one per row (right padding, which a causal mode
 ``seq_idx`` is needed); over the positions the directory's loss mask trains (the completion tokens
 and their EOS when prepared with ``completion_only=True``, every token otherwise)::
 
-    loss          = Σ_samples Σ_t CE_t / Σ_samples T_s        (mean over all scored tokens, nats/token)
-    per_sample[s] = Σ_t CE_t / T_s                            (mean over sample s's scored tokens)
+    loss          = Σ_samples Σ_t CE_t / Σ_samples T_s   (mean over all scored tokens, nats/token)
+    per_sample[s] = Σ_t CE_t / T_s                       (mean over sample s's scored tokens)
 
 Exact match: the prompt of each sample's last completion (everything up to and including the
 ``<|assistant|>\\n`` header) is continued greedily (:func:`ssmkit.models.generate.generate`,

@@ -8,12 +8,11 @@ Jamba (Lieber et al. 2024) is ssmkit's hybrid block stack exactly: layer i is at
 and the tensors both ways (:func:`state_from_jamba`, :func:`state_to_jamba`). Weights, layer i
 (``L`` = ``model.layers.i``, ``B`` = ``backbone.layers.i``):
 
-    model.embed_tokens / model.final_layernorm    backbone.embedding / backbone.norm_f
-    L.input_layernorm / L.pre_ff_layernorm        B.norm / B.norm2
-    L.mamba.*                                     B.mixer.*   (same names, dt/b/c_layernorm included)
-    L.self_attn.{q,k,v}_proj / o_proj             B.mixer.in_proj = cat(q, k, v) / B.mixer.out_proj
-    L.feed_forward.{up,gate}_proj / down_proj     B.mlp.fc1 = cat(up, gate)
-                                                  (value first) / B.mlp.fc2
+    model.embed_tokens / model.final_layernorm   backbone.embedding / backbone.norm_f
+    L.input_layernorm / L.pre_ff_layernorm       B.norm / B.norm2
+    L.mamba.*                                    B.mixer.* (same names, dt/b/c_layernorm included)
+    L.self_attn.{q,k,v}_proj / o_proj            B.mixer.in_proj = cat(q, k, v) / B.mixer.out_proj
+    L.feed_forward.{up,gate}_proj / down_proj    B.mlp.fc1 = cat(up, gate) (value first) / B.mlp.fc2
 
 What transformers 5 does that the mapping mirrors (modeling_jamba.py): attention has no bias and no
 position embedding, scale head_dim^-1/2 (head_dim = config.head_dim if given, else hidden_size //

@@ -308,9 +308,10 @@ def _attention_from_mamba_ssm(c: dict) -> dict:
         )
     if idx:
         if attn.get("causal") is not True:
+            got = "missing" if "causal" not in attn else repr(attn["causal"])
             raise CheckpointError(
-                f"field 'attn_cfg.causal' is {'missing' if 'causal' not in attn else repr(attn['causal'])}: "
-                "mamba_ssm's MHA then builds bidirectional attention layers (its default is causal=False), "
+                f"field 'attn_cfg.causal' is {got}: mamba_ssm's MHA then builds bidirectional "
+                "attention layers (its default is causal=False), "
                 "which see later tokens; ssmkit builds causal attention only"
             )
         if "num_heads" not in attn:

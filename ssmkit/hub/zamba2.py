@@ -305,8 +305,8 @@ def _to_theirs(name: str, cfg: ModelConfig) -> str | None:
         raise CheckpointError(f"tensor {name!r} has no place in a transformers Zamba2 checkpoint")
     k = ids.index(i)
     return (
-        f"model.layers.{ids[k % z['num_mem_blocks']]}.shared_transformer.{_ADAPTER_LISTS[a[1]]}.{k}."
-        f"{_LOW_RANK[a[2]]}.weight"
+        f"model.layers.{ids[k % z['num_mem_blocks']]}.shared_transformer."
+        f"{_ADAPTER_LISTS[a[1]]}.{k}.{_LOW_RANK[a[2]]}.weight"
     )
 
 
@@ -335,7 +335,8 @@ def _to_ours(name: str, cfg: ModelConfig) -> str | None:
                 k = int(a[1])
                 if k >= len(ids) or k % z["num_mem_blocks"] != block:
                     return None  # an adapter slot transformers never calls
-                return f"backbone.layers.{ids[k]}.adapters.{kind}.{'down' if a[2] == '0' else 'up'}.weight"
+                low_rank = "down" if a[2] == "0" else "up"
+                return f"backbone.layers.{ids[k]}.adapters.{kind}.{low_rank}.weight"
         for ours, theirs in _SHARED.items():
             if rest.startswith(theirs):
                 return f"backbone.shared.{block}.{ours}{rest.removeprefix(theirs)}"

@@ -4,16 +4,16 @@ A Jamba / Samba-style hybrid puts a few attention layers among the SSM layers: a
 recall of any earlier token (what a fixed-size state cannot), the SSM layers carry the rest cheaply.
 Parameters, as in mamba_ssm's ``modules/mha.py`` so its hybrid checkpoints load by name:
 
-    in_proj   (H·d + 2·H_kv·d + mlp_dim, d_model)   q (all H heads), then k, then
-                                                    v (H_kv heads each),
-                                                     then the parallel MLP's up and gate halves
-    conv1d    (qkv_dim, 1, d_conv), bias            optional short causal conv
-                                                    over q, k, v (no activation)
+    in_proj   (H·d + 2·H_kv·d + mlp_dim, d_model)   q (all H heads), then k, then v (H_kv heads
+                                                    each), then the parallel MLP's up and gate
+    conv1d    (qkv_dim, 1, d_conv), bias            optional short causal conv over q, k, v
+                                                    (no activation)
     out_proj  (d_model, H·d + mlp_dim / 2)          attention output, then the MLP's, in one matmul
 
 Per head, with rotary position embedding R_t on the first ``rotary_emb_dim`` dims of q and k:
 
-    o_t = Σ_{s ∈ S(t)} softmax_s(scale · (R_t q_t)·(R_s k_s)) v_s,   S(t) = {s ≤ t}  or  {t - w < s ≤ t}
+    o_t = Σ_{s ∈ S(t)} softmax_s(scale · (R_t q_t)·(R_s k_s)) v_s,
+    S(t) = {s ≤ t}  or  {t - w < s ≤ t}
 
 with scale = softmax_scale or head_dim^-1/2 and w = ``window_size`` (sliding-window attention,
 Samba). Keys and values are shared by groups of H / H_kv query heads (GQA; H_kv = 1 is MQA).

@@ -6,7 +6,7 @@ Module names follow mamba_ssm's ``MambaLMHeadModel`` (``backbone.embedding``,
 attention and MLPs included) load by name. Each block computes
 
     residual = residual + hidden;  hidden = mixer(norm(residual))
-    residual = residual + hidden;  hidden = mlp(norm2(residual))        (only with d_intermediate > 0)
+    residual = residual + hidden;  hidden = mlp(norm2(residual))   (only with d_intermediate > 0)
 
 with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
 Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this

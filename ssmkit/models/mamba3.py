@@ -5,20 +5,21 @@ Parameter names, shapes and initialisation follow mamba_ssm's ``modules/mamba3.p
 with is_mimo, else 1; G = ngroups; S = the number of rotation angles,
 :func:`ssmkit.ops.rope_angles`):
 
-    in_proj   (2·d_inner + 2·d_state·G·R + 3·nheads + S, d_model), no bias: z, x, B, C, Δ, A, λ, angles
-    dt_bias   (nheads,)            softplus⁻¹(Δ_init), Δ_init log-uniform in [dt_min, dt_max]       fp32
-    B_bias, C_bias (nheads, R, d_state)   ones                                                    fp32
-    B_norm, C_norm  weight (d_state,): RMSNorm of B and C (eps 1e-5), "QK-norm"
-    mimo_x, mimo_z, mimo_o (nheads, R, headdim)   1/R, 1, 1/R (MIMO only)                         fp32
-    D         (nheads,)            ones                                                           fp32
-    norm      weight (d_inner,): gated RMSNorm per head, before the gate (is_outproj_norm only)
-    out_proj  (d_model, d_inner), no bias
+    in_proj        (2·d_inner + 2·d_state·G·R + 3·nheads + S, d_model), no bias:
+                   z, x, B, C, Δ, A, λ, angles
+    dt_bias        (nheads,)            softplus⁻¹ of Δ_init, log-uniform in [dt_min, dt_max]  fp32
+    B_bias, C_bias (nheads, R, d_state) ones                                                   fp32
+    B_norm, C_norm weight (d_state,): RMSNorm of B and C (eps 1e-5), "QK-norm"
+    mimo_x/z/o     (nheads, R, headdim) 1/R, 1, 1/R (MIMO only)                                fp32
+    D              (nheads,)            ones                                                   fp32
+    norm           weight (d_inner,): gated RMSNorm per head, before the gate (is_outproj_norm only)
+    out_proj       (d_model, d_inner), no bias
 
-No conv1d and no A_log: the trapezoid rule mixes in the previous input (what the short conv did),
-and A_t is computed per token, A_t = -max(f(a_t), A_floor) with f the heavy-tail activation (or
-softplus, before mamba_ssm's June 2026 change: ``a_activation``). The fp32 parameters stay fp32 when
-the model is cast to bf16 or fp16 (mamba_ssm creates them in fp32 whatever the model's dtype); the
-rest follows the cast.
+No conv1d and no A_log: the trapezoid rule mixes in the previous input (the job of Mamba-1/2's
+short conv), and A_t is computed per token, A_t = -max(f(a_t), A_floor), with f chosen by
+``a_activation``: heavy_tail (mamba_ssm's current Mamba3) or softplus (its earlier versions, and
+PyPI's mamba-ssm 2.3.2). The fp32 parameters stay fp32 when the model is cast to bf16 or fp16
+(mamba_ssm creates them in fp32 whatever the model's dtype); the rest follows the cast.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
         if reason is not None:
             raise BackendError(
                 f"backend 'cuda' was forced for {op} but cannot run: {reason}. "
-                "Install the kernels on a CUDA machine (pip install 'ssmkit[cuda]' --no-build-isolation) "
+                "Install the kernels on a CUDA machine "
+                "(pip install 'ssmkit[cuda]' --no-build-isolation) "
                 "or choose SSMKIT_BACKEND=torch or reference."
             )
         return "cuda"

@@ -2,7 +2,8 @@ r"""Depthwise causal 1-D convolution, the short convolution before every Mamba s
 
 Each channel d has its own filter w_d of width W (``d_conv``, 4 in the official models):
 
-$$ y_{d,t} = b_d + \sum_{k=0}^{W-1} w_{d,k}\, x_{d,\,t-W+1+k} \qquad (x_{d,t} = 0 \text{ for } t < 0) $$
+$$ y_{d,t} = b_d + \sum_{k=0}^{W-1} w_{d,k}\, x_{d,\,t-W+1+k}
+   \qquad (x_{d,t} = 0 \text{ for } t < 0) $$
 
 then an optional SiLU. For generation, :func:`causal_conv1d_update` keeps the last W inputs of
 each channel as the conv state and produces one output per new input.
@@ -156,7 +157,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, back
     ):
         raise ValueError(
             f"expected x (batch, dim), conv_state (batch, dim, width), weight (dim, width); got "
-            f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"
+            f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"weight {tuple(weight.shape)}"
         )
     name = _backend.select("causal_conv1d_update", x, backend=backend)
     if name == "cuda":

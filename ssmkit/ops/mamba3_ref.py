@@ -2,22 +2,23 @@ r"""Mamba-3, "Improved Sequence Modeling using State Space Principles" (Lahoti, 
 Bick, Kolter, Dao & Gu, 2026; arXiv 2603.15569): the recurrence, one step at a time, written to be
 read.
 
-Glossary (code name -> paper symbol; mamba_ssm's kernel names in brackets):
+Glossary (code name, paper symbol, [mamba_ssm's kernel name], meaning):
 
-    x       x_t    input, (batch, seqlen, nheads, headdim): P = headdim channels per head          [V]
-    dt      Δ_t    step size per head and time, already positive (the mixer
-                   applies the softplus) [DT]
-    A       A_t    data-dependent decay per head and time, A_t <= -A_floor < 0 (Mamba-2's A was one
-                   number per head; Mamba-3's is computed from the input, like Δ)            [ADT = A·Δ]
-    trap    λ_t    the trapezoid's weight, given before the sigmoid: λ = sigmoid(trap)            [Trap]
-    B, C    B, C   (batch, seqlen, rank, ngroups, dstate): head h reads group h
-                   // (nheads/ngroups) [K, Q]
-    B_bias  b_B    (nheads, rank, dstate), added per head before the rotation (init 1)             [K_bias]
-    angles  θ̇_t    (batch, seqlen, nheads, nangles): rotation speeds; the angle advances by
-                   π·tanh(angles)·Δ per step and is kept modulo 2π                                 [Angles]
-    mimo_x  -      (nheads, rank, headdim): MIMO's up-projection of x into ``rank`` inputs       [MIMO_V]
-    mimo_z, mimo_o the same for the gate and the down-projection of the rank outputs     [MIMO_Z, MIMO_Out]
-    h       h_t    state per head, (batch, nheads, headdim, dstate), fp32
+    x       x_t   [V]         input, (batch, seqlen, nheads, headdim): P = headdim channels per head
+    dt      Δ_t   [DT]        step size per head and time, already positive (the mixer applies the
+                              softplus)
+    A       A_t   [ADT = A·Δ] data-dependent decay per head and time, A_t <= -A_floor < 0 (Mamba-2
+                              has one A per head; Mamba-3's is computed from the input, like Δ)
+    trap    λ_t   [Trap]      the trapezoid's weight, given before the sigmoid: λ = sigmoid(trap)
+    B, C    B, C  [K, Q]      (batch, seqlen, rank, ngroups, dstate): head h reads group
+                              h // (nheads/ngroups)
+    B_bias  b_B   [K_bias]    (nheads, rank, dstate), added per head before the rotation (init 1)
+    angles  θ̇_t   [Angles]    (batch, seqlen, nheads, nangles): rotation speeds; the angle advances
+                              by π·tanh(angles)·Δ per step and is kept modulo 2π
+    mimo_x  -     [MIMO_V]    (nheads, rank, headdim): MIMO's up-projection of x to ``rank`` inputs
+    mimo_z  -     [MIMO_Z]    the same for the gate
+    mimo_o  -     [MIMO_Out]  the same for the down-projection of the rank outputs
+    h       h_t               state per head, (batch, nheads, headdim, dstate), fp32
 
 The state update (exponential-trapezoidal rule): with α_t = exp(Δ_t A_t),
 

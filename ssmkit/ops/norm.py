@@ -49,7 +49,8 @@ def rms_norm_gated(
     group_size = group_size or d
     if weight.shape != (d,) or d % group_size != 0 or (z is not None and z.shape != x.shape):
         raise ValueError(
-            f"expected x and z (..., d), weight (d,), group_size dividing d; got x {tuple(x.shape)}, "
+            f"expected x and z (..., d), weight (d,), group_size dividing d; "
+            f"got x {tuple(x.shape)}, "
             f"z {None if z is None else tuple(z.shape)}, weight {tuple(weight.shape)}, "
             f"group_size {group_size}"
         )

@@ -71,7 +71,8 @@ def _check(u, delta, A, B, C, initial_state, seq_idx=None):
         if not (ok3 or ok4):
             raise ValueError(
                 f"{name} must be (batch={batch}, dstate={dstate}, seqlen={seqlen}) or "
-                f"(batch, ngroups, dstate, seqlen) with ngroups dividing dim={dim}; got {tuple(M.shape)}"
+                f"(batch, ngroups, dstate, seqlen) with ngroups dividing dim={dim}; "
+                f"got {tuple(M.shape)}"
             )
     if initial_state is not None and tuple(initial_state.shape) != (batch, dim, dstate):
         raise ValueError(

@@ -74,7 +74,8 @@ def _check(x, dt, A, B, C, initial_states, seq_idx=None):
             or M.shape != B.shape
         ):
             raise ValueError(
-                f"{name} must be (batch={batch}, seqlen={seqlen}, ngroups, dstate) with ngroups dividing "
+                f"{name} must be (batch={batch}, seqlen={seqlen}, ngroups, dstate) "
+                "with ngroups dividing "
                 f"nheads={nheads}, and B and C alike; got B {tuple(B.shape)}, C {tuple(C.shape)}"
             )
     dstate = B.shape[3]
@@ -85,7 +86,8 @@ def _check(x, dt, A, B, C, initial_states, seq_idx=None):
         dstate,
     ):
         raise ValueError(
-            f"initial_states must be (batch={batch}, nheads={nheads}, headdim={headdim}, dstate={dstate}); "
+            f"initial_states must be (batch={batch}, nheads={nheads}, headdim={headdim}, "
+            f"dstate={dstate}); "
             f"got {tuple(initial_states.shape)}"
         )
     check_seq_idx(seq_idx, batch, seqlen)

@@ -4,9 +4,9 @@
     history = ssmkit.train.Trainer(config=cfg).fit()     # model and data built from the config
     # or: Trainer(model, cfg, data="shards/dir", callbacks=[...]).fit()
     # continue out_dir's run: trainer = Trainer(config=cfg); trainer.resume(); trainer.fit()
-    plan = ssmkit.train.plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, n_gpus=8)   # bytes per GPU
+    plan = ssmkit.train.plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, n_gpus=8)  # per GPU
     print(plan.table()); print(ssmkit.train.memory_table(ssmkit.train.scale_up_plans()))
-    fit = ssmkit.train.train_on_task(model, ssmkit.data.make_task("mqar"), steps=200)   # a synthetic task
+    fit = ssmkit.train.train_on_task(model, ssmkit.data.make_task("mqar"), steps=200)  # synthetic
 
 Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint
 (instead of ``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning),

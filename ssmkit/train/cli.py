@@ -34,8 +34,8 @@ def _launch(nproc: int, rest: list[str]) -> int:
         ["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train", *rest]
     )
     print(
-        f"launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train "
-        f"{' '.join(rest)}",
+        f"launching {nproc} processes: "
+        f"torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train {' '.join(rest)}",
         flush=True,
     )
     logging.getLogger("torch.distributed.elastic").setLevel(
@@ -131,7 +131,10 @@ def run(args) -> int:
     last = (
         f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""
     )
-    done = f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; checkpoints in {trainer.ckpt_dir}"
+    done = (
+        f"done: {trainer.step} steps, {trainer.tokens:,} tokens{last}; "
+        f"checkpoints in {trainer.ckpt_dir}"
+    )
     is_main = trainer.dist.is_main
     # Free the model, optimizer and FSDP state (and the collectives they hold) while the interpreter
     # is fully alive: gloo work objects freed during interpreter shutdown abort the process

@@ -243,9 +243,10 @@ class TrainConfig:
         ]
         hint = f"micro_batch={micro[-1]}" if micro else "another seq_len"
         raise ValueError(
-            f"batch_tokens={self.batch_tokens} is not a multiple of micro_batch x world_size x seq_len = "
-            f"{self.micro_batch} x {world_size} x {self.seq_len} = {per_pass}; nearest valid batch_tokens: "
-            f"{lower} or {lower + per_pass}, or keep it with {hint}"
+            f"batch_tokens={self.batch_tokens} is not a multiple of "
+            f"micro_batch x world_size x seq_len = "
+            f"{self.micro_batch} x {world_size} x {self.seq_len} = {per_pass}; "
+            f"nearest valid batch_tokens: {lower} or {lower + per_pass}, or keep it with {hint}"
         )
 
     def model_config(self, vocab_size: int | None = None):

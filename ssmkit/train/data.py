@@ -109,7 +109,8 @@ def _sft_key(source: str, tokenizer: str) -> str:
             FORMAT_VERSION,
         ]
     )
-    return f"{_slug(Path(source).stem)}-{_slug(tokenizer)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return f"{_slug(Path(source).stem)}-{_slug(tokenizer)}-{digest}"
 
 
 def prepare_sft_data(

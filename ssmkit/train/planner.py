@@ -3,26 +3,24 @@ fits.
 
     plan = plan_memory("mamba-1.4b", seq_len=2048, micro_batch=8, precision="bf16", strategy="fsdp",
                        n_gpus=8, gpu_memory_gb=80)
-    print(plan.table())                  # weights, gradients, optimizer,
-                                         # activations, workspace, total (GiB)
-    plan.max_micro_batch                 # the largest micro-batch whose
-                                         # total fits the usable memory
+    print(plan.table())        # weights, gradients, optimizer, activations, workspace, total (GiB)
+    plan.max_micro_batch       # the largest micro-batch whose total fits the usable memory
     print(memory_table(scale_up_plans()))      # the plan's sizes side by side on 8 x A100-80GB
     # command line: ssmkit plan --model mamba-1.4b --seq-len 2048 --micro-batch 8 --gpus 8
 
 Per GPU, in bytes, for P parameters (counted on the real model, built on the meta device):
 
-    weights      4 P           fp32 master weights (bf16/fp16 train by autocast, or FSDP's casting policy)
+    weights      4 P           fp32 master weights (bf16/fp16 train by autocast, or FSDP's
+                               casting policy)
     gradients    4 P           fp32; DDP adds its buckets (another 4 P); FSDP keeps 1/N of them
     optimizer    8 P           AdamW's two fp32 moments (m, v); FSDP keeps 1/N
     activations  what the forward saves for the backward (formulas below), per micro-batch
     workspace    what lives only around the peak, on top of the activations: the loss's two B·L·V
                  gradients, a part's backward temporaries (planner_mixers.BACKWARD_TEMPS: a fraction
-                 of what it saved, measured on CPU),
-                 the tied lm_head's gradient (held until the embedding's arrives), a
-                 recomputed block (checkpointing), autocast's bf16/fp16 copies of the
-                 matrices, FSDP's gathered blocks; or, once the activations are gone, the
-                 embedding's backward or (CPU) AdamW's temporaries
+                 of what it saved, measured on CPU), the tied lm_head's gradient (held until the
+                 embedding's arrives), a recomputed block (checkpointing), autocast's bf16/fp16
+                 copies of the matrices, FSDP's gathered blocks; or, once the activations are gone,
+                 the embedding's backward or (CPU) AdamW's temporaries
     total        weights + gradients + optimizer + activations + workspace
 
 The gradients are counted at full size during the forward, as they are from the second micro-batch
@@ -344,20 +342,11 @@ def plan_memory(
         )
     shape = _shape_of(json.dumps(cfg.to_dict(), sort_keys=True))
     usable = int(memory * GiB * (1 - SAFETY_MARGIN) - RESERVED_GIB * GiB)
-    fits = lambda b: (
-        _step_bytes(
-            shape,
-            b,
-            seq_len,
-            precision,
-            strategy,
-            n_gpus,
-            ckpt,
-            chunk,  # noqa: E731
-            backend,
-        )["total"]
-        <= usable
-    )
+
+    def fits(b):
+        step = _step_bytes(shape, b, seq_len, precision, strategy, n_gpus, ckpt, chunk, backend)
+        return step["total"] <= usable
+
     if not fits(1):
         best = 0
     else:  # the largest b that fits, with b + 1 not fitting: doubling, then bisection

@@ -4,7 +4,8 @@
     p = chapter.PARAMETERS.check(globals())                            # its parameters, checked
     summary = run_workbook(["notebooks/00_setup.ipynb"], parameters={"seed": 1}, out="runs/try")
 
-    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
+    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] \
+        [--overwrite]
     ssmkit workbook strip [NOTEBOOK ...]
 
 Modules, in the order a reader meets them:

@@ -2,7 +2,8 @@
 durations and ``metrics.json``. A notebook's own helpers are in its chapter
 (:mod:`ssmkit.workbook.chapters`); its parameters are checked by :mod:`~ssmkit.workbook.params`.
 
-    cfg = train_config(p["config"], max_tokens=p["max_tokens"], device=p["device"], evals=6, **p["overrides"])
+    cfg = train_config(p["config"], max_tokens=p["max_tokens"], device=p["device"], evals=6,
+                       **p["overrides"])
     display(Markdown(markdown_table(rows)))               # a list of dicts as a table
     write_metrics(p["out_dir"], {"val_loss": 3.2})        # the runner copies these into summary.md
 

@@ -1,7 +1,8 @@
 """``ssmkit workbook run|strip``: the command line of the runner.
 
-    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] [--overwrite]
-                        [--cell-timeout SECONDS] [--kernel NAME] [--quiet] [--progress] [--log-output]
+    ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME]
+                        [--overwrite] [--cell-timeout SECONDS] [--kernel NAME] [--quiet]
+                        [--progress] [--log-output]
     ssmkit workbook strip [NOTEBOOK ...]          # clear outputs before committing
 
 Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order, printing a line per notebook and

@@ -6,15 +6,14 @@ with its default, its check and one line of help::
 
     PARAMETERS = Parameters(
         Param("max_tokens", 250_000, checks.integer, "training tokens for each model", minimum=1),
-        Param("device", "auto", check_device, "'auto': cuda if visible, else mps, else cpu; or 'cuda:1'"),
+        Param("device", "auto", check_device, "'auto': cuda, else mps, else cpu; or 'cuda:1'"),
         ...)
 
 The notebook's ``parameters`` cell is that declaration written out (:meth:`Parameters.cell`; a test
 keeps the two equal, ``python -m ssmkit.workbook.chapters`` rewrites the cells), and its next cell
 checks them::
 
-    p = chapter.PARAMETERS.check(globals())     # {name: checked value}; a bad
-                                                # one stops the notebook here
+    p = chapter.PARAMETERS.check(globals())  # {name: value}; a bad one stops the notebook here
 
 Rules, the same under ``ssmkit workbook run``, plain ``papermill`` and JupyterLab:
 
@@ -423,8 +422,8 @@ def _with_injected(params: dict) -> dict:
     others = {k: extra.pop(k) for k in list(extra) if k not in keys or "overrides" not in params}
     if others:
         print(
-            "not used by this notebook (parameters of other notebooks, or TrainConfig keys for those that "
-            f"train): {', '.join(f'{k}={v!r}' for k, v in others.items())}"
+            "not used by this notebook (parameters of other notebooks, or TrainConfig keys for "
+            f"those that train): {', '.join(f'{k}={v!r}' for k, v in others.items())}"
         )
     if not extra:
         return params

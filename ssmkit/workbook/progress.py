@@ -122,7 +122,9 @@ def slow_warning(
     if device != "cpu" or not seconds or not stated or seconds <= SLOW_FACTOR * stated:
         return None
     return (
-        f"{name} ran {format_duration(seconds)} on CPU, {seconds / stated:.1f}x its stated CPU time "
-        f"(~{format_duration(stated)}, measured on 2 cores with params/cpu.yaml): the machine was busy "
-        f"or slower ({os.cpu_count()} CPUs here), or the parameters ask for more than the CPU defaults"
+        f"{name} ran {format_duration(seconds)} on CPU, "
+        f"{seconds / stated:.1f}x its stated CPU time "
+        f"(~{format_duration(stated)}, measured on 2 cores with params/cpu.yaml): "
+        f"the machine was busy or slower ({os.cpu_count()} CPUs here), "
+        "or the parameters ask for more than the CPU defaults"
     )

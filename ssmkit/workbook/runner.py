@@ -375,7 +375,8 @@ def _failure(exc: Exception, executed: Path, timeout: int | None) -> dict:
     if isinstance(exc, CellTimeoutError) and "Cell execution timed out" in str(exc):
         return {
             **_stopped_cell(executed),
-            "error": f"timeout after {timeout} s (raise it with --cell-timeout SECONDS; 0: no limit)",
+            "error": f"timeout after {timeout} s "
+            "(raise it with --cell-timeout SECONDS; 0: no limit)",
         }
     if not isinstance(exc, PapermillExecutionError):
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:2000]}"}

@@ -133,7 +133,8 @@ def test_stop_escalates_when_sigint_is_ignored(tmp_path):
     code = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "time.sleep(60)'], start_new_session=True); time.sleep(60)"
     )
     run = launch.Launch([sys.executable, "-c", code], tmp_path, show=False, grace=0.5).start()

@@ -408,7 +408,8 @@ def test_library_imports_without_matplotlib_and_papermill():
         "import sys; sys.modules['matplotlib'] = None; sys.modules['papermill'] = None\n"
         "import ssmkit, ssmkit.plots, ssmkit.workbook\n"
         "from ssmkit.workbook import Param, Parameters\n"
-        "print(Parameters(Param('seed', 0, ssmkit.checks.integer, 'seed')).check({'seed': 1})['seed'])"
+        "seed = Parameters(Param('seed', 0, ssmkit.checks.integer, 'seed'))\n"
+        "print(seed.check({'seed': 1})['seed'])"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120

@@ -293,7 +293,8 @@ def test_a_reversed_edge_and_a_circle_are_named(tmp_path):
     assert reversed_edges(graph, root) == [
         "ssmkit/env.py -> ssmkit/__init__.py (layer env imports higher layer facade; line 2)",
         "ssmkit/models/lm.py -> ssmkit/hub.py (layer models imports higher layer hub; line 463)",
-        "ssmkit/ops/x.py -> ssmkit/data/a.py (layer ops imports layer data of the same rank; line 1)",
+        "ssmkit/ops/x.py -> ssmkit/data/a.py "
+        "(layer ops imports layer data of the same rank; line 1)",
     ]
     found = circles(graph, root)
     assert len(found) == 2
@@ -364,9 +365,10 @@ out = tempfile.mkdtemp()
 model = ssmkit.build_model(ssmkit.ModelConfig(d_model=16, n_layer=1, vocab_size=32))
 saved = str(model.save_pretrained(out + "/ckpt"))
 same = bool((ssmkit.from_pretrained(saved).lm_head.weight == model.lm_head.weight).all())
-print(json.dumps(dict(method=method, loaded=loaded, names=names, eager_imported=eager_imported, found=found,
-                      lazy=lazy, missing=missing, dir=sorted(set(dir(ssmkit)) & set(lazy)),
-                      saved=saved.endswith("/ckpt"), same=same)))
+print(json.dumps(dict(method=method, loaded=loaded, names=names, eager_imported=eager_imported,
+                      found=found, lazy=lazy, missing=missing,
+                      dir=sorted(set(dir(ssmkit)) & set(lazy)), saved=saved.endswith("/ckpt"),
+                      same=same)))
 """
 
 

@@ -446,10 +446,10 @@ if mode == "read":      # our MDS -> StreamingDataset (local and via remote + ha
     clean_stale_shared_memory()
     rows = [s["tokens"] for s in StreamingDataset(local=local, shuffle=False, batch_size=1)]
     index = json.load(open(local + "/index.json"))
-    direct = [MDSReader.from_json(local, None, sh).decode_sample(MDSReader.from_json(local, None, sh)
-              .get_sample_data(i))["tokens"] for sh in index["shards"] for i in range(sh["samples"])]
-    remote = [s["tokens"] for s in StreamingDataset(remote=local, local=cache, shuffle=False, batch_size=1,
-                                                    validate_hash="sha256")]
+    readers = [(MDSReader.from_json(local, None, sh), sh["samples"]) for sh in index["shards"]]
+    direct = [r.decode_sample(r.get_sample_data(i))["tokens"] for r, n in readers for i in range(n)]
+    remote = [s["tokens"] for s in StreamingDataset(remote=local, local=cache, shuffle=False,
+                                                    batch_size=1, validate_hash="sha256")]
     assert all((a == b).all() and (a == c).all() for a, b, c in zip(rows, direct, remote))
     assert len(rows) == len(direct) == len(remote)
     np.save(out, np.stack(rows))
@@ -462,16 +462,17 @@ elif mode == "write":   # the same samples through MDSWriter
             w.write({"tokens": row})
 elif mode == "mixed":   # other encodings, for our reader
     out, expected = args
-    columns = {"arr": "ndarray", "i32": "ndarray:int32", "img": "ndarray:float32:2,3", "text": "str",
-               "n": "int", "u8": "uint8", "f64": "float64", "meta": "json", "raw": "bytes", "si": "str_int"}
+    columns = {"arr": "ndarray", "i32": "ndarray:int32", "img": "ndarray:float32:2,3",
+               "text": "str", "n": "int", "u8": "uint8", "f64": "float64", "meta": "json",
+               "raw": "bytes", "si": "str_int"}
     rng, rows = np.random.default_rng(1), []
     with MDSWriter(columns=columns, out=out, size_limit=600, hashes=["md5", "sha1"]) as w:
         for i in range(40):
             s = {"arr": rng.integers(0, 300, (i % 3 + 1, 2)).astype("uint16"),
                  "i32": rng.integers(-5, 5, i % 4 + 1).astype("int32"),
                  "img": rng.standard_normal((2, 3)).astype("float32"), "text": "ü" * i, "n": i - 20,
-                 "u8": i, "f64": i / 3, "meta": {"i": i, "l": [i] * (i % 3)}, "raw": bytes(range(i)),
-                 "si": i * 7}
+                 "u8": i, "f64": i / 3, "meta": {"i": i, "l": [i] * (i % 3)},
+                 "raw": bytes(range(i)), "si": i * 7}
             w.write(s)
             rows.append({k: (v.tolist() if isinstance(v, np.ndarray)
                              else (list(v) if isinstance(v, bytes) else v))

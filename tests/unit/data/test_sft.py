@@ -445,9 +445,10 @@ def test_checksums_and_options(tmp_path):
 
 def test_docstring_set_splits_share_no_function():
     train, val = sft_docstrings("train"), sft_docstrings("val")
-    name = lambda row: re.fullmatch(r"What does `(.+)` do\?", row["messages"][0]["content"]).group(
-        1
-    )  # noqa
+
+    def name(row):
+        return re.fullmatch(r"What does `(.+)` do\?", row["messages"][0]["content"]).group(1)
+
     names_train, names_val = {name(r) for r in train}, {name(r) for r in val}
     assert len(names_train) == len(train) and len(names_val) == len(val)
     assert not names_train & names_val

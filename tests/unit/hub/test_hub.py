@@ -350,9 +350,12 @@ def test_errors_are_clear_and_nothing_is_half_written(tmp_path, monkeypatch):
 
 def test_convert_command(tmp_path):
     HF_CASES["mamba2-groups"]().save_pretrained(tmp_path / "hf")
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "ssmkit.cli", *a], capture_output=True, text=True
-    )  # noqa: E731
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "ssmkit.cli", *a], capture_output=True, text=True
+        )
+
     ok = run("convert", str(tmp_path / "hf"), str(tmp_path / "ms"), "--to", "mamba_ssm")
     assert ok.returncode == 0 and "mamba_ssm layout" in ok.stdout, ok.stderr
     assert json.loads((tmp_path / "ms" / "config.json").read_text())["ssm_cfg"]["layer"] == "Mamba2"

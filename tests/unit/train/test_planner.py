@@ -249,8 +249,8 @@ from ssmkit.eval.long_context import fix_mmap_threshold, measure_call
 from ssmkit.train import TrainConfig, build_optimizer
 
 
-torch.set_num_threads(1)                   # steadier on a busy machine (no spinning OpenMP threads)
-assert fix_mmap_threshold()                   # freed tensors go back to the OS: RSS follows the live ones
+torch.set_num_threads(1)     # steadier on a busy machine (no spinning OpenMP threads)
+assert fix_mmap_threshold()  # freed tensors go back to the OS: RSS follows the live ones
 libc = ctypes.CDLL("libc.so.6")
 
 
@@ -277,8 +277,10 @@ def setup(cfg, batch, seq_len, ckpt):
 
 
 for cfg, batch, seq_len, ckpt in json.loads(sys.argv[1]):
-    small = dict(cfg, d_model=64, headdim=16, attn_cfg=dict(num_heads=2)) if "attn_cfg" in cfg else \
-        dict(cfg, d_model=64, **({"headdim": 16} if "headdim" in cfg else {}))
+    if "attn_cfg" in cfg:
+        small = dict(cfg, d_model=64, headdim=16, attn_cfg=dict(num_heads=2))
+    else:
+        small = dict(cfg, d_model=64, **({"headdim": 16} if "headdim" in cfg else {}))
     step = None                               # the last config's model goes before the baseline
     setup(small, 1, 64, ckpt)()               # the kernels' code pages in, before the baseline
     before = rss_mb()

@@ -155,7 +155,10 @@ def test_resume_says_what_it_does_and_a_finished_run_stays(tmp_path, shards):
     config.write_text(small(tmp_path, shards, max_steps=2, eval_every=1).to_yaml())
     first = run_cli("--config", str(config), "--resume")
     assert first.returncode == 0, first.stderr
-    said = f"nothing to resume in {tmp_path / 'run'}: it holds no checkpoint; starting a new run from step 0"
+    said = (
+        f"nothing to resume in {tmp_path / 'run'}: it holds no checkpoint; "
+        "starting a new run from step 0"
+    )
     assert said in first.stdout
     metrics, latest = (
         tmp_path / "run" / "metrics.jsonl",

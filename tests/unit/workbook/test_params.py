@@ -201,8 +201,8 @@ def test_what_papermill_injected_is_compared_with_the_declared(monkeypatch, caps
     monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))
     assert seed_only.check({"seed": 1}) == {"seed": 1}
     assert (
-        "not used by this notebook (parameters of other notebooks, or TrainConfig keys for those that "
-        "train): micro_batch=8, evals=2" in capsys.readouterr().out
+        "not used by this notebook (parameters of other notebooks, or TrainConfig keys for "
+        "those that train): micro_batch=8, evals=2" in capsys.readouterr().out
     )
     # no injected cell (JupyterLab), or a cell that only looks like one: nothing to compare
     for history in [
