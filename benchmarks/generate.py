@@ -52,17 +52,14 @@ from ssmkit.models import ModelConfig, build_model, matched_transformer, paramet
 D_MODEL, N_LAYER, VOCAB = 256, 4, 1000
 PROMPTS, BATCHES = [512, 2048, 8192], [1, 8]
 QUICK_PROMPTS = [512, 2048]
+# fmt: off
 CONFIGS = {
     "mamba1": dict(mixer="mamba1", mamba1=dict(d_state=16)),
     "mamba2": dict(mixer="mamba2", mamba2=dict(d_state=64, headdim=32)),
-    "hybrid": dict(
-        mixer="mamba1",
-        mamba1=dict(d_state=16),
-        attn_every=4,
-        attn_offset=2,
-        attn_cfg=dict(num_heads=8),
-    ),
+    "hybrid": dict(mixer="mamba1", mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
+                   attn_cfg=dict(num_heads=8)),
 }
+# fmt: on
 MODELS = [*CONFIGS, "llama"]
 SSMS = ["mamba1", "mamba2"]
 DECODE_TARGETS = {2048: 2.0, 8192: 4.0}  # prompt length -> decode tokens/s vs Llama at batch 8

@@ -69,17 +69,14 @@ from ssmkit.models import ModelConfig, build_model, matched_transformer, paramet
 D_MODEL, N_LAYER, VOCAB = 128, 4, 1000
 LENGTHS = [1024, 2048, 4096, 8192, 16384]
 QUICK = [1024, 4096]
+# fmt: off
 CONFIGS = {
     "mamba1": dict(mixer="mamba1", mamba1=dict(d_state=16)),
     "mamba2": dict(mixer="mamba2", mamba2=dict(d_state=64, headdim=32, chunk_size=256)),
-    "hybrid": dict(
-        mixer="mamba1",
-        mamba1=dict(d_state=16),
-        attn_every=4,
-        attn_offset=2,
-        attn_cfg=dict(num_heads=4),
-    ),
+    "hybrid": dict(mixer="mamba1", mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
+                   attn_cfg=dict(num_heads=4)),
 }
+# fmt: on
 MODELS = [*CONFIGS, "llama"]
 SSMS = ["mamba1", "mamba2"]  # the models with a state of fixed size
 TRAIN_TARGET = ("mamba2", 16384, 2.0)  # Mamba-2's training tokens/s at 16K >= 2x Llama's

@@ -488,41 +488,24 @@ def _mamba3(d_model, n_layer):
     )
 
 
+# fmt: off
 PRESETS: dict[str, dict] = {
     # CPU-sized models for tests, demos and workshops (seconds per hundred steps)
     "tiny": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1", mamba1=dict(d_state=16)),
-    # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn, with
-    # adapters
+    # Zamba2 (Zyphra 2024): Mamba-2 layers and two shared attention+MLP blocks used in turn,
+    # with adapters
     "tiny-zamba2": TINY_ZAMBA2,
-    "tiny-mamba2": dict(
-        d_model=64,
-        n_layer=4,
-        vocab_size=256,
-        mixer="mamba2",
-        mamba2=dict(d_state=32, headdim=16, chunk_size=64),
-    ),
-    "tiny-mamba3": dict(
-        d_model=64,
-        n_layer=4,
-        vocab_size=256,
-        mixer="mamba3",
-        mamba3=dict(d_state=32, headdim=16, chunk_size=64),
-    ),
+    "tiny-mamba2": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba2",
+                        mamba2=dict(d_state=32, headdim=16, chunk_size=64)),
+    "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3",
+                        mamba3=dict(d_state=32, headdim=16, chunk_size=64)),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at
     # attn_offset, Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention
-    # beat Mamba-2 + attention).
-    # No positional embedding in the attention layers, as in Jamba: the Mamba layers before them
-    # give order.
-    "tiny-hybrid": dict(
-        d_model=64,
-        n_layer=4,
-        vocab_size=256,
-        mixer="mamba1",
-        mamba1=dict(d_state=16),
-        attn_every=4,
-        attn_offset=2,
-        attn_cfg=dict(num_heads=4),
-    ),
+    # beat Mamba-2 + attention). No positional embedding in the attention layers, as in Jamba:
+    # the Mamba layers before them give order.
+    "tiny-hybrid": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba1",
+                        mamba1=dict(d_state=16), attn_every=4, attn_offset=2,
+                        attn_cfg=dict(num_heads=4)),
     # Mamba-1, Gu & Dao 2023, table 12 / the state-spaces/mamba-* checkpoints
     "mamba-130m": _mamba1(768, 24),
     "mamba-370m": _mamba1(1024, 48),
@@ -535,18 +518,14 @@ PRESETS: dict[str, dict] = {
     "mamba2-780m": _mamba2(1536, 48),
     "mamba2-1.3b": _mamba2(2048, 48),
     "mamba2-2.7b": _mamba2(2560, 64),
-    # Mamba-3 (Lahoti et al. 2026) at mamba2-130m's size: ~130M parameters; see _mamba3 for the
-    # sizes' source
+    # Mamba-3 (Lahoti et al. 2026) at mamba2-130m's size, ~130M parameters (sizes: see _mamba3)
     "mamba3-130m": _mamba3(768, 24),
     # the plan's stage-3 default: mamba-130m's 24 layers with attention every 8 (Jamba's period and
     # offset 4: layers 4, 12, 20), 12 heads of 64; Jamba's MLPs left out to stay at the 130M class
-    "hybrid-130m": dict(
-        _mamba1(768, 24),
-        attn_every=8,
-        attn_offset=4,
-        attn_cfg=dict(num_heads=12, qkv_proj_bias=False, out_proj_bias=False),
-    ),
+    "hybrid-130m": dict(_mamba1(768, 24), attn_every=8, attn_offset=4,
+                        attn_cfg=dict(num_heads=12, qkv_proj_bias=False, out_proj_bias=False)),
 }
+# fmt: on
 
 
 def presets() -> list[str]:

@@ -379,12 +379,8 @@ def plan_memory(
     )
 
 
-SCALE_UP_PRESETS = (
-    "mamba-130m",
-    "mamba-370m",
-    "mamba-1.4b",
-    "mamba2-1.3b",
-)  # stages 1 and 2's sizes
+# stages 1 and 2's sizes
+SCALE_UP_PRESETS = ("mamba-130m", "mamba-370m", "mamba-1.4b", "mamba2-1.3b")
 # how a model is spread over the GPUs: (strategy, activation checkpointing)
 SCALE_UP_WAYS = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "fsdp+ckpt": ("fsdp", True)}
 

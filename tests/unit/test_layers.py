@@ -27,25 +27,25 @@ PACKAGE = ROOT / "ssmkit"
 # circles are test_no_circles' business) and files of strictly LOWER layers; two layers of one rank
 # may not import each other. The first part of a file's path names its layer: models/lm.py is in
 # "models", io.py in "io".
+# fmt: off
 LAYERS = {
-    "io": 0,  # base: atomic writes, sha256, cache dir, locks; imports nothing of ssmkit
-    "checks": 0,  # base: validators and the YAML grammar of values; imports nothing of ssmkit
-    # tokenizers, sources, synthetic tasks, shards, loader: nothing of ssmkit but io, checks
-    "data": 1,
-    "ops": 1,  # the math of the mixers (reference, torch, cuda paths): io, checks
-    "env": 2,  # the machine report: device, kernels, the backend each op takes
-    "models": 3,  # configs, mixers, the LM, cache, generate, the Transformer baseline
-    "hub": 4,  # from_pretrained / save_pretrained (MambaLM.save_pretrained delegates to it)
-    "eval": 5,  # perplexity, task accuracy, FLOPs/MFU, throughput and memory, run summaries
-    "finetune": 5,  # LoRA with peft, adapters, merged export: models, hub, io, checks, data
-    # presentation only (matplotlib inside functions): needs nothing above io/checks/eval
-    "plots": 6,
-    "train": 7,  # config, optimizer, trainer loop, checkpoints, distributed
-    "workbook": 8,  # what notebook cells call; the papermill runner
-    "demo": 8,  # the no-training demo (`ssmkit demo`)
-    "cli": 9,  # `ssmkit ...`: may call every layer
-    "__main__": 10,  # `python -m ssmkit` -> cli
+    "io": 0,          # base: atomic writes, sha256, cache dir, locks; imports nothing of ssmkit
+    "checks": 0,      # base: validators and the YAML grammar of values; imports nothing of ssmkit
+    "data": 1,        # tokenizers, sources, synthetic tasks, shards, loader: only io, checks
+    "ops": 1,         # the math of the mixers (reference, torch, cuda paths): io, checks
+    "env": 2,         # the machine report: device, kernels, the backend each op takes
+    "models": 3,      # configs, mixers, the LM, cache, generate, the Transformer baseline
+    "hub": 4,         # from_pretrained / save_pretrained (MambaLM.save_pretrained delegates to it)
+    "eval": 5,        # perplexity, task accuracy, FLOPs/MFU, throughput and memory, run summaries
+    "finetune": 5,    # LoRA with peft, adapters, merged export: models, hub, io, checks, data
+    "plots": 6,       # presentation only (matplotlib inside functions): io, checks, eval at most
+    "train": 7,       # config, optimizer, trainer loop, checkpoints, distributed
+    "workbook": 8,    # what notebook cells call; the papermill runner
+    "demo": 8,        # the no-training demo (`ssmkit demo`)
+    "cli": 9,         # `ssmkit ...`: may call every layer
+    "__main__": 10,   # `python -m ssmkit` -> cli
 }
+# fmt: on
 # ssmkit/__init__.py is the facade: the public API, re-exporting from every layer (the heavy ones
 # lazily, PEP 562). It is exempt from the rule, and no file inside ssmkit may import it (that would
 # make the file depend on everything): import a name from the module that defines it.
