@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..io import build_dir_atomically, cache_dir  # noqa: F401  (cache_dir re-exported)
+from ..io import build_dir_atomically, cache_dir
 
 EOS = "<|endoftext|>"
 GPT2_SHA256 = {  # the hashes tiktoken checks for the GPT-2 encoding's files

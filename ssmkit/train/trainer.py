@@ -52,7 +52,6 @@ from ..io import read_json, tqdm_bar, write_atomically
 from . import checkpoint
 from .config import TrainConfig
 from .data import (
-    PREPARE_WAIT,
     loader_index,
     make_loader,
     make_val,
@@ -65,7 +64,7 @@ from .model_setup import base_module, build_run_model, is_lora, long_context
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
 
-__all__ = ["PREPARE_WAIT", "Trainer", "TrainingError", "lm_loss", "prepare_data"]  # old homes kept
+__all__ = ["Trainer", "TrainingError"]
 
 
 class TrainingError(RuntimeError):
@@ -95,7 +94,7 @@ class Trainer:
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
         if d.device.type == "cpu":
-            reuse_freed_memory()  # 1.7x on CPU: see ssmkit.env
+            reuse_freed_memory()  # no page faults for each step's large blocks: see ssmkit.env
         torch.manual_seed(cfg.seed + d.rank)
         if data is None:
             data, default_val = prepare_data(cfg, d)
