@@ -7,7 +7,8 @@ For each length L (default 1024 ... 16384):
   tokens/s = L / median(step seconds), timed under the Trainer's allocator setting (freed memory
   reused, ssmkit.env.reuse_freed_memory); peak MB = the extra peak RSS (activations + gradients) of
   one more step run under the memory-measuring setting, whose page faults would otherwise tax the
-  models that allocate more (at 16K Mamba-2's step took 2-3.5x as long there, Llama's the same).
+  models that allocate more (timing there ranks models by their allocations as much as by their
+  arithmetic).
 * generation: a random prompt of L tokens prefilled through the cache in chunks of --prefill-chunk
   positions (an SSM's prefill memory is then O(chunk), not O(L)), then --new-tokens greedy one-token
   steps. decode tokens/s = new_tokens / decode seconds; peak MB = extra peak RSS over the whole
@@ -29,8 +30,7 @@ step per round, in one process; drift hits all alike and the ratios vs. Llama ho
 numbers don't. Memory is measured in-process (ssmkit.eval.long_context.peak_rss_mb: glibc's mmap
 threshold is fixed so freed tensors leave the resident set; generation is timed in that setting,
 training steps are not). Its resolution is a few MB (glibc reuses free heap pages unseen), which
-matters for the small peaks of
-generation (~20-50 MB): the flatness target below is judged within that noise.
+matters for the small peaks of generation: the flatness target below is judged within that noise.
 
 Targets of the issue, printed as PASS / FAIL lines (not asserts): Mamba's generation memory flat in
 L (within 5% from the shortest to the longest length) and Mamba-2's training tokens/s at 16K >= 2x

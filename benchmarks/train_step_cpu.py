@@ -70,11 +70,9 @@ CONFIGS = {
 # each mixer's ModelConfig group (mamba1 / mamba2 / mamba3), also written into transformers' configs
 MAMBA1 = dict(d_state=16, expand=2, d_conv=4)
 MAMBA2 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2, d_conv=4)
-MAMBA3 = dict(
-    d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2
-)  # Mamba-2's sizes, no conv
+MAMBA3 = dict(d_state=64, headdim=32, chunk_size=64, ngroups=1, expand=2)  # Mamba-2's, no conv
 FWD_SEQLEN = 2048
-SLOW = "hf_mamba_default"  # ~70 tokens/s: timed with 1 warmup + 1 timed step only
+SLOW = "hf_mamba_default"  # the slowest peer by far: timed with 1 warmup + 1 timed step only
 MODELS = [
     "ssmkit_mamba1",
     "ssmkit_mamba2",
@@ -107,7 +105,7 @@ RATIOS = {  # name: (numerator, denominator, target); a target of None: reported
 
 # the targets against Llama by sequence length (issue 17); lengths between take the shorter one's
 LLAMA_TARGETS = {256: 1.0, 2048: 3.0}
-SLOW_MAX_LEN = 512  # transformers' per-token loop: ~70 tokens/s, not timed beyond this
+SLOW_MAX_LEN = 512  # transformers' per-token loop (SLOW) is not timed beyond this
 
 
 def llama_target(seqlen: int) -> float | None:

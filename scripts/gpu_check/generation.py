@@ -20,8 +20,8 @@ def run(ctx: Context) -> dict:
     models, notes = build_models(ctx, presets, max(prompts) + new_tokens + 8, peers=False)
     for m in models.values():
         m.eval()
-    # generation_cost runs gc.collect() twice a call (its memory baseline): ~0.3 s each with
-    # transformers imported and three models alive. What exists now is frozen out of those
+    # generation_cost runs gc.collect() twice a call (its memory baseline), slow with transformers
+    # imported and three models alive: what exists at this point is frozen out of those
     # collections until the end.
     gc.freeze()
     try:

@@ -7,7 +7,7 @@ lm-eval's CLI.
 
 Task names resolve through an lm-eval ``TaskManager`` whose include path is ssmkit's offline tasks
 (:data:`~ssmkit.eval.offline_tasks.TASKS_DIR`); lm-eval's own tasks (the plan's, :data:`PLAN_TASKS`)
-are indexed only when one is asked for (indexing them takes ~10 s) and need their datasets from the
+are indexed only when one is asked for (indexing them is slow) and need their datasets from the
 hub or its local cache. lm_eval is imported inside the functions: importing this module (and
 ``ssmkit``) does not.
 

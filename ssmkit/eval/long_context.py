@@ -64,9 +64,8 @@ def timing_allocator() -> bool:
     """The allocator setting calls are timed under: the Trainer's
     (:func:`ssmkit.env.reuse_freed_memory`, freed blocks reused without page faults), not the
     memory-measuring one, under which a model that allocates more also pays more page faults (timing
-    there ranks models by their allocations as much as by their arithmetic: at 16K positions
-    Mamba-2's training step took 2-3.5x as long, Llama's the same). Returns whether the setting is
-    in effect."""
+    there ranks models by their allocations as much as by their arithmetic). Returns whether the
+    setting is in effect."""
     return env.reuse_freed_memory()
 
 

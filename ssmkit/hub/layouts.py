@@ -5,7 +5,7 @@
   :func:`config_to_hf`);
 * mamba_ssm (``"mamba_ssm"``): ``MambaConfig`` of ``MambaLMHeadModel``, ``d_model``, ``n_layer``,
   ``ssm_cfg`` (``layer`` "Mamba1", "Mamba2" or "Mamba3", the last only in mamba_ssm's source tree
-  since June 2026), and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and
+  after its 2.3.2.post1 release), and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and
   ``d_intermediate`` (a GatedMLP in every block) (:func:`config_from_mamba_ssm`,
   :func:`config_to_mamba_ssm`);
 * transformers' Jamba (``"jamba"``, :mod:`ssmkit.hub.jamba`) and Zamba2 (``"zamba2"``,

@@ -19,7 +19,7 @@ unchanged), so every chunk has one shape.
 Turn it on with ``ssmkit.ops.compile_scan(True)`` or ``SSMKIT_COMPILE_SCAN=1`` (the CLI reads the
 environment). It needs what inductor needs at run time -- a C++ compiler on CPU, Triton on GPU;
 without one the first call raises :class:`~ssmkit.ops.backend.BackendError` saying so. The first
-call for each shape compiles (20-30 s for S6 forward + backward, ~15 s for SSD), so it pays off in
+call for each shape compiles (tens of seconds for S6 forward + backward), so it pays off in
 training runs, not in short experiments; after torch's recompile limit (8 shapes) the functions run
 eagerly, unrolled.
 """

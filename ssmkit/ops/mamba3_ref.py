@@ -69,16 +69,17 @@ class Mamba3States(NamedTuple):
 
 def heavy_tail(a: torch.Tensor) -> torch.Tensor:
     """f(a) = 1 + a for a >= 0, 1 / (1 - a) below: positive, continuous with its first derivative at
-    0, and only slowly small for a -> -inf (softplus decays exponentially there). mamba_ssm since
-    commit c69aaab. (Its ``clamp_min(0) + 1 / (1 - clamp_max(0))`` has the same values, but autograd
-    gives it the slope 2 at exactly a = 0, both clamps passing the gradient; here the slope is f's,
-    1.)"""
+    0, and only slowly small for a -> -inf (softplus decays exponentially there): the default of
+    mamba_ssm's current Mamba3. (Its ``clamp_min(0) + 1 / (1 - clamp_max(0))`` has the same values,
+    but autograd gives it the slope 2 at exactly a = 0, both clamps passing the gradient; here the
+    slope is f's, 1.)"""
     return torch.where(a >= 0, 1 + a.clamp(min=0), 1 / (1 - a.clamp(max=0)))
 
 
 def a_activation(a: torch.Tensor, kind: str = "heavy_tail") -> torch.Tensor:
-    """The positive magnitude of A_t = -f(a_t): ``"heavy_tail"`` (mamba_ssm since June 2026) or
-    ``"softplus"`` (before it). The same weights give different models under the two."""
+    """The positive magnitude of A_t = -f(a_t): ``"heavy_tail"`` (mamba_ssm's current Mamba3) or
+    ``"softplus"`` (its earlier versions, and PyPI's mamba-ssm 2.3.2). The same weights give
+    different models under the two."""
     if kind == "heavy_tail":
         return heavy_tail(a)
     if kind == "softplus":

@@ -257,7 +257,7 @@ class SelectiveScanFn(torch.autograd.Function):
         return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
 
     # Backward, derived. Per batch row, channel d and state index n (A is diagonal, so all is
-    # elementwise in (d, n)); t = 0 .. L-1, h_{-1} = h0; dX means ∂L/∂X. The forward was
+    # elementwise in (d, n)); t = 0 .. L-1, h_{-1} = h0; dX means ∂L/∂X. The forward is
     #   Δ_t = softplus(δ_t + bias)                           (dt, from dt_raw = δ + bias)
     #   Ā_t = exp(Δ_t A)                                     (eq. 4, ZOH; dA_)
     #   h_t = Ā_t ⊙ h_{t-1} + Δ_t x_t B_t                    (eq. 2a, B̄_t = Δ_t B_t; H_[1:])
