@@ -8,8 +8,7 @@ entries of the checkout have their job in TOP below, and the test fails when git
 does not name.
 
     python scripts/write_layout.py            # (re)write docs/layout.md
-    python scripts/write_layout.py --check    # exit 1, saying why, when
-                                              # docs/layout.md is out of date
+    python scripts/write_layout.py --check    # exit 1, saying why, when docs/layout.md is stale
 """
 
 from __future__ import annotations

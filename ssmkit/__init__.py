@@ -7,11 +7,9 @@ them.
     out = model(input_ids, labels=input_ids)      # out.logits, out.loss
     ids = ssmkit.generate(model, input_ids, max_new_tokens=64)
     print(ssmkit.env_report())
-    model = ssmkit.from_pretrained("state-spaces/mamba-130m-hf")   # or a local HF /
-                                                                   # mamba_ssm directory
-    model.save_pretrained("out", format="hf")                      # or "mamba_ssm"
-    lora = ssmkit.finetune.apply_lora(model)                       # peft LoRA, the
-                                                                   # plan's LoraConfig
+    model = ssmkit.from_pretrained("state-spaces/mamba-130m-hf")  # or an HF / mamba_ssm dir
+    model.save_pretrained("out", format="hf")                     # or "mamba_ssm"
+    lora = ssmkit.finetune.apply_lora(model)                      # peft LoRA, the plan's config
 
 The layers, low to high (each imports only lower ones; tests/unit/test_layers.py keeps it so):
 ``io``, ``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` <

@@ -1,8 +1,7 @@
 """Figures for the notebooks: a live loss curve while training, and several runs on one plot.
 
-    live = LivePlot("runs/x/loss.png")       # a Trainer callback: on_log / on_eval / on_end
-    trainer = Trainer(cfg, callbacks=[live]) # redraws in place in Jupyter; in a
-                                             # terminal it saves at the end
+    live = LivePlot("runs/x/loss.png")        # a Trainer callback: on_log / on_eval / on_end
+    trainer = Trainer(cfg, callbacks=[live])  # redraws in Jupyter; in a terminal, saves at the end
     plot_curves({"mamba": live.train, "llama": other.train}, "runs/x/compare.png")
 
 Figures are built as ``matplotlib.figure.Figure`` objects rendered by the Agg canvas: no pyplot,

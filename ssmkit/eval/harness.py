@@ -4,8 +4,8 @@ lm_eval).
     from ssmkit.eval.harness import SsmkitLM               # registers "ssmkit" with lm-eval
     lm = SsmkitLM(pretrained="runs/cpu-tiny/checkpoints/latest/model", tokenizer="gpt2",
                   batch_size=8)
-    lm_eval.simple_evaluate(model=lm, tasks=[...])         # or model="ssmkit",
-                                                           # model_args="pretrained=DIR"
+    lm_eval.simple_evaluate(model=lm, tasks=[...])
+    # or: lm_eval.simple_evaluate(model="ssmkit", model_args="pretrained=DIR", tasks=[...])
 
 The three request kinds of lm-eval (Gao et al., "A framework for few-shot language model
 evaluation"):

@@ -4,18 +4,16 @@ trained at a short length scores at longer ones.
 An SSM layer carries a fixed-size state, attention a key/value cache that grows with L, so the two
 diverge as L grows:
 
-    training step   Mamba O(L) time and memory      attention O(L²) time (O(L)
-                                                    memory with flash / SDPA)
-    generation      Mamba O(1) memory per sequence  attention O(L) memory (the KV
-                                                    cache) and time per token
+    training step   Mamba O(L) time and memory      attention O(L²) time
+                                                    (O(L) memory with flash / SDPA)
+    generation      Mamba O(1) memory per sequence  attention O(L) memory (the KV cache)
+                                                    and time per token
 
     run, extra_mb = peak_rss_mb(lambda: model(ids))               # MiB the call added at its peak
     run, seconds, extra_mb = measure_call(lambda: model(ids))     # the same, and fn's wall time
-    train_step_cost(model, seq_len=4096)       # {"seq_len", "batch", "step_s",
-                                               # "tokens_per_s", "peak_mb"}
-    generation_cost(model, prompt_len=4096)    # {"prefill_s", "decode_tokens_per_s",
-                                               # "peak_mb", "cache_mb"..}
-    crossover(lengths, mamba_rows, llama_rows) # first length from which the SSM stays ahead
+    train_step_cost(model, seq_len=4096)      # {"seq_len", "batch", "step_s", "tokens_per_s", ...}
+    generation_cost(model, prompt_len=4096)   # {"prefill_s", "decode_tokens_per_s", "peak_mb", ...}
+    crossover(lengths, mamba_rows, llama_rows)  # first length from which the SSM stays ahead
     length_extrapolation(model, "data/val", [256, 1024, 4096])    # loss and ppl at each length
 
 Every function takes an ssmkit :class:`~ssmkit.models.MambaLM` (anything with ``allocate_cache``) or

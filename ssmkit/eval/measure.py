@@ -5,10 +5,9 @@ A shared machine's speed drifts by tens of percent, so peers are timed in one pr
 numbers don't.
 
     seconds = time_round_robin({"ssmkit": step_a, "peer": step_b}, steps=7, warmup=3)
-    rate = tokens_per_step / statistics.median(seconds["ssmkit"])         # what throughput()
-                                                                          # returns
-    throughput(step, tokens_per_step=8 * 256)                               # one callable alone
-    peak_memory_mb(device)                                                  # MiB, peak since start
+    rate = tokens_per_step / statistics.median(seconds["ssmkit"])  # what throughput() returns
+    throughput(step, tokens_per_step=8 * 256)                      # one callable alone
+    peak_memory_mb(device)                                         # MiB, peak since start
 """
 
 from __future__ import annotations

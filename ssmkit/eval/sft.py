@@ -3,8 +3,7 @@ completion loss, exact-match accuracy of greedy answers, and a table of generati
 notebook.
 
     ev.completion_loss(model, "data/arith-val")     # {"loss", "per_sample", "tokens", "samples"}
-    ev.exact_match(model, "data/arith-val", n=100)  # {"accuracy", "n", "results": [{prompt,
-                                                    # reference, ...}]}
+    ev.exact_match(model, "data/arith-val", n=100)  # {"accuracy", "n", "results": [...]}
     print(ev.generation_table({"before": base, "after": tuned}, "data/arith-val", n=5))
 
 Completion loss: the samples run one per row (right padding, which a causal model never reads, so no

@@ -1,13 +1,11 @@
 """Fine-tuning pretrained models: LoRA with peft (that trains on every backend), adapters in peft's
 format, merged export.
 
-    lora = ssmkit.finetune.apply_lora(ssmkit.from_pretrained(path))   # the plan's
-                                                                      # LoraConfig defaults
-    ssmkit.finetune.trainable_share(lora)                             # trainable / total parameters
+    lora = ssmkit.finetune.apply_lora(ssmkit.from_pretrained(path))  # the plan's LoraConfig
+    ssmkit.finetune.trainable_share(lora)                            # trainable / total parameters
     ssmkit.finetune.save_adapter(lora, "adapter/"); load_adapter(base, "adapter/")
     ssmkit.finetune.adapter_for_transformers("adapter/", "adapter-hf/", base.config)
-    ssmkit.finetune.export_merged(lora, "merged/", format="hf")      # merge_and_unload +
-                                                                     # save_pretrained
+    ssmkit.finetune.export_merged(lora, "merged/", format="hf")  # merge_and_unload + save
 
 Training from a run config (``base:``, ``lora:``, ``freeze_embedding:``) is :mod:`ssmkit.train`'s.
 """

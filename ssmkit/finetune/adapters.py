@@ -2,8 +2,7 @@
 
     save_adapter(lora, "adapter/")                 # adapter_config.json + adapter_model.safetensors
     lora = load_adapter(ssmkit.from_pretrained(base_dir), "adapter/", trainable=True)
-    adapter_for_transformers("adapter/", "adapter-hf/", model.config)   # for MambaForCausalLM,
-                                                                        # Mamba2...
+    adapter_for_transformers("adapter/", "adapter-hf/", model.config)  # for MambaForCausalLM...
     # then, with transformers and peft:
     # PeftModel.from_pretrained(MambaForCausalLM.from_pretrained(hf_base_dir), "adapter-hf/")
 

@@ -1,11 +1,9 @@
 """LoRA on ssmkit models with peft: the plan's defaults, targets checked, merged export.
 
     model = ssmkit.from_pretrained("runs/prototype/checkpoints/step_00000200/model")
-    lora = apply_lora(model)                       # the plan: r=16, alpha=32, dropout 0.05,
-                                                   # targets x_proj, in_proj,
-                                                   # out_proj (those the model has)
-    print(trainable_share(lora))                   # {"trainable": ..., "total":
-                                                   # ..., "share": 0.0123}
+    lora = apply_lora(model)      # the plan: r=16, alpha=32, dropout 0.05, targets x_proj,
+                                  # in_proj, out_proj (those the model has)
+    print(trainable_share(lora))  # {"trainable": ..., "total": ..., "share": 0.0123}
     ...train lora (only its adapter parameters require grad)...
     export_merged(lora, "merged/", format="hf")    # merge_and_unload() + save_pretrained
 

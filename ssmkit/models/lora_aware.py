@@ -4,10 +4,9 @@ Most of ssmkit's projections are called as modules (``self.in_proj(x)``), so whe
 by its ``LoraLayer`` wrapper the adapter takes part by itself. A few weights are read raw instead,
 because the op wants the tensor, not the module:
 
-    Mamba-1    F.linear(dt, dt_proj.weight)      Δ before its bias (the bias goes into the scan)
-               dt_proj.bias                       the scan's delta_bias
-    every conv conv1d.weight (d, 1, w) -> (d, w) the causal conv op (on the cuda backend: the
-    kernel)
+    Mamba-1      F.linear(dt, dt_proj.weight)       Δ before its bias (the bias goes into the scan)
+                 dt_proj.bias                       the scan's delta_bias
+    every conv   conv1d.weight (d, 1, w) -> (d, w)  the causal conv op (on cuda: the kernel)
 
 A raw ``.weight`` of a peft wrapper is its BASE weight (peft's ``BaseTunerLayer.weight``): read that
 way, the adapter would be silently bypassed and its parameters would get no gradient (the trap of

@@ -75,9 +75,8 @@ def _commit_point(where: str):
 
 
 def _quiet(fn, *args, **kwargs):
-    with (
-        warnings.catch_warnings()
-    ):  # "torch.distributed ... uninitialized ... single process": intended
+    # "torch.distributed ... uninitialized ... single process": intended
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
         return fn(*args, **kwargs)
 

@@ -1,8 +1,7 @@
 """``TrainConfig``: every knob of a training run, as plain values, loadable from YAML.
 
     cfg = TrainConfig.from_yaml("configs/cpu-tiny.yaml", overrides=["max_steps=50", "lr=1e-3"])
-    cfg.grad_accum(world_size=1)     # micro-batches per optimizer step,
-                                     # derived from the batch sizes
+    cfg.grad_accum(world_size=1)     # micro-batches per optimizer step, from the batch sizes
 
 Batch arithmetic (the plan gives the global batch in tokens, e.g. 0.5M):
 

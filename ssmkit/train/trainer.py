@@ -9,10 +9,8 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
 
     for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
         loss = CE(model(x).logits, y) / grad_accum       # bf16/fp16 autocast, fp32 master weights
-                                                         # SFT: (x, y, seq_idx),
-                                                         # model(x, seq_idx=...)
-        loss.backward()                                  # DDP/FSDP reduce on the
-                                                         # last micro-batch only
+                                                         # (SFT: (x, y, seq_idx), model(x, seq_idx))
+        loss.backward()                                  # DDP/FSDP reduce on the last one only
     if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
     fp16: the grad scaler skips a step whose gradients overflow and halves its scale (counted)

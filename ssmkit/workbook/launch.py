@@ -1,8 +1,7 @@
 """Launching a distributed training run from a notebook cell: ``ssmkit train --nproc N`` as a
 subprocess.
 
-    run = launch_train(cfg, nproc=2, overrides={"strategy": "fsdp"})   # cfg: a TrainConfig or a
-                                                                       # YAML path
+    run = launch_train(cfg, nproc=2, overrides={"strategy": "fsdp"})  # cfg: TrainConfig or YAML
     run["history"], run["final_loss"], run["val_loss"], run["train_tok_s"], run["rank_peak_mem_mb"]
 
 The run is ``python -m ssmkit.cli train --config FILE --nproc N --set key=value ...`` (torchrun's

@@ -2,8 +2,7 @@
 strip outputs, read a params file and a ``-p`` value.
 
     find_notebooks()                            # [notebooks/00_setup.ipynb, notebooks/01_...]
-    declared_parameters("01_a.ipynb")           # {"lr": 0.1, "out_dir":
-                                                # "unused"}: the parameters cell
+    declared_parameters("01_a.ipynb")           # the parameters cell: {"lr": 0.1, ...}
     load_params_file("params/ci.yaml")          # {"device": "cpu", "seed": 0, "max_tokens": 16384}
 
 Values typed on a command line and params files are read with :mod:`ssmkit.checks`' one grammar

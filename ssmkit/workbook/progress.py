@@ -1,9 +1,9 @@
 """What a headless run tells a person while it runs: a line per code cell, and a warning when a
 notebook took far longer than its stated CPU time.
 
-    01_prototype_130m [4/12] cell 'train_dir, val_dir = ssmkit.train.prepare_data(cfg)' 3.2 s
-    01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' running for 1 min
-    ... 01_prototype_130m [6/12] cell 'live = plots.LivePlot(p["out_dir"] / "loss_...' 212.5 s
+    01_prototype_130m [5/12] cell 'train_dir, val_dir = ssmkit.train.prepare_dat...' 3.2 s
+    01_prototype_130m [8/12] cell 'torch.manual_seed(cfg.seed)' running for 1 min ...
+    01_prototype_130m [8/12] cell 'torch.manual_seed(cfg.seed)' 212.5 s
 
 A cell still running after :data:`FIRST_NOTICE` seconds says so, then every :data:`NOTICE_EVERY`
 seconds, so a log never goes quiet for long. A notebook states its CPU time in its metadata

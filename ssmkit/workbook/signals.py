@@ -7,8 +7,7 @@
         except Interrupted:
             signals.settle()                    # end the event-loop tasks the exception cut off
         finally:
-            signals.disarm()                    # later signals are ignored:
-                                                # the run is already stopping
+            signals.disarm()                    # later signals are ignored: the run is stopping
 
 :func:`ssmkit.workbook.run_workbook` then shuts the kernel down, writes the summary (that notebook
 "interrupted", the later ones "not run") and re-raises; ``ssmkit workbook run`` exits 128 + the

@@ -3,12 +3,9 @@ Mamba-1, Mamba-2 and Mamba-3 side by side (section 1.6): the same width, depth, 
 only the mixer differs.
 
     p = PARAMETERS.check(globals())
-    rows, runs = compare_mixers(cfg, train_dir, val_dir, out_dir)   # cfg: the notebook's
-                                                                    # TrainConfig
-    markdown_table(rows)                                             # params, val loss,
-                                                                     # tokens/s per mixer
-    plots.plot_curves(runs, y="loss")                                # the training losses,
-                                                                     # token by token
+    rows, runs = compare_mixers(cfg, train_dir, val_dir, out_dir)  # cfg: the notebook's run
+    markdown_table(rows)               # params, val loss, tokens/s per mixer
+    plots.plot_curves(runs, y="loss")  # the training losses, token by token
 
 Each mixer's model is :meth:`ssmkit.ModelConfig.with_mixer` of the run's: the same width, depth and
 everything shared; its own state size, as its paper and mamba_ssm pair them (Mamba-1 16; Mamba-2 and

@@ -2,15 +2,11 @@
 stacks, Jamba-style).
 
     p = PARAMETERS.check(globals())
-    cfg_h = hybrid_config(cfg, attn_every=4)                 # the TrainConfig cfg
-                                                             # with its model a hybrid
-    layer_pattern(cfg_h)                                     # "M M A M" (offset attn_every // 2)
-    parameter_split(model)                                   # {"ssm": ..., "attention":
-                                                             # ..., "mlp": ...}
-    rows = ratio_sweep(cfg, task, width=64, depth=8)         # pure SSM, attn_every 8,
-                                                             # 4, 2, pure attention
-    rows = context_costs(context_models(cfg, 4), [1024, 4096])        # time and memory
-                                                                      # against length
+    cfg_h = hybrid_config(cfg, attn_every=4)          # the TrainConfig cfg, its model a hybrid
+    layer_pattern(cfg_h)                              # "M M A M" (offset attn_every // 2)
+    parameter_split(model)                            # {"ssm": ..., "attention": ..., "mlp": ...}
+    rows = ratio_sweep(cfg, task, width=64, depth=8)  # pure SSM, attn_every 8, 4, 2, pure attention
+    rows = context_costs(context_models(cfg, 4), [1024, 4096])  # time and memory against length
 
 Models are built with :func:`ssmkit.models.build_model` (``seed=cfg.seed``), trained on a synthetic
 task with :func:`ssmkit.train.train_on_task` and as language models with the Trainer; figures with
