@@ -367,7 +367,8 @@ class Trainer:
         """Mean validation loss over the first ``eval_batches`` micro-batches of the validation
         shards (all ranks together, so any world size evaluates the same windows):
         :func:`ssmkit.eval.perplexity`; for SFT the held-out completion loss of eval_batches x
-        micro_batch samples (:func:`.sft_val_loss`)."""
+        micro_batch samples (:func:`.sft_val_loss`). Called before the run has started (no fit or
+        resume yet), it only returns the record: ``out_dir`` is not this Trainer's to write yet."""
         if self.val_loader is None:
             return None
         if self.sft:  # the held-out completion loss, samples one per row
@@ -398,7 +399,7 @@ class Trainer:
     # --- records, tracking, checkpoints ---------------------------------------------------------
     def _emit(self, record: dict):
         self.history.append(record)
-        if self.dist.is_main:
+        if self.dist.is_main and self._started:
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self._wandb is not None:

@@ -53,7 +53,7 @@ def test_it_gives_the_old_logits(old_run):
 
 def test_it_resumes_to_the_old_losses(old_run):
     run = TrainConfig.from_yaml(old_run / "run" / "config.yaml", overrides=["max_steps=4"])
-    trainer = Trainer(config=run, resume=True)
-    assert trainer.step == 2
+    trainer = Trainer(config=run)
+    assert trainer.resume() and trainer.step == 2
     expected = json.loads((DATA / "expected.json").read_text())
     assert losses(trainer.fit()) == pytest.approx(expected["resumed_losses"], abs=1e-6)
