@@ -13,6 +13,8 @@ RUN    ?= $(shell date +%Y%m%d-%H%M%S)
 PARAMS ?= params/cpu.yaml
 # `make run RUN=name OVERWRITE=1` replaces an earlier run of that name (only the files a run writes)
 OVERWRITE ?=
+# `make test` runs the suite on this many worker processes (pytest-xdist): one per core
+JOBS   ?= 2
 
 .PHONY: run test lint lab strip demo bench gpu-check env clean
 
@@ -28,8 +30,8 @@ $(STAMP): pyproject.toml | $(PY)
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN) $(if $(OVERWRITE),--overwrite)
 
-test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included; slowest 15 last
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) --dist worksteal
 
 lint: $(STAMP)           ## ruff (rules in pyproject.toml): the format, pyflakes, line length 100, import order, pyupgrade
 	$(VENV)/bin/ruff format --check .

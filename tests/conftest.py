@@ -3,6 +3,9 @@
 * The offline environment, set once, before any test module imports transformers or huggingface_hub
   (they read it at import): hub ids load from the local cache only, and subprocesses started with
   ``env={**os.environ, ...}`` inherit it.
+* Under pytest-xdist (``make test`` runs ``-n 2``: one worker per core), each worker and what it starts
+  (notebook kernels, torchrun ranks, CLIs) computes on one thread, so two workers share the two cores
+  instead of fighting over them.
 * ``shards``: byte-level token shards of the embedded corpus (train: 60K tokens in 3 shards,
   validation: 8K), prepared once per session and only read. The tiny training config on them is
   :func:`helpers.small`. A test file may define its own ``shards`` (test_distributed.py does).
@@ -15,6 +18,9 @@ import os
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
