@@ -3,9 +3,9 @@
 * The offline environment, set once, before any test module imports transformers or huggingface_hub
   (they read it at import): hub ids load from the local cache only, and subprocesses started with
   ``env={**os.environ, ...}`` inherit it.
-* Under pytest-xdist (``make test`` runs ``-n 2``: one worker per core), each worker and what it starts
-  (notebook kernels, torchrun ranks, CLIs) computes on one thread, so two workers share the two cores
-  instead of fighting over them.
+* Under pytest-xdist (``make test`` runs ``-n 2``: one worker per core), each worker and what it
+  starts (notebook kernels, torchrun ranks, CLIs) computes on one thread, so two workers share the
+  two cores instead of fighting over them.
 * ``shards``: byte-level token shards of the embedded corpus (train: 60K tokens in 3 shards,
   validation: 8K), prepared once per session and only read. The tiny training config on them is
   :func:`helpers.small`. A test file may define its own ``shards`` (test_distributed.py does).
@@ -49,3 +49,17 @@ def fake_kernels(monkeypatch):
     from fake_kernels import install_fake_kernels
 
     return install_fake_kernels(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, shards):
+    """:func:`helpers.small`'s run trained for 2 steps, once per session: its out_dir (a checkpoint
+    at step 2 with the byte tokenizer's files, metrics.jsonl, config.yaml). Shared: read it, or copy
+    it (:func:`helpers.copy_run`) to change it."""
+    from helpers import small
+
+    from ssmkit.train import Trainer
+
+    out = tmp_path_factory.mktemp("trained")
+    Trainer(config=small(out, shards, max_steps=2)).fit()
+    return out / "run"

@@ -63,6 +63,15 @@ def small(tmp_path, shards, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of the run directory ``run`` (conftest's ``trained_run``) at ``tmp_path / "run"``,
+    where :func:`small` with ``tmp_path`` puts its run: to change without touching the shared
+    one."""
+    import shutil
+
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
 def losses(history):
     """The training losses of a run's history (``Trainer.fit()``'s records of kind "train")."""
     return [r["loss"] for r in history if r["kind"] == "train"]

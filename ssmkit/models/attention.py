@@ -35,7 +35,7 @@ from einops import rearrange
 
 from ..ops.packing import positions_in_sample
 from .cache import KVState
-from .mamba1 import check_packed, conv_with_state, zero_padding
+from .mixer_parts import check_packed, conv_with_state, zero_padding
 
 
 def rotary(

@@ -7,7 +7,7 @@ the slow path the tests compare against.
 
 Prompts of different lengths share a batch with LEFT padding and an ``attention_mask``: the
 mixers zero the padded positions' conv and SSM inputs, so a padded row's states after the
-prompt are exactly those of the row run alone (see :func:`ssmkit.models.mamba1.zero_padding`).
+prompt are exactly those of the row run alone (see :func:`ssmkit.models.mixer_parts.zero_padding`).
 """
 
 from __future__ import annotations

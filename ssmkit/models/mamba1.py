@@ -14,8 +14,6 @@ checkpoints load by name:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 from einops import rearrange
@@ -23,70 +21,14 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
+from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
 from .norms import RMSNorm
-from .ssm_config import Mamba1Config, Mamba2Config, Mamba3Config
-
-
-def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
-    """x with softplus(x) = y, i.e. x = y + log(1 - exp(-y))."""
-    return y + torch.log(-torch.expm1(-y))
-
-
-def init_dt_bias(n: int, cfg: Mamba1Config | Mamba2Config | Mamba3Config) -> torch.Tensor:
-    """softplus⁻¹ of Δ drawn log-uniformly in [dt_min, dt_max] (floored at dt_init_floor): (n,)."""
-    dt = torch.exp(
-        torch.rand(n) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
-    )
-    return inverse_softplus(dt.clamp(min=cfg.dt_init_floor))
+from .ssm_config import Mamba1Config
 
 
 def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in fp32 (FalconMamba's extra norm on Δ, B and C)."""
     return ops.rms_norm(x, torch.ones(x.shape[-1], device=x.device), eps=eps)
-
-
-def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """x: (batch, seqlen, channels) with the positions where mask (batch, seqlen) is 0 set to zero.
-
-    Left padding must leave no trace in a recurrent layer: a zero conv input is what an unpadded
-    run sees left of its first token, and a zero SSM input keeps the zero start state at zero.
-    (transformers' Mamba does the same: apply_mask_to_padding_states.)"""
-    return x if mask is None else x * mask[:, :, None].to(x.dtype)
-
-
-def check_packed(state, mask: torch.Tensor | None, seq_idx: torch.Tensor | None) -> None:
-    """A mixer's ``seq_idx`` (batch, seqlen) marks packed samples (:mod:`ssmkit.ops.packing`) of a
-    forward from scratch: never with a state (which continues one sequence) nor with a left-padding
-    mask."""
-    if seq_idx is not None and (state is not None or mask is not None):
-        conflict = (
-            "an inference state (cache)" if state is not None else "a padding mask (attention_mask)"
-        )
-        raise ValueError(
-            f"seq_idx (packed samples) cannot be combined with {conflict}: pass one of them"
-        )
-
-
-def conv_with_state(
-    x: torch.Tensor,
-    conv: nn.Conv1d,
-    state,
-    activation: str | None = "silu",
-    seq_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """activation(causal conv) over x: (batch, dim, seqlen), continuing from ``state.conv`` if a
-    state is given, which is then replaced by the last d_conv inputs. seq_idx: (batch, seqlen)
-    packed samples (no state then): each sees zeros left of its first token."""
-    weight = rearrange(
-        lora_aware.weight(conv, "conv1d"), "d 1 w -> d w"
-    )  # LoRA-aware: see lora_aware
-    conv_bias = lora_aware.bias(conv)
-    if state is None:
-        return ops.causal_conv1d(x, weight, conv_bias, activation=activation, seq_idx=seq_idx)
-    width, seqlen = weight.shape[1], x.shape[2]
-    x_ext = torch.cat([state.conv[:, :, 1:].to(x.dtype), x], dim=2)  # previous W-1 inputs first
-    state.conv.copy_(x_ext[:, :, -width:])
-    return ops.causal_conv1d(x_ext, weight, conv_bias, activation=activation)[:, :, -seqlen:]
 
 
 class Mamba1(nn.Module):

@@ -20,7 +20,7 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mamba1 import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
 from .norms import RMSNormGated
 from .ssm_config import Mamba2Config
 

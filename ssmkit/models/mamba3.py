@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import Mamba3State
-from .mamba1 import check_packed, init_dt_bias
+from .mixer_parts import check_packed, init_dt_bias
 from .norms import RMSNorm, RMSNormGated
 from .ssm_config import Mamba3Config
 

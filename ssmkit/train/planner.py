@@ -61,10 +61,10 @@ import torch
 from torch import nn
 
 from .. import checks
-from ..models import ModelConfig, build_model
+from ..models import MIXERS, ModelConfig, build_model
 from ..models.config import PRESETS
 from .config import CHOICES, TrainConfig
-from .planner_mixers import MODELLED, backward_peak, block_parts, norm_bytes
+from .planner_mixers import backward_peak, block_parts, norm_bytes
 
 PRECISIONS, STRATEGIES = (
     CHOICES["precision"],
@@ -333,12 +333,10 @@ def plan_memory(
             f"n_gpus={n_gpus} needs strategy ddp or fsdp: strategy=single runs one process "
             "(n_gpus 1)"
         )
-    unknown = sorted(set(cfg.mixers) - set(MODELLED))
-    if cfg.zamba2 is not None or unknown:
+    if cfg.zamba2 is not None:
         raise ValueError(
-            f"the planner models ssmkit's Backbone with mixers {', '.join(MODELLED)}; "
-            f"{'a zamba2 config' if cfg.zamba2 is not None else f'mixer {unknown[0]}'} "
-            "is not modelled"
+            f"the planner models ssmkit's Backbone, any layout of {', '.join(MIXERS)}; "
+            "a zamba2 config (its shared attention blocks) is not modelled"
         )
     shape = _shape_of(json.dumps(cfg.to_dict(), sort_keys=True))
     usable = int(memory * GiB * (1 - SAFETY_MARGIN) - RESERVED_GIB * GiB)

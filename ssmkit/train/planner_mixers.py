@@ -72,7 +72,6 @@ from ..models.mlp import mlp_width
 from ..ops import rope_angles
 from ..ops.mamba3 import CPU_CHUNK_SIZE as MAMBA3_CPU_CHUNK
 
-MODELLED = ("mamba1", "mamba2", "mamba3", "attn", "swa")  # the mixers the formulas cover
 SCAN_CHUNK_ELEMENTS = 1 << 20  # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
 CUDA_SCAN_CHUNK = 2048  # mamba_ssm's selective scan keeps a state every 2048 steps
 

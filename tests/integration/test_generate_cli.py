@@ -22,12 +22,10 @@ from ssmkit.train.manifest import write_manifest
 from ssmkit.train.resolve import resolve
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, shards):
-    """A 2-step run of the tiny model on the byte-level shards; its out_dir."""
-    out = tmp_path_factory.mktemp("gen")
-    Trainer(config=small(out, shards, max_steps=2)).fit()
-    return out / "run"
+@pytest.fixture
+def run(trained_run):
+    """conftest's 2-step run of the tiny model on the byte-level shards; its out_dir (read only)."""
+    return trained_run
 
 
 def oracle(model_dir, prompt: str, n: int) -> str:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from fake_checkpoints import write_mamba_ssm_checkpoint
 from helpers import MAMBA_SSM_CONFIG_FIELDS, perturb_
 from transformers import (
     AutoModelForCausalLM,
@@ -217,69 +218,11 @@ def test_ssmkit_to_transformers_and_mamba_ssm_round_trips(tmp_path, preset, tie)
 
 
 def write_mamba_ssm_fixture(folder, layer):
-    """A checkpoint as mamba_ssm writes it, built from the documented names, not from ssmkit."""
-    d, n_layer, vocab, pad = 32, 2, 50, 8
-    d_inner, g = 2 * d, torch.Generator().manual_seed(5)
-    ssm_cfg = {"layer": layer, "d_state": 8}
+    """A tiny Mamba1 or Mamba2 checkpoint in mamba_ssm's layout (tests/fake_checkpoints.py)."""
+    cfg = {"layer": layer, "d_state": 8}
     if layer == "Mamba2":
-        ssm_cfg.update(headdim=16, ngroups=2, chunk_size=8)
-    config = {
-        "d_model": d,
-        "d_intermediate": 0,
-        "n_layer": n_layer,
-        "vocab_size": vocab,
-        "ssm_cfg": ssm_cfg,
-        "attn_layer_idx": [],
-        "attn_cfg": {},
-        "rms_norm": True,
-        "residual_in_fp32": True,
-        "fused_add_norm": True,
-        "pad_vocab_size_multiple": pad,
-        "tie_embeddings": True,
-    }
-    shapes = {
-        "backbone.embedding.weight": (56, d),
-        "backbone.norm_f.weight": (d,),
-        "lm_head.weight": (56, d),
-    }
-    for i in range(n_layer):
-        p = f"backbone.layers.{i}."
-        shapes[p + "norm.weight"] = (d,)
-        if layer == "Mamba1":
-            rank = 2
-            shapes.update(
-                {
-                    p + "mixer.in_proj.weight": (2 * d_inner, d),
-                    p + "mixer.conv1d.weight": (d_inner, 1, 4),
-                    p + "mixer.conv1d.bias": (d_inner,),
-                    p + "mixer.x_proj.weight": (rank + 16, d_inner),
-                    p + "mixer.dt_proj.weight": (d_inner, rank),
-                    p + "mixer.dt_proj.bias": (d_inner,),
-                    p + "mixer.A_log": (d_inner, 8),
-                    p + "mixer.D": (d_inner,),
-                    p + "mixer.out_proj.weight": (d, d_inner),
-                }
-            )
-        else:
-            heads, conv_dim = d_inner // 16, d_inner + 2 * 2 * 8
-            shapes.update(
-                {
-                    p + "mixer.in_proj.weight": (d_inner + conv_dim + heads, d),
-                    p + "mixer.conv1d.weight": (conv_dim, 1, 4),
-                    p + "mixer.conv1d.bias": (conv_dim,),
-                    p + "mixer.dt_bias": (heads,),
-                    p + "mixer.A_log": (heads,),
-                    p + "mixer.D": (heads,),
-                    p + "mixer.norm.weight": (d_inner,),
-                    p + "mixer.out_proj.weight": (d, d_inner),
-                }
-            )
-    state = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
-    state["lm_head.weight"] = state["backbone.embedding.weight"]
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    torch.save(state, folder / "pytorch_model.bin")
-    return state
+        cfg.update(headdim=16, ngroups=2, chunk_size=8)
+    return write_mamba_ssm_checkpoint(folder, cfg)
 
 
 @pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])

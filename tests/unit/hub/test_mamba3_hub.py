@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from fake_checkpoints import write_mamba_ssm_checkpoint
 from helpers import MAMBA_SSM_CONFIG_FIELDS, perturb_
 
 import ssmkit
@@ -88,73 +89,6 @@ def test_round_trip_is_exact(tmp_path, case, tie):
         assert torch.equal(back(ids).logits, model(ids).logits)
 
 
-def write_mamba3_checkpoint(folder, ssm_cfg: dict, d_intermediate: int = 0) -> dict:
-    """A checkpoint as mamba_ssm's MambaLMHeadModel saves one, from its names and shapes (not from
-    ssmkit)."""
-    d, n_layer, vocab, g = 32, 2, 50, torch.Generator().manual_seed(5)
-    N, headdim, groups = (
-        ssm_cfg.get("d_state", 128),
-        ssm_cfg.get("headdim", 64),
-        ssm_cfg.get("ngroups", 1),
-    )
-    R = ssm_cfg.get("mimo_rank", 4) if ssm_cfg.get("is_mimo") else 1
-    E = 2 * d
-    H, S = E // headdim, int(N * ssm_cfg.get("rope_fraction", 0.5)) // 2
-    config = {
-        "d_model": d,
-        "d_intermediate": d_intermediate,
-        "n_layer": n_layer,
-        "vocab_size": vocab,
-        "ssm_cfg": {"layer": "Mamba3", **ssm_cfg},
-        "attn_layer_idx": [],
-        "attn_cfg": {},
-        "rms_norm": True,
-        "residual_in_fp32": True,
-        "fused_add_norm": True,
-        "pad_vocab_size_multiple": 16,
-        "tie_embeddings": True,
-    }
-    shapes = {"backbone.embedding.weight": (64, d), "backbone.norm_f.weight": (d,)}
-    for i in range(n_layer):
-        p = f"backbone.layers.{i}."
-        rows = 2 * E + 2 * N * groups * R + 3 * H + S  # z, x, B, C, Δ, A, λ, angles
-        m = p + "mixer."
-        shapes.update(
-            {
-                p + "norm.weight": (d,),
-                m + "in_proj.weight": (rows, d),
-                m + "dt_bias": (H,),
-                m + "B_bias": (H, R, N),
-                m + "C_bias": (H, R, N),
-                m + "B_norm.weight": (N,),
-                m + "C_norm.weight": (N,),
-                m + "D": (H,),
-                m + "out_proj.weight": (d, E),
-            }
-        )
-        if R > 1 or ssm_cfg.get("is_mimo"):
-            shapes.update({p + f"mixer.mimo_{k}": (H, R, headdim) for k in "xzo"})
-        if ssm_cfg.get("is_outproj_norm"):
-            shapes[p + "mixer.norm.weight"] = (E,)
-        if d_intermediate:
-            hidden = (
-                (d_intermediate + 127) // 128 * 128
-            )  # GatedMLP rounds its hidden width up to 128
-            shapes.update(
-                {
-                    p + "norm2.weight": (d,),
-                    p + "mlp.fc1.weight": (2 * hidden, d),
-                    p + "mlp.fc2.weight": (d, hidden),
-                }
-            )
-    state = {k: 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
-    state["lm_head.weight"] = state["backbone.embedding.weight"]
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    torch.save(state, folder / "pytorch_model.bin")
-    return state
-
-
 @pytest.mark.parametrize(
     "ssm_cfg, d_intermediate",
     [
@@ -180,7 +114,12 @@ def write_mamba3_checkpoint(folder, ssm_cfg: dict, d_intermediate: int = 0) -> d
     ],
 )
 def test_mamba_ssm_checkpoint_loads_with_its_defaults(tmp_path, ssm_cfg, d_intermediate):
-    state = write_mamba3_checkpoint(tmp_path / "ms", ssm_cfg, d_intermediate)
+    state = write_mamba_ssm_checkpoint(
+        tmp_path / "ms",
+        {"layer": "Mamba3", **ssm_cfg},
+        pad_vocab_size_multiple=16,
+        d_intermediate=d_intermediate,
+    )
     model = ssmkit.from_pretrained(tmp_path / "ms")
     assert model.config.mixers == ["mamba3", "mamba3"]
     assert model.config.d_intermediate == d_intermediate

@@ -469,7 +469,10 @@ def cli_main_exit(argv) -> int:
             "activation_checkpointing must be true or false; got 'yes'",
         ),
         (dict(strategy="single", n_gpus=8), "n_gpus=8 needs strategy ddp or fsdp"),
-        (dict(model="tiny-zamba2"), "a zamba2 config is not modelled"),
+        (
+            dict(model="tiny-zamba2"),
+            "a zamba2 config (its shared attention blocks) is not modelled",
+        ),
         (dict(model="configs/missing.yaml"), "config file configs/missing.yaml does not exist"),
     ],
 )

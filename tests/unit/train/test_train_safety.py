@@ -19,11 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    losses,
-    small,
-)  # tests/helpers.py; the `shards` fixture is in tests/conftest.py
+from helpers import ROOT, copy_run, losses, small  # the fixtures (shards, ...): tests/conftest.py
 
 from ssmkit.io import LockError
 from ssmkit.train import TrainConfig, Trainer, checkpoint, safe_load
@@ -152,9 +148,9 @@ def test_stale_temporaries_are_cleaned_at_start(tmp_path, shards):
 
 
 # --- overwrite ------------------------------------------------------------------------------------
-def _old_run(tmp_path, shards):
-    Trainer(config=small(tmp_path, shards, max_steps=2)).fit()
-    return _files(tmp_path / "run")
+def _old_run(tmp_path, trained_run):
+    """A finished 2-step run in tmp_path / "run" (a copy of conftest's): its files, by name."""
+    return _files(copy_run(trained_run, tmp_path))
 
 
 def _files(run):
@@ -185,8 +181,10 @@ class Boom(torch.nn.Module):
         return self.inner(x).logits
 
 
-def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, shards):
-    before = _old_run(tmp_path, shards)
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(
+    tmp_path, shards, trained_run
+):
+    before = _old_run(tmp_path, trained_run)
     aside = []
 
     class Probe:  # after step 1, before the boom
@@ -211,8 +209,10 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000003"]
 
 
-def test_a_killed_overwrite_gives_the_old_run_back_at_the_next_start(tmp_path, shards, monkeypatch):
-    before = _old_run(tmp_path, shards)
+def test_a_killed_overwrite_gives_the_old_run_back_at_the_next_start(
+    tmp_path, shards, trained_run, monkeypatch
+):
+    before = _old_run(tmp_path, trained_run)
     new = Trainer(config=small(tmp_path, shards, max_steps=4, overwrite=True))
     monkeypatch.setattr(checkpoint, "_commit_point", crash_at("written"))
     with pytest.raises(Killed):
