@@ -46,10 +46,10 @@ MARKER = re.compile(
 LANGUAGES = ("python", "bash", "text")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
-# cpu-tiny's steps cut from 16 windows of 256 tokens to 2 (its 50K-row LM head is most of a step),
-# and one validation batch instead of 8: what a command shows is the same, in seconds instead of
-# minutes
-TINY = "--set batch_tokens=512 --set micro_batch=2 --set eval_batches=1"
+# cpu-tiny's steps cut from 16 windows of 256 tokens to 2, one validation batch instead of 8, and
+# the byte tokenizer (GPT-2's 50K-row LM head is most of a CPU step, and its tokenization of the
+# corpus most of a first run): what a command shows is the same, in seconds instead of minutes
+TINY = "--set batch_tokens=512 --set micro_batch=2 --set eval_batches=1 --set tokenizer=byte"
 
 # What a `uses PATH` marker may name: the command that makes it, run once per session in a fresh
 # clone
@@ -83,6 +83,7 @@ SMALL = [
         "docs/training.md",
         'overrides=["max_steps=50", "out_dir=runs/try"]',
         'overrides=["max_steps=2", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+        '"tokenizer=byte", '
         '"out_dir=runs/try"]',
         "2 small steps (TINY) instead of 50",
     ),
@@ -90,6 +91,7 @@ SMALL = [
         "docs/training.md",
         'overrides=["max_steps=60", "out_dir=runs/try"]',
         'overrides=["max_steps=4", "batch_tokens=512", "micro_batch=2", "eval_batches=1", '
+        '"tokenizer=byte", '
         '"out_dir=runs/try"]',
         "resumes the 2-step run above and stops at step 4 instead of 60",
     ),
