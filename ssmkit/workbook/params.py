@@ -61,6 +61,7 @@ from .cells import pick_device, run_config_names, unknown_run_config
 from .notebooks import PROJECT_ROOT, WorkbookError, declared_parameters
 
 __all__ = [
+    "DEVICE",
     "Param",
     "Parameters",
     "check_data",
@@ -300,6 +301,13 @@ def check_device(value, name: str = "device") -> str:
     """A device that exists here, ``"auto"`` resolved
     (:func:`~ssmkit.workbook.cells.pick_device`)."""
     return pick_device(value)
+
+
+# the device parameter, the same in every notebook
+DEVICE = Param(
+    "device", "auto", check_device,
+    '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
+)  # fmt: skip
 
 
 def train_keys() -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ... import checks
 from ..cells import train_config
-from ..params import Param, Parameters, check_data, check_device, check_out_dir, check_run_config
+from ..params import DEVICE, Param, Parameters, check_data, check_out_dir, check_run_config
 
 __all__ = ["PARAMETERS", "run_config_info", "system_info"]
 
@@ -28,8 +28,7 @@ PARAMETERS = Parameters(
     Param("max_tokens", 1_200_000,     checks.integer,
           "token budget of a training run; here it sizes disk and compute",
           minimum=1, whole_floats=True),
-    Param("device",     "auto",        check_device,
-          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    DEVICE,
     Param("out_dir",    "../runs/lab/00_setup", check_out_dir,
           "metrics.json goes here (a relative path starts at notebooks/, always)"),
     Param("seed",       0,             checks.integer,

@@ -23,10 +23,10 @@ from ... import checks
 from ...models import SSM_MIXERS
 from ...train.config import CHOICES
 from ..params import (
+    DEVICE,
     Param,
     Parameters,
     check_data,
-    check_device,
     check_out_dir,
     check_overrides,
     check_run_config,
@@ -46,8 +46,7 @@ PARAMETERS = Parameters(
           '"gpt2" (the plan\'s), or "bpe-8192": a byte-level BPE trained on `data`'),
     Param("max_tokens", 250_000,       checks.integer,
           "training tokens for each model; the plan: 10_000_000_000", minimum=1, whole_floats=True),
-    Param("device",     "auto",        check_device,
-          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    DEVICE,
     Param("precision",  "fp32",        checks.choice,
           '"fp32" on CPU; "bf16" on A100/H100 (autocast, fp32 master weights)',
           valid=CHOICES["precision"]),

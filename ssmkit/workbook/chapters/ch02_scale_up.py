@@ -42,10 +42,10 @@ from ..cells import rounded
 from ..launch import launch_train
 from ..notebooks import PROJECT_ROOT, WorkbookError
 from ..params import (
+    DEVICE,
     Param,
     Parameters,
     check_data,
-    check_device,
     check_out_dir,
     check_overrides,
     check_run_config,
@@ -147,8 +147,7 @@ PARAMETERS = Parameters(
           "beyond: d_model of the scaling sweep's models", minimum=8, ascending=True),
     Param("scaling_tokens", 24_576,        checks.integer,
           "beyond: training tokens of each of them", minimum=1, whole_floats=True),
-    Param("device",         "auto",        check_device,
-          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    DEVICE,
     Param("overrides",      {"eval_batches": 2}, check_overrides,
           "more TrainConfig keys for every run: here 2 micro-batches per evaluation; a recipe's "
           "keys arrive here (-f params/gpu-8xa100.yaml)"),

@@ -31,10 +31,10 @@ from ...models.config import GROUP_FIELDS
 from ...train import train_on_task
 from ..cells import pick_device, rounded
 from ..params import (
+    DEVICE,
     Param,
     Parameters,
     check_data,
-    check_device,
     check_out_dir,
     check_overrides,
     check_run_config,
@@ -84,8 +84,7 @@ PARAMETERS = Parameters(
           minimum=0, whole_floats=True),
     Param("context_lengths", [256, 1024, 4096, 16384], checks.integers,
           "3.3: lengths timed and evaluated at; GPU: up to 131072", minimum=2, ascending=True),
-    Param("device",          "auto",        check_device,
-          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    DEVICE,
     Param("evals",           4,             checks.integer,
           "3.1: validation points per run", minimum=1, whole_floats=True),
     Param("overrides",       {},            check_overrides,

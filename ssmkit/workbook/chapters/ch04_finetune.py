@@ -27,10 +27,10 @@ from ...eval import summarize_run
 from ..cells import pick_device, train_config
 from ..notebooks import WorkbookError
 from ..params import (
+    DEVICE,
     Param,
     Parameters,
     check_data,
-    check_device,
     check_out_dir,
     check_overrides,
     check_run_config,
@@ -417,8 +417,7 @@ PARAMETERS = Parameters(
     Param("lora_targets", "plan",        check_lora_targets,
           '... and target_modules: "plan" (x_proj, in_proj, out_proj, those the model has; '
           'Mamba-2/3 have no x_proj), or a list, e.g. ["in_proj"]'),
-    Param("device",       "auto",        check_device,
-          '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"'),
+    DEVICE,
     Param("overrides",    {},            check_overrides,
           'more TrainConfig keys for every run, e.g. {"micro_batch": 4}'),
     Param("out_dir",      "../runs/lab/04_lora_finetune", check_out_dir,
