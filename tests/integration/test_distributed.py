@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, small
 
 from ssmkit.data import prepare
 from ssmkit.train import TrainConfig
@@ -31,27 +31,8 @@ def shards(tmp_path_factory):
 
 
 def config(path: Path, shards: Path, **kw) -> Path:
-    cfg = TrainConfig(
-        **{
-            **dict(
-                model="tiny",
-                model_overrides={"d_model": 32, "n_layer": 2},
-                data=str(shards / "train"),
-                val_data=str(shards / "val"),
-                seq_len=32,
-                micro_batch=4,
-                batch_tokens=512,
-                warmup_steps=2,
-                max_steps=4,
-                log_every=1,
-                eval_every=0,
-                eval_batches=2,
-                progress=False,
-                out_dir=str(path / "run"),
-            ),
-            **kw,
-        }
-    )
+    """helpers.small's run (4 steps of 512 tokens) written as a YAML config in ``path``."""
+    cfg = small(path, shards, **{"batch_tokens": 512, "max_steps": 4, "min_lr": 1e-5, **kw})
     path.mkdir(parents=True, exist_ok=True)
     (path / "c.yaml").write_text(cfg.to_yaml())
     return path / "c.yaml"

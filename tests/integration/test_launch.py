@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from helpers import small
 
 from ssmkit.train import TrainConfig
 from ssmkit.workbook import LaunchError, launch
@@ -24,23 +25,8 @@ pytestmark = pytest.mark.slow
 
 
 def tiny(shards, tmp_path, **kw) -> TrainConfig:
-    base = dict(
-        model="tiny",
-        model_overrides={"d_model": 32, "n_layer": 2},
-        data=str(shards / "train"),
-        val_data=str(shards / "val"),
-        seq_len=32,
-        micro_batch=4,
-        batch_tokens=512,
-        warmup_steps=2,
-        max_steps=4,
-        log_every=1,
-        eval_every=0,
-        eval_batches=2,
-        progress=False,
-        out_dir=str(tmp_path / "run"),
-    )
-    return TrainConfig(**{**base, **kw})
+    """helpers.small with 4 steps of 512 tokens (2 micro-batches of 4 x 32 per rank at 2 ranks)."""
+    return small(tmp_path, shards, **{"batch_tokens": 512, "max_steps": 4, "min_lr": 1e-5, **kw})
 
 
 def test_two_processes_return_the_runs_metrics(shards, tmp_path, capsys):

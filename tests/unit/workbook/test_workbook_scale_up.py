@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import check_parameters
+from helpers import check_parameters, small
 
 from ssmkit.data import TokenLoader, read_mds
 from ssmkit.eval import summarize_run
@@ -20,23 +20,8 @@ from ssmkit.workbook.chapters import ch02_scale_up
 
 
 def tiny_cfg(shards, tmp_path, **kw) -> TrainConfig:
-    base = dict(
-        model="tiny",
-        model_overrides={"d_model": 32, "n_layer": 2},
-        data=str(shards / "train"),
-        val_data=str(shards / "val"),
-        seq_len=32,
-        micro_batch=4,
-        batch_tokens=256,
-        warmup_steps=2,
-        max_steps=6,
-        log_every=1,
-        eval_every=0,
-        eval_batches=2,
-        progress=False,
-        out_dir=str(tmp_path / "run"),
-    )
-    return TrainConfig(**{**base, **kw})
+    """helpers.small with TrainConfig's default floor of the schedule."""
+    return small(tmp_path, shards, **{"min_lr": 1e-5, **kw})
 
 
 def fake_run(losses, nproc=1, val=None, **extra):
