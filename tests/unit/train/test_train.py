@@ -407,7 +407,15 @@ def test_cpu_training_reuses_freed_memory():
 
 
 @pytest.mark.slow
-def test_torch_compile_gives_the_eager_losses(tmp_path, shards):
+def test_torch_compile_gives_the_eager_losses(tmp_path, shards, monkeypatch):
+    """compile=True runs the steps through torch.compile's wrapper, with the eager losses. Compiled
+    with the aot_eager backend: dynamo's graph capture and AOT autograd, as inductor sees them, but
+    not inductor's C++ code generation (minutes on a cold cache, and torch's to test; the compiled
+    scan's tests in tests/unit/ops run inductor on ssmkit's ops)."""
+    real = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda model, **kw: real(model, backend="aot_eager", **kw)
+    )
     # 16-token windows: dynamo unrolls the scan's loop over time, so the compile grows with seq_len
     short = dict(max_steps=3, seq_len=16, batch_tokens=128)
     eager = losses(Trainer(config=small(tmp_path / "a", shards, **short)).fit())
