@@ -43,6 +43,7 @@ from .mamba3_ref import (
     step,
 )
 from .packing import cu_seqlens, resets
+from .precision import wide_dtype, widen
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -62,7 +63,11 @@ def _angles(angles, dt, start, Q, reset=None):
     pad = (-L) % Q
     turn = F.pad(angle_increments(angles, dt), (0, 0, 0, 0, 0, pad))
     local = rearrange(turn, "b (c l) h s -> b c l h s", l=Q).cumsum(dim=2)
-    carry = torch.zeros(b, h, S, device=angles.device) if start is None else start.float()
+    carry = (
+        torch.zeros(b, h, S, dtype=wide_dtype(angles), device=angles.device)
+        if start is None
+        else widen(start)
+    )
     if reset is not None:
         return _angles_packed(
             local, carry, rearrange(F.pad(reset, (0, pad)), "b (c l) -> b c l", l=Q), L
@@ -128,7 +133,7 @@ def mamba3_chunked(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
     pad = (-L) % Q
     pairwise = mimo_x is None
-    dt, lam = dt.float(), torch.sigmoid(trap.float())
+    dt, lam = widen(dt), torch.sigmoid(widen(trap))
     reset = None if seq_idx is None else resets(seq_idx)  # (b, L): a sample starts at t
     theta, last_angle = _angles(
         angles, dt, None if initial_states is None else initial_states[0], Q, reset
@@ -145,11 +150,11 @@ def mamba3_chunked(
         prev = prev.masked_fill(reset[..., None], 0.0)  # a sample's first step: no x_{t-1}
     scale = gamma + F.pad(prev[:, 1:], (0, 0, 0, 1))  # w_{ts}, s < t (0 after the end)
     if initial_states is None:
-        h0 = x.new_zeros(b, h, p, B.shape[4], dtype=torch.float32)
+        h0 = x.new_zeros(b, h, p, B.shape[4], dtype=wide_dtype(x))
     else:  # the previous call's last input enters at our first step, decayed with it
         _, ssm0, k0, v0 = initial_states
-        h0 = ssm0.float() + prev[:, 0, :, None, None] * torch.einsum(
-            "brhp,brhn->bhpn", project(v0, mimo_x), k0.float()
+        h0 = widen(ssm0) + prev[:, 0, :, None, None] * torch.einsum(
+            "brhp,brhn->bhpn", project(v0, mimo_x), widen(k0)
         )
         if reset is not None:  # the initial state is sample 0's
             h0 = h0 * (~reset[:, 0]).float()[:, None, None, None]
@@ -163,7 +168,7 @@ def mamba3_chunked(
         return rearrange(F.pad(t, (0, 0, 0, pad)), "b (c l) h -> b h c l", l=Q)
 
     qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    cum = per_step(A.float() * dt).cumsum(dim=-1)  # Σ log α within the chunk
+    cum = per_step(widen(A) * dt).cumsum(dim=-1)  # Σ log α within the chunk
     sc, gm = per_step(scale), per_step(gamma)
     ranks = lambda t: t.repeat_interleave(r, dim=-1) if r > 1 else t  # noqa: E731 (per step -> per (l r))
     if (
@@ -212,7 +217,7 @@ def mamba3_chunked(
     y = finish(y, v, D, z, mimo_z, mimo_o, siso=pairwise).to(x.dtype)
     if not return_final_states:
         return y
-    return y, Mamba3States(last_angle, hc, k[:, -1], x[:, -1].float())
+    return y, Mamba3States(last_angle, hc, k[:, -1], widen(x[:, -1]))
 
 
 def mamba3_quadratic(x, dt, A, trap, B, C, angles, B_bias, C_bias, chunk_size=None, **kwargs):
@@ -334,12 +339,12 @@ def _kernels(
     cu=None,
 ):
     """The kernel calls of :func:`mamba3_cuda`; ``cu``: the varlen cu_seqlens (batch 1) or None."""
-    dt = dt.float()
+    dt = widen(dt)
     common = dict(
-        ADT=_heads_first(A.float() * dt),
+        ADT=_heads_first(widen(A) * dt),
         DT=_heads_first(dt),
         Trap=_heads_first(trap),
-        Angles=angles.float(),
+        Angles=widen(angles),
         D=D,
         Z=z,
         chunk_size=chunk_size,
@@ -515,7 +520,7 @@ def mamba3_step(
     angle, ssm, k_state, v_state = states
     h = x.shape[1]
     pairwise = mimo_x is None
-    dt, A, lam = dt.float(), A.float(), torch.sigmoid(trap.float())
+    dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
     Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
     turn = angle_increments(angles, dt)
     name = _backend.select("mamba3_step", ssm, backend=backend)
@@ -558,7 +563,7 @@ def mamba3_step(
         v_state.copy_(x)
         return out
     y, xr, new = step(
-        Mamba3States(angle.float(), ssm.float(), k_state.float(), v_state.float()),
+        Mamba3States(widen(angle), widen(ssm), widen(k_state), widen(v_state)),
         x,
         dt,
         A,

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import check_seq_idx, resets
+from .precision import wide_dtype, widen
 
 TWO_PI = 2 * math.pi
 A_ACTIVATIONS = ("heavy_tail", "softplus")
@@ -114,21 +115,21 @@ def rotate(v: torch.Tensor, theta: torch.Tensor, pairwise: bool, cos_sin=None) -
 def angle_increments(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
     """π tanh(θ̇_t) Δ_t: how far each angle turns at step t. angles (..., nheads, S), dt (...,
     nheads)."""
-    return torch.tanh(angles.float()) * math.pi * dt.float()[..., None]
+    return torch.tanh(widen(angles)) * math.pi * widen(dt)[..., None]
 
 
 def heads(M: torch.Tensor, nheads: int, bias: torch.Tensor) -> torch.Tensor:
     """(..., rank, ngroups, dstate) -> (..., rank, nheads, dstate) in fp32: each head reads its
     group's vector, plus its own bias (nheads, rank, dstate)."""
-    M = M.float().repeat_interleave(nheads // M.shape[-2], dim=-2)
-    return M + bias.float().transpose(0, 1)
+    M = widen(M).repeat_interleave(nheads // M.shape[-2], dim=-2)
+    return M + widen(bias).transpose(0, 1)
 
 
 def project(x: torch.Tensor, mimo_x: torch.Tensor | None) -> torch.Tensor:
     """x (..., nheads, headdim) -> the rank inputs (..., rank, nheads, headdim): x ⊙ mimo_x[r]
     (SISO: x)."""
-    x = x.float()[..., None, :, :]
-    return x if mimo_x is None else x * mimo_x.float().transpose(0, 1)
+    x = widen(x)[..., None, :, :]
+    return x if mimo_x is None else x * widen(mimo_x).transpose(0, 1)
 
 
 def finish(y, v, D, z, mimo_z, mimo_o, siso: bool):
@@ -137,13 +138,13 @@ def finish(y, v, D, z, mimo_z, mimo_o, siso: bool):
     the rank outputs summed with weights mimo_o[r] (MIMO; without mimo_o they are returned as they
     are, (..., rank, nheads, headdim))."""
     if D is not None:
-        y = y + v * D.float()[:, None]
+        y = y + v * widen(D)[:, None]
     if z is not None:
-        zr = z.float()[..., None, :, :]
-        y = y * F.silu(zr if mimo_z is None else zr * mimo_z.float().transpose(0, 1))
+        zr = widen(z)[..., None, :, :]
+        y = y * F.silu(zr if mimo_z is None else zr * widen(mimo_z).transpose(0, 1))
     if siso:
         return y.squeeze(-3)
-    return y if mimo_o is None else (y * mimo_o.float().transpose(0, 1)).sum(dim=-3)
+    return y if mimo_o is None else (y * widen(mimo_o).transpose(0, 1)).sum(dim=-3)
 
 
 def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx=None):
@@ -188,7 +189,7 @@ def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, 
 def zero_states(x: torch.Tensor, rank: int, dstate: int, nangles: int) -> Mamba3States:
     """The state before the first token: no angle, no memory, no previous input (fp32)."""
     b, h, p = x.shape[0], x.shape[-2], x.shape[-1]
-    new = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=x.device)  # noqa: E731
+    new = lambda *shape: torch.zeros(shape, dtype=wide_dtype(x), device=x.device)  # noqa: E731
     return Mamba3States(
         new(b, h, nangles), new(b, h, p, dstate), new(b, rank, h, dstate), new(b, h, p)
     )
@@ -216,7 +217,7 @@ def step(states: Mamba3States, x, dt, A, lam, Bh, Ch, turn, mimo_x, pairwise: bo
         + gamma[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr, k)
     )
     y = torch.einsum("bhpn,brhn->brhp", h, q)  # y_t = h_t q_t (each rank)
-    return y, xr, Mamba3States(angle, h, k, x.float())
+    return y, xr, Mamba3States(angle, h, k, widen(x))
 
 
 def mamba3_reference(
@@ -247,13 +248,13 @@ def mamba3_reference(
     check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
     h, r, n = x.shape[2], B.shape[2], B.shape[4]
     pairwise = mimo_x is None
-    dt, A, lam = dt.float(), A.float(), torch.sigmoid(trap.float())
+    dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
     Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
     turn = angle_increments(angles, dt)
     states = (
         zero_states(x[:, 0], r, n, angles.shape[3])
         if initial_states is None
-        else Mamba3States(*(s.float() for s in initial_states))
+        else Mamba3States(*(widen(s) for s in initial_states))
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
     ys = []

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from . import backend as _backend
 from . import compiled as _compiled
 from .packing import check_seq_idx, resets
+from .precision import wide_dtype, widen
 
 
 def _check(u, delta, A, B, C, initial_state, seq_idx=None):
@@ -88,9 +89,9 @@ def _grouped(M: torch.Tensor) -> torch.Tensor:
 
 
 def _discretize_delta(delta, delta_bias, delta_softplus):
-    delta = delta.float()
+    delta = widen(delta)
     if delta_bias is not None:
-        delta = delta + delta_bias.float()[:, None]
+        delta = delta + widen(delta_bias)[:, None]
     if delta_softplus:
         delta = F.softplus(delta)  # threshold 20, as the CUDA kernel
     return delta
@@ -98,9 +99,9 @@ def _discretize_delta(delta, delta_bias, delta_softplus):
 
 def _skip_and_gate(y, u, D, z):
     if D is not None:
-        y = y + u.float() * D.float()[:, None]
+        y = y + widen(u) * widen(D)[:, None]
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(widen(z))
     return y
 
 
@@ -131,13 +132,13 @@ def selective_scan_reference(
     _check(u, delta, A, B, C, initial_state, seq_idx)
     batch, dim, seqlen = u.shape
     delta = _discretize_delta(delta, delta_bias, delta_softplus)
-    Bg, Cg = _grouped(B).float(), _grouped(C).float()
+    Bg, Cg = widen(_grouped(B)), widen(_grouped(C))
     heads_per_group = dim // Bg.shape[1]
     # give every channel its group's B_t and C_t: (batch, dim, dstate, seqlen)
     Bd = Bg.repeat_interleave(heads_per_group, dim=1)
     Cd = Cg.repeat_interleave(heads_per_group, dim=1)
-    A, x = A.float(), u.float()
-    h = x.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.float()
+    A, x = widen(A), widen(u)
+    h = x.new_zeros(batch, dim, A.shape[1]) if initial_state is None else widen(initial_state)
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
     ys = []
     for t in range(seqlen):
@@ -401,22 +402,22 @@ def selective_scan_torch(
     anywhere)."""
     _check(u, delta, A, B, C, initial_state, seq_idx)
     batch, dim, _ = u.shape
-    f = lambda t: None if t is None else t.float()  # noqa: E731
+    f = lambda t: None if t is None else widen(t)  # noqa: E731
     h0 = (
-        u.new_zeros(batch, dim, A.shape[1], dtype=torch.float32)
+        u.new_zeros(batch, dim, A.shape[1], dtype=wide_dtype(u))
         if initial_state is None
-        else initial_state.float()
+        else widen(initial_state)
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # (b, L)
     fn = (
         _compiled.CompiledScanFn if _compiled.enabled() else SelectiveScanFn
     )  # opt-in: compiled chunks
     y, h = fn.apply(
-        u.float(),
-        delta.float(),
-        A.float(),
-        _grouped(B).float(),
-        _grouped(C).float(),
+        widen(u),
+        widen(delta),
+        widen(A),
+        widen(_grouped(B)),
+        widen(_grouped(C)),
         f(D),
         f(z),
         f(delta_bias),
@@ -478,7 +479,7 @@ def selective_scan_cuda(
     )
     if return_final_state:
         y, h = out
-        return y, h.float()
+        return y, widen(h)
     return out
 
 

@@ -44,6 +44,7 @@ from einops import rearrange
 from . import backend as _backend
 from . import compiled as _compiled
 from .packing import check_seq_idx, resets, segments
+from .precision import widen
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -96,9 +97,9 @@ def _check(x, dt, A, B, C, initial_states, seq_idx=None):
 def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
     """Δ = clamp(softplus(dt + dt_bias), *dt_limit) in fp32, as the official kernels.
     (batch, seqlen, nheads)."""
-    dt = dt.float()
+    dt = widen(dt)
     if dt_bias is not None:
-        dt = dt + dt_bias.float()
+        dt = dt + widen(dt_bias)
     if dt_softplus:
         dt = F.softplus(dt)  # threshold 20, as the kernels
     if tuple(dt_limit) != (0.0, math.inf):
@@ -109,17 +110,17 @@ def discretize_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf))
 def _heads_view(M, nheads):
     """(batch, L, ngroups, dstate) -> (batch, L, nheads, dstate): each head sees its group's
     vector."""
-    return M.float().repeat_interleave(nheads // M.shape[2], dim=2)
+    return widen(M).repeat_interleave(nheads // M.shape[2], dim=2)
 
 
 def _skip_and_gate(y, x, D, z):
     """y + D x, then y * silu(z). y, x, z: (batch, L, nheads, headdim); D: (nheads,) or (nheads,
     headdim)."""
     if D is not None:
-        Dv = D.float() if D.dim() == 2 else D.float()[:, None]
-        y = y + x.float() * Dv
+        Dv = widen(D) if D.dim() == 2 else widen(D)[:, None]
+        y = y + widen(x) * Dv
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(widen(z))
     return y
 
 
@@ -149,16 +150,16 @@ def ssd_reference(
     _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
+    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), widen(x)
     h = (
         xf.new_zeros(batch, nheads, headdim, B.shape[3])
         if initial_states is None
-        else initial_states.float()
+        else widen(initial_states)
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0: a new sample starts at t
     ys = []
     for t in range(seqlen):
-        a = torch.exp(dt[:, t] * A.float())  # a_t: (batch, nheads)
+        a = torch.exp(dt[:, t] * widen(A))  # a_t: (batch, nheads)
         if keep is not None:
             h = keep[:, t, None, None, None] * h
         h = a[:, :, None, None] * h + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
@@ -207,8 +208,8 @@ def ssd_quadratic(
     _check(x, dt, A, B, C, initial_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), x.float()
-    logA = rearrange(dt * A.float(), "b l h -> b h l")  # log a_t
+    Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), widen(x)
+    logA = rearrange(dt * widen(A), "b l h -> b h l")  # log a_t
     L = torch.exp(segsum(logA))  # (b, h, t, s)
     decay_from_start = torch.exp(torch.cumsum(logA, dim=-1))  # prod_{k<=t} a_k
     if seq_idx is not None:
@@ -218,14 +219,14 @@ def ssd_quadratic(
     scores = torch.einsum("bthn,bshn->bhts", Ch, Bh)  # C_t · B_s
     y = torch.einsum("bhts,bsh,bshp->bthp", L * scores, dt, xf)
     if initial_states is not None:
-        y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, Ch, initial_states.float())
+        y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, Ch, widen(initial_states))
     y = _skip_and_gate(y, x, D, z).to(x.dtype)
     if not return_final_states:
         return y
     decay_to_end = L[:, :, -1, :]  # prod_{s<k<=L} a_k
     h = torch.einsum("bhs,bsh,bshp,bshn->bhpn", decay_to_end, dt, xf, Bh)
     if initial_states is not None:
-        h = h + decay_from_start[:, :, -1, None, None] * initial_states.float()
+        h = h + decay_from_start[:, :, -1, None, None] * widen(initial_states)
     return y, h
 
 
@@ -266,15 +267,15 @@ def ssd_chunked(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     pad = (-seqlen) % Q  # padded steps have Δ = 0: no input, no decay
-    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad))
+    xf = F.pad(widen(x), (0, 0, 0, 0, 0, pad))
     dt_p = F.pad(dt, (0, 0, 0, pad))
-    Bf = F.pad(B.float(), (0, 0, 0, 0, 0, pad))
-    Cf = F.pad(C.float(), (0, 0, 0, 0, 0, pad))
+    Bf = F.pad(widen(B), (0, 0, 0, 0, 0, pad))
+    Cf = F.pad(widen(C), (0, 0, 0, 0, 0, pad))
     # chunks: c = chunk index, l / s = position in chunk, g = group, h = head in group
     xc = rearrange(xf * dt_p[..., None], "b (c l) (g h) p -> b c l g h p", l=Q, g=ngroups)  # Δ x
     Bc = rearrange(Bf, "b (c l) g n -> b c l g n", l=Q)
     Cc = rearrange(Cf, "b (c l) g n -> b c l g n", l=Q)
-    logA = rearrange(dt_p * A.float(), "b (c l) (g h) -> b g h c l", l=Q, g=ngroups)
+    logA = rearrange(dt_p * widen(A), "b (c l) (g h) -> b g h c l", l=Q, g=ngroups)
     cum = torch.cumsum(logA, dim=-1)  # within-chunk prefix
     if (
         seq_idx is not None
@@ -312,7 +313,7 @@ def ssd_chunked(
     h = (
         xf.new_zeros(batch, ngroups, nheads // ngroups, headdim, dstate)
         if initial_states is None
-        else rearrange(initial_states.float(), "b (g h) p n -> b g h p n", g=ngroups)
+        else rearrange(widen(initial_states), "b (g h) p n -> b g h p n", g=ngroups)
     )
     # unbind, not states[:, c]: the backward of an indexed slice writes a zero tensor of the whole
     # input, which over c chunks is O(c^2) memory traffic; unbind's backward is one stack.
