@@ -42,8 +42,9 @@ LAYERS = {
     "train": 7,       # config, optimizer, trainer loop, checkpoints, distributed
     "workbook": 8,    # what notebook cells call; the papermill runner
     "demo": 8,        # the no-training demo (`ssmkit demo`)
-    "cli": 9,         # `ssmkit ...`: may call every layer
-    "__main__": 10,   # `python -m ssmkit` -> cli
+    "papers": 9,      # the companion notes' claims and what each note calls (uses workbook.params)
+    "cli": 10,        # `ssmkit ...`: may call every layer
+    "__main__": 11,   # `python -m ssmkit` -> cli
 }
 # fmt: on
 # ssmkit/__init__.py is the facade: the public API, re-exporting from every layer (the heavy ones

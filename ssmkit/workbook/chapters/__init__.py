@@ -52,22 +52,25 @@ def _parameters_cell(nb: dict, path) -> dict:
     return cells[0]
 
 
-def parameters_cell(notebook) -> tuple[str, str]:
-    """(the notebook's parameters cell as it is, as its chapter declares it)."""
+def parameters_cell(notebook, chapter=None) -> tuple[str, str]:
+    """(the notebook's parameters cell as it is, as its chapter declares it). ``chapter``: the
+    module declaring ``PARAMETERS`` (default :func:`chapter_of` the notebook; a paper's note
+    passes its own, :func:`ssmkit.papers.note_of`)."""
     path = Path(notebook)
     cell = _parameters_cell(read_notebook(path), path)
-    return cell_source(cell), chapter_of(path).PARAMETERS.cell()
+    return cell_source(cell), (chapter or chapter_of(path)).PARAMETERS.cell()
 
 
-def write_parameters_cell(notebook) -> bool:
-    """Rewrite the notebook's parameters cell from its chapter's declaration, keeping the rest of
-    the file (written as nbformat does: keys sorted, indent 1). True if it changed."""
+def write_parameters_cell(notebook, chapter=None) -> bool:
+    """Rewrite the notebook's parameters cell from its chapter's declaration (``chapter`` as in
+    :func:`parameters_cell`), keeping the rest of the file (written as nbformat does: keys sorted,
+    indent 1). True if it changed."""
     from ...io import write_atomically
 
     path = Path(notebook)
     nb = read_notebook(path)
     cell = _parameters_cell(nb, path)
-    text = chapter_of(path).PARAMETERS.cell()
+    text = (chapter or chapter_of(path)).PARAMETERS.cell()
     if cell_source(cell) == text:
         return False
     cell["source"] = text.splitlines(keepends=True)
