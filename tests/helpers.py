@@ -107,3 +107,51 @@ def check_parameters(chapter, tmp_path, **changes) -> dict:
     default would create ../runs/lab/... in the checkout) and device cpu."""
     values = {**chapter.PARAMETERS.defaults(), "out_dir": str(tmp_path), "device": "cpu", **changes}
     return chapter.PARAMETERS.check(values)
+
+
+def one_hot_logits(batch, vocab: int, offset: int = 1) -> torch.Tensor:
+    """Logits of a synthetic ``batch`` whose argmax at position t - offset is the answer at t
+    (offset=1: the right alignment)."""
+    n, L = batch.input_ids.shape
+    logits = torch.zeros(n, L, vocab)
+    rows, cols = batch.answer_mask.nonzero(as_tuple=True)
+    logits[rows, cols - offset, batch.input_ids[rows, cols]] = 1.0
+    return logits
+
+
+def synthetic_corruptions(task, batch, context):
+    """(description, corrupted copy of ``batch``) pairs that a correct checker must reject.
+
+    The first answer (row r, position t) gets a wrong label, a wrong input token, a dropped mask
+    bit; position 0 becomes an answer the inputs do not justify; and ``context(ids, r, t)`` edits
+    row r of a copy of ``input_ids`` in place so that the derived answer changes while labels and
+    the answer tokens keep the old one."""
+    from ssmkit.data import SyntheticBatch
+
+    def copy():
+        return SyntheticBatch(
+            batch.input_ids.clone(), batch.labels.clone(), batch.answer_mask.clone()
+        )
+
+    rows, cols = batch.answer_mask.nonzero(as_tuple=True)
+    r, t = rows[0].item(), cols[0].item()
+    answer, out = batch.input_ids[r, t].item(), []
+    other = answer - 1 if answer > 0 else answer + 1  # another id inside the vocabulary
+    b = copy()
+    b.labels[r, t] = other
+    out.append(("label", b))
+    b = copy()
+    b.input_ids[r, t] = other
+    out.append(("input answer", b))
+    b = copy()
+    b.answer_mask[r, t] = False
+    out.append(("mask", b))
+    b = copy()
+    context(b.input_ids, r, t)
+    assert not torch.equal(b.input_ids, batch.input_ids)  # the edit did something
+    out.append(("context", b))
+    b = copy()
+    b.answer_mask[r, 0] = True
+    b.labels[r, 0] = b.input_ids[r, 0]
+    out.append(("extra answer", b))
+    return out

@@ -1,8 +1,12 @@
-"""Synthetic tasks from the state-space-model literature: seeded, checkable, pure torch.
+"""Synthetic tasks from the state-space-model literature, seeded, checkable, pure torch: the
+selection tasks, and the registry of every task (``TASKS``, ``make_task``).
 
-Three small tasks that test whether a sequence model can *select* and *recall* information
+Three small tasks here test whether a sequence model can *select* and *recall* information
 from its context. A recurrent model has to squeeze the whole past into a fixed-size state,
 so these tasks are where a selective SSM (Mamba) and a plain linear-time-invariant SSM differ.
+Recall at a distance (``associative-recall``, ``passkey``, ``phonebook``) is in
+:mod:`ssmkit.data.synthetic_recall`, state tracking (``parity``, ``modular-arithmetic``) in
+:mod:`ssmkit.data.synthetic_state`; all of them are registered in :data:`TASKS` below.
 
     from ssmkit.data.synthetic import make_task, accuracy, check
     task = make_task("mqar", vocab_size=256, seq_len=128, num_kv_pairs=8)
@@ -86,10 +90,18 @@ from .synthetic_checks import (
     IGNORE_INDEX,
     SyntheticBatch,
     accuracy,
+    associative_recall_answers,
     induction_heads_answers,
+    modular_arithmetic_answers,
     mqar_answers,
+    parity_answers,
+    passkey_answers,
+    phonebook_answers,
     selective_copying_answers,
 )
+from .synthetic_recall import AssociativeRecall, Passkey, Phonebook
+from .synthetic_state import ModularArithmetic, Parity
+from .synthetic_task import _batch, _random_subset, _require_int, _Task, check
 
 __all__ = [
     "IGNORE_INDEX",
@@ -97,6 +109,11 @@ __all__ = [
     "SelectiveCopying",
     "InductionHeads",
     "MQAR",
+    "AssociativeRecall",
+    "Passkey",
+    "Phonebook",
+    "Parity",
+    "ModularArithmetic",
     "TASKS",
     "make_task",
     "accuracy",
@@ -104,77 +121,12 @@ __all__ = [
     "selective_copying_answers",
     "induction_heads_answers",
     "mqar_answers",
+    "associative_recall_answers",
+    "passkey_answers",
+    "phonebook_answers",
+    "parity_answers",
+    "modular_arithmetic_answers",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Shared task machinery (the batch type, checkers and accuracy: ssmkit.data.synthetic_checks)
-# --------------------------------------------------------------------------------------------
-
-
-def _batch(input_ids: torch.Tensor, answer_mask: torch.Tensor) -> SyntheticBatch:
-    labels = torch.where(answer_mask, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    return SyntheticBatch(input_ids=input_ids, labels=labels, answer_mask=answer_mask)
-
-
-def _require_int(task: str, name: str, value, minimum: int) -> None:
-    checks.integer(value, f"{task}: {name}", minimum=minimum)
-
-
-def _generator(seed) -> torch.Generator:
-    return torch.Generator().manual_seed(checks.integer(seed, "seed", minimum=0))
-
-
-def _random_subset(n: int, population: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """(n, k) indices into range(population): per row k distinct ones, uniformly, in random
-    order."""
-    if population < 4 * k:  # dense: the k largest of `population` uniform numbers
-        return torch.rand(n, population, generator=gen).topk(k, dim=1).indices
-    # sparse (e.g. 16 keys out of 4095): draw with repetition, redraw the repeats until none are
-    # left. Relabelling the population maps runs onto equally likely runs, so every ordered k-tuple
-    # of distinct indices is equally likely, as with the dense method, at O(n k^2) instead of O(n
-    # population).
-    draws = torch.randint(population, (n, k), generator=gen)
-    while True:
-        # equals an earlier one
-        repeat = (draws[:, :, None] == draws[:, None, :]).tril(diagonal=-1).any(dim=2)
-        if not repeat.any():
-            return draws
-        draws[repeat] = torch.randint(population, (int(repeat.sum()),), generator=gen)
-
-
-class _Task:
-    """Methods every task shares; subclasses define ``name``, ``_generate`` and ``_answers``."""
-
-    name: ClassVar[str]
-    vocab_size: int
-    seq_len: int
-
-    def sample(self, n: int, seed: int = 0) -> SyntheticBatch:
-        """n sequences drawn with ``torch.Generator().manual_seed(seed)``; see
-        :class:`SyntheticBatch`."""
-        _require_int(type(self).__name__, "n", n, 0)
-        return self._generate(n, _generator(seed))
-
-    def split(
-        self, n_train: int, n_test: int, seed: int = 0
-    ) -> tuple[SyntheticBatch, SyntheticBatch]:
-        """(train, test): ``sample(n_train, 2 * seed)`` and ``sample(n_test, 2 * seed + 1)``.
-
-        Train seeds are even and test seeds odd, so no train set of any split seed shares a
-        random stream with any test set.
-        """
-        _generator(seed)  # validates seed
-        return self.sample(n_train, 2 * seed), self.sample(n_test, 2 * seed + 1)
-
-    def check(self, batch: SyntheticBatch) -> bool:
-        """Same as :func:`check(batch, self) <check>`."""
-        return check(batch, self)
-
-    def _generate(
-        self, n: int, gen: torch.Generator
-    ) -> SyntheticBatch:  # pragma: no cover - abstract
-        raise NotImplementedError
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,6 +154,7 @@ class SelectiveCopying(_Task):
     n_tokens: int = 16
 
     name: ClassVar[str] = "selective-copying"
+    _answers: ClassVar = staticmethod(selective_copying_answers)
     noise_id: ClassVar[int] = 0
     sep_id: ClassVar[int] = 1
     first_data_id: ClassVar[int] = 2
@@ -266,6 +219,7 @@ class InductionHeads(_Task):
     seq_len: int = 256
 
     name: ClassVar[str] = "induction-heads"
+    _answers: ClassVar = staticmethod(induction_heads_answers)
     trigger_id: ClassVar[int] = 0
     first_data_id: ClassVar[int] = 1
 
@@ -328,6 +282,7 @@ class MQAR(_Task):
     power_a: float = 0.01
 
     name: ClassVar[str] = "mqar"
+    _answers: ClassVar = staticmethod(mqar_answers)
     noise_id: ClassVar[int] = 0
 
     def __post_init__(self):
@@ -393,54 +348,22 @@ class MQAR(_Task):
 
 
 # --------------------------------------------------------------------------------------------
-# Checking (each task with its checker), registry
+# Registry
 # --------------------------------------------------------------------------------------------
 
-_CHECKERS = {
-    SelectiveCopying: selective_copying_answers,
-    InductionHeads: induction_heads_answers,
-    MQAR: mqar_answers,
-}
-
-
-def check(batch: SyntheticBatch, task) -> bool:
-    """True iff the batch is a well-formed batch of ``task``.
-
-    The answers are recomputed from ``batch.input_ids`` by the task's checker
-    (:func:`selective_copying_answers`, :func:`induction_heads_answers`, :func:`mqar_answers`)
-    and must equal ``batch.labels`` and the answer tokens in ``input_ids``; ``answer_mask`` must
-    be ``labels != -100``; shapes must be
-    (n, task.seq_len) and token ids inside the vocabulary.
-    """
-    checker = _CHECKERS.get(type(task))
-    if checker is None:
-        raise TypeError(
-            f"no checker for {type(task).__name__}; "
-            f"tasks: {', '.join(t.__name__ for t in _CHECKERS)}"
-        )
-    ids, labels, mask = batch.input_ids, batch.labels, batch.answer_mask
-    if (
-        ids.dim() != 2
-        or ids.shape[1] != task.seq_len
-        or labels.shape != ids.shape
-        or mask.shape != ids.shape
-    ):
-        return False
-    if ids.numel() and (ids.min() < 0 or ids.max() >= task.vocab_size):
-        return False
-    try:
-        expected = checker(ids.cpu(), task)
-    except ValueError:
-        return False
-    answers = expected != IGNORE_INDEX
-    return (
-        torch.equal(expected, labels.cpu())
-        and torch.equal(mask.cpu(), answers)
-        and torch.equal(ids.cpu()[answers], expected[answers])
+TASKS = {
+    task.name: task
+    for task in (
+        SelectiveCopying,
+        InductionHeads,
+        MQAR,
+        AssociativeRecall,
+        Passkey,
+        Phonebook,
+        Parity,
+        ModularArithmetic,
     )
-
-
-TASKS = {"selective-copying": SelectiveCopying, "induction-heads": InductionHeads, "mqar": MQAR}
+}
 
 
 def make_task(name: str, **kwargs):

@@ -26,6 +26,11 @@ __all__ = [
     "selective_copying_answers",
     "induction_heads_answers",
     "mqar_answers",
+    "associative_recall_answers",
+    "passkey_answers",
+    "phonebook_answers",
+    "parity_answers",
+    "modular_arithmetic_answers",
 ]
 
 
@@ -133,6 +138,184 @@ def mqar_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
                     f"token {tok} at position {t} is neither noise nor a key of this sequence"
                 )
         expected.append(labels)
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def _strip_padding(row: list[int], pad_id: int) -> int:
+    """Index of the first token of ``row`` that is not ``pad_id`` (the padding is a prefix)."""
+    start = 0
+    while start < len(row) and row[start] == pad_id:
+        start += 1
+    return start
+
+
+def associative_recall_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: after the noise prefix, pairs (key, value) up to the last two positions; the query
+    at ``seq_len - 2`` is one of their keys, and the last label is its value."""
+    N, K, L = task.num_kv_pairs, task.num_keys, task.seq_len
+    expected = []
+    for row in input_ids.tolist():
+        start = _strip_padding(row, task.noise_id)
+        if start != L - 2 - 2 * N:
+            raise ValueError(f"expected {L - 2 - 2 * N} noise tokens first; found {start}")
+        pairs = row[start : L - 2]
+        keys, values = pairs[0::2], pairs[1::2]
+        if len(set(keys)) != N or not all(1 <= k <= K for k in keys):
+            raise ValueError(f"expected {N} distinct keys (ids 1 .. {K}); found {keys}")
+        if not all(K < v < task.vocab_size for v in values):
+            raise ValueError(f"values must be ids {K + 1} .. {task.vocab_size - 1}; found {values}")
+        query = row[L - 2]
+        if query not in keys:
+            raise ValueError(f"the query {query} at position {L - 2} is not a key of the row")
+        expected.append([IGNORE_INDEX] * (L - 1) + [dict(zip(keys, values))[query]])
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def passkey_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: the query marker sits at ``seq_len - 1 - key_len``; the context before it is filler
+    with one key marker followed by ``key_len`` digits; the labels after the query are those
+    digits."""
+    k, L = task.key_len, task.seq_len
+    c = L - 1 - k  # the query marker's position
+    digits = range(task.first_digit_id, task.first_digit_id + 10)
+    expected = []
+    for row in input_ids.tolist():
+        if row[c] != task.query_id or row.count(task.query_id) != 1:
+            raise ValueError(f"expected the query marker ({task.query_id}) once, at position {c}")
+        if row.count(task.key_id) != 1 or row.index(task.key_id) + k >= c:
+            raise ValueError(
+                f"expected the key marker ({task.key_id}) once, with {k} digits after it before "
+                f"position {c}"
+            )
+        s = row.index(task.key_id)
+        key = row[s + 1 : s + 1 + k]
+        filler = row[:s] + row[s + 1 + k : c]
+        if not all(tok in digits for tok in key) or any(
+            tok < task.first_filler_id for tok in filler
+        ):
+            raise ValueError("the passkey must be digits and the rest of the context filler")
+        expected.append([IGNORE_INDEX] * (c + 1) + key)
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def phonebook_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: after the padding, ``num_entries`` entries (name, number, separator), then the query
+    marker and a name listed exactly once; the labels after it are that entry's number."""
+    a, b, L = task.name_len, task.number_len, task.seq_len
+    w = a + b + 1  # an entry: name, number, separator
+    digits = range(task.first_digit_id, task.first_digit_id + 10)
+    expected = []
+    for row in input_ids.tolist():
+        start = _strip_padding(row, task.pad_id)
+        if start != L - (task.num_entries + 1) * w:
+            raise ValueError(
+                f"expected {L - (task.num_entries + 1) * w} padding tokens first; found {start}"
+            )
+        book = {}
+        for e in range(start, L - w, w):
+            name, number, sep = tuple(row[e : e + a]), row[e + a : e + a + b], row[e + a + b]
+            if (
+                sep != task.sep_id
+                or any(tok < task.first_name_id for tok in name)
+                or not all(tok in digits for tok in number)
+                or name in book
+            ):
+                raise ValueError(f"the entry at position {e} is not a new name, a number and a sep")
+            book[name] = number
+        query = tuple(row[L - w + 1 : L - b])
+        if row[L - w] != task.query_id or query not in book:
+            raise ValueError(
+                f"expected the query marker ({task.query_id}) at position {L - w} and a listed name"
+            )
+        expected.append([IGNORE_INDEX] * (L - b) + book[query])
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def parity_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: after the padding, at least ``min_bits`` bits, then ``=`` at ``seq_len - 2``; the
+    last label is the bit token of the number of ones mod 2."""
+    L, bits = task.seq_len, (task.zero_id, task.one_id)
+    expected = []
+    for row in input_ids.tolist():
+        start = _strip_padding(row, task.pad_id)
+        string = row[start : L - 2]
+        if row[L - 2] != task.eq_id or len(string) < task.min_bits or not set(string) <= set(bits):
+            raise ValueError(
+                f"expected padding, at least {task.min_bits} bits {bits}, then '=' "
+                f"({task.eq_id}) at position {L - 2}"
+            )
+        expected.append([IGNORE_INDEX] * (L - 1) + [bits[string.count(task.one_id) % 2]])
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def modular_arithmetic_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: after the padding, an expression of at least ``min_len`` tokens, then ``=`` at
+    ``seq_len - 2``; the last label is the residue token of its value mod ``modulus``.
+
+    The expression is parsed by recursive descent with the usual precedence (``*`` before ``+``
+    and ``-``, left to right), brackets and unary minus allowed only when ``task.brackets``, and
+    binary operators only from ``task.operators``::
+
+        expr   := term (("+" | "-") term)*
+        term   := factor ("*" factor)*
+        factor := residue | "-" factor | "(" expr ")"
+    """
+    L, m, r0 = task.seq_len, task.modulus, task.first_residue_id
+    symbol = {task.plus_id: "+", task.minus_id: "-", task.times_id: "*"}
+    symbol.update({task.open_id: "(", task.close_id: ")"})
+    expected = []
+    for row in input_ids.tolist():
+        start = _strip_padding(row, task.pad_id)
+        tokens = row[start : L - 2]
+        if row[L - 2] != task.eq_id or len(tokens) < task.min_len:
+            raise ValueError(
+                f"expected padding, an expression of at least {task.min_len} tokens, then '=' "
+                f"({task.eq_id}) at position {L - 2}"
+            )
+        at = 0
+
+        def peek():
+            return symbol.get(tokens[at]) if at < len(tokens) else None
+
+        def expr():
+            nonlocal at
+            value = term()
+            while peek() in ("+", "-") and peek() in task.operators:
+                sign = 1 if peek() == "+" else -1
+                at += 1
+                value += sign * term()
+            return value
+
+        def term():
+            nonlocal at
+            value = factor()
+            while peek() == "*" and "*" in task.operators:
+                at += 1
+                value *= factor()
+            return value
+
+        def factor():
+            nonlocal at
+            if at == len(tokens):
+                raise ValueError("the expression ends where a residue is due")
+            tok = tokens[at]
+            at += 1
+            if r0 <= tok < r0 + m:
+                return tok - r0
+            if task.brackets and tok == task.minus_id:
+                return -factor()
+            if task.brackets and tok == task.open_id:
+                value = expr()
+                if peek() != ")":
+                    raise ValueError("a bracket is not closed")
+                at += 1
+                return value
+            raise ValueError(f"token {tok} at expression position {at - 1} is not a residue")
+
+        value = expr()
+        if at != len(tokens):
+            raise ValueError(f"token {tokens[at]} at expression position {at} is out of place")
+        expected.append([IGNORE_INDEX] * (L - 1) + [r0 + value % m])
     return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
 
 

@@ -1,4 +1,5 @@
-"""Accuracy of a model on the synthetic tasks (selective copying, induction heads, MQAR).
+"""Accuracy of a model on the synthetic tasks of :data:`ssmkit.data.TASKS` (selection, recall, state
+tracking).
 
 The tasks, their batches and the scoring of logits live in :mod:`ssmkit.data.synthetic`; here the
 model runs. The answer at position t is predicted by the logits at t - 1 (next-token prediction):

@@ -8,13 +8,19 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import one_hot_logits
 
 import ssmkit
 from ssmkit.data.synthetic import (
     IGNORE_INDEX,
     MQAR,
     TASKS,
+    AssociativeRecall,
     InductionHeads,
+    ModularArithmetic,
+    Parity,
+    Passkey,
+    Phonebook,
     SelectiveCopying,
     SyntheticBatch,
     accuracy,
@@ -33,7 +39,7 @@ SMALL = {
 ANSWERS_PER_ROW = {"selective-copying": 8, "induction-heads": 1, "mqar": 8}
 
 
-@pytest.fixture(params=list(TASKS))
+@pytest.fixture(params=list(SMALL))  # the selection tasks; the others: test_synthetic_*.py
 def name(request):
     return request.param
 
@@ -41,16 +47,6 @@ def name(request):
 @pytest.fixture
 def task(name):
     return make_task(name, **SMALL[name])
-
-
-def one_hot_logits(batch: SyntheticBatch, vocab: int, offset: int = 1) -> torch.Tensor:
-    """Logits whose argmax at position t - offset is the answer at t (offset=1: the right
-    alignment)."""
-    n, L = batch.input_ids.shape
-    logits = torch.zeros(n, L, vocab)
-    rows, cols = batch.answer_mask.nonzero(as_tuple=True)
-    logits[rows, cols - offset, batch.input_ids[rows, cols]] = 1.0
-    return logits
 
 
 # --- determinism, shapes --------------------------------------------------------------------------
@@ -381,6 +377,11 @@ def test_registry_and_unknown_names():
         "selective-copying": SelectiveCopying,
         "induction-heads": InductionHeads,
         "mqar": MQAR,
+        "associative-recall": AssociativeRecall,
+        "passkey": Passkey,
+        "phonebook": Phonebook,
+        "parity": Parity,
+        "modular-arithmetic": ModularArithmetic,
     }
     assert make_task("mqar", num_kv_pairs=4) == MQAR(num_kv_pairs=4)
     for name, cls in TASKS.items():
@@ -388,7 +389,7 @@ def test_registry_and_unknown_names():
     with pytest.raises(
         ValueError,
         match="unknown synthetic task 'copying'; valid names: selective-copying, "
-        "induction-heads, mqar",
+        "induction-heads, mqar, associative-recall, passkey, phonebook, parity, modular-arithmetic",
     ):
         make_task("copying")
     with pytest.raises(

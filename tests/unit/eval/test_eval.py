@@ -18,10 +18,20 @@ from ssmkit.data import TokenLoader, prepare
 from ssmkit.data.synthetic import (
     IGNORE_INDEX,
     MQAR,
+    AssociativeRecall,
     InductionHeads,
+    ModularArithmetic,
+    Parity,
+    Passkey,
+    Phonebook,
     SelectiveCopying,
+    associative_recall_answers,
     induction_heads_answers,
+    modular_arithmetic_answers,
     mqar_answers,
+    parity_answers,
+    passkey_answers,
+    phonebook_answers,
     selective_copying_answers,
 )
 from ssmkit.eval import measure
@@ -170,11 +180,21 @@ ANSWERS = {
     SelectiveCopying: selective_copying_answers,
     InductionHeads: induction_heads_answers,
     MQAR: mqar_answers,
+    AssociativeRecall: associative_recall_answers,
+    Passkey: passkey_answers,
+    Phonebook: phonebook_answers,
+    Parity: parity_answers,
+    ModularArithmetic: modular_arithmetic_answers,
 }
 TASKS = [
     SelectiveCopying(vocab_size=16, seq_len=64, n_tokens=8),
     InductionHeads(vocab_size=16, seq_len=64),
     MQAR(vocab_size=64, seq_len=64, num_kv_pairs=8),
+    AssociativeRecall(vocab_size=33, seq_len=32),
+    Passkey(seq_len=64, key_len=4),
+    Phonebook(vocab_size=32, seq_len=64),
+    Parity(seq_len=20, min_bits=3),
+    ModularArithmetic(seq_len=20, min_len=1, brackets=True),
 ]
 
 

@@ -31,6 +31,19 @@ def test_train_on_task_learns_recall_above_chance():
     assert result["loss"] < untrained["loss"]
 
 
+def test_train_on_task_solves_single_query_associative_recall():
+    task = make_task("associative-recall", vocab_size=9, seq_len=6)  # 2 pairs: 4 keys, 4 values
+    hybrid = ModelConfig.preset(
+        "tiny", d_model=32, n_layer=2, vocab_size=9, attn_every=2, attn_offset=1
+    )
+    untrained = train_on_task(build_model(hybrid, seed=0), task, steps=1, batch=1, lr=1e-9)
+    result = train_on_task(build_model(hybrid, seed=0), task, steps=100, batch=32, seed=0)
+    # a uniform guess over the 4 values scores 1/4 (loss ln 4); naming one of the row's 2 values
+    # 1/2 (ln 2): above that the model reads the query
+    assert untrained["accuracy"] < 0.3 and untrained["loss"] > math.log(4), untrained
+    assert result["accuracy"] > 0.9 and result["loss"] < math.log(2), result
+
+
 def test_the_recipe_is_warmup_then_a_cosine_to_a_tenth():
     recipe = task_recipe(steps=50, lr=2e-3, warmup=0.1)
     assert recipe.warmup_steps == 5 and recipe.min_lr == pytest.approx(2e-4)
