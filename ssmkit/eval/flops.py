@@ -12,8 +12,22 @@ sharing one B and C), ``nheads`` = H.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+
+def lti_flops(channels: int, d_state: int, seq_len: int) -> float:
+    """Forward FLOPs per token of ``channels`` linear time-invariant SSMs of state size N =
+    ``d_state`` (N/2 complex modes) run as FFT convolutions (:mod:`ssmkit.ops.lti`): per channel
+    two real FFTs of length n = 2L (the input's and the product's inverse; 2.5·n·log₂ n each, half a
+    complex radix-2 FFT) and the complex product (6 per frequency), per token; and the kernel's
+    Vandermonde product, 8 per mode and position, counted once per sequence as if it were batch 1
+    (an upper bound: larger batches share it)."""
+    n = 2 * seq_len
+    per_channel = 2 * 2.5 * n * math.log2(n) / seq_len + 6 * (seq_len + 1) / seq_len
+    return channels * (per_channel + 8 * d_state / 2)
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -24,9 +38,11 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P
     (states). Mamba-3 with chunk Q and MIMO rank R (1 for SISO), per token and head: 2Q·R²·N (q·kᵀ:
     per head, since biases and rotations differ between heads) + 2Q·R²·P + 4R·N·P; its elementwise
-    rotations are not counted. Attention: 12 · (heads · head_dim) · keys per layer, keys = seq_len
-    (a sliding window: at most its size); other models with num_attention_heads: 12 · n_layer ·
-    d_model · seq_len (PaLM, appendix B).
+    rotations are not counted. S4D and H3: their FFT convolutions (:func:`lti_flops`) over S4D's
+    d_inner channels, and over H3's d_model · head_dim entries of k vᵀ (plus the products k vᵀ and
+    qᵀ(...), 3 per entry; the shift SSM is a conv, counted with the matmuls). Attention: 12 ·
+    (heads · head_dim) · keys per layer, keys = seq_len (a sliding window: at most its size); other
+    models with num_attention_heads: 12 · n_layer · d_model · seq_len (PaLM, appendix B).
 
     model: an ssmkit LM (``model.config.mixers`` lists each layer's mixer) or a transformers model;
     seq_len: the training length L (the SSD chunk is min(Q, L); attention costs grow with L).
@@ -47,6 +63,13 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
             elif mixer == "mamba1":
                 m = cfg.mamba1
                 flops += 3 * 9 * m.d_inner(cfg.d_model) * m.d_state
+            elif mixer == "s4d":
+                m = cfg.s4d
+                flops += 3 * lti_flops(m.d_inner(cfg.d_model), m.d_state, seq_len)
+            elif mixer == "h3":
+                m = cfg.h3
+                entries = cfg.d_model * m.head_dim
+                flops += 3 * (lti_flops(entries, m.d_state, seq_len) + 3 * entries)
             elif mixer == "mamba3":  # per head: (q kᵀ and its product with x, per head) + states
                 m = cfg.mamba3
                 q, r = min(m.chunk_size, seq_len), m.mimo_rank if m.is_mimo else 1

@@ -204,7 +204,7 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
     if cfg.zamba2 is not None:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
     kinds = set(cfg.mixers)
-    newer = sorted(kinds & {"mamba2", "mamba3"})
+    newer = sorted(kinds & {"mamba2", "mamba3", "s4d", "h3"})
     if newer:
         raise CheckpointError(
             f"mixer {newer[0]!r}: Jamba's Mamba layers are Mamba-1; save format='mamba_ssm'"

@@ -7,7 +7,9 @@
   ``ssm_cfg`` (``layer`` "Mamba1", "Mamba2" or "Mamba3", the last only in mamba_ssm's source tree
   after its 2.3.2.post1 release), and for hybrids ``attn_layer_idx`` / ``attn_cfg`` (MHA layers) and
   ``d_intermediate`` (a GatedMLP in every block) (:func:`config_from_mamba_ssm`,
-  :func:`config_to_mamba_ssm`);
+  :func:`config_to_mamba_ssm`); ssmkit's own S4D and H3 models are written in this layout too, with
+  ``ssm_cfg.layer`` "S4D" / "H3" (their group's fields beside it): no mamba_ssm release builds
+  those layers, so such a checkpoint loads in ssmkit only;
 * transformers' Jamba (``"jamba"``, :mod:`ssmkit.hub.jamba`) and Zamba2 (``"zamba2"``,
   :mod:`ssmkit.hub.zamba2`), each a module of its own with the config and the tensor names both
   ways.
@@ -209,6 +211,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """A ModelConfig as a transformers config dict (MambaConfig / Mamba2Config)."""
     if cfg.zamba2 is not None:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
+    lti = [m for m in ("s4d", "h3") if m in cfg.mixers]
+    if lti:
+        raise CheckpointError(
+            f"transformers has no {lti[0].upper()} model (mixer {lti[0]!r}); save "
+            "format='mamba_ssm', ssmkit's own layout for it"
+        )
     extras = [
         what
         for what, has in (
@@ -266,7 +274,7 @@ def _jamba_norms(cfg: ModelConfig) -> bool:
     return "mamba1" in cfg.ssm_kinds and cfg.mamba1.mixer_rms_weights
 
 
-_LAYERS = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+_LAYERS = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3", "S4D": "s4d", "H3": "h3"}
 # ssmkit's group fields that are no argument of mamba_ssm's class: FalconMamba's / Jamba's norms on
 # Δ, B, C (refused on save). Mamba3's a_activation is written: mamba_ssm's Mamba3 absorbs unknown
 # keys and applies the heavy-tail activation, the group's default.

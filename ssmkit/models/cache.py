@@ -9,6 +9,9 @@ A Mamba layer keeps two tensors, independent of how many tokens were seen (:clas
 A Mamba-3 layer keeps four (:class:`Mamba3State`): the rotation angle, the state h, and the previous
 token's rotated key and input, which its trapezoid rule mixes into the next step.
 
+An S4D or H3 layer keeps its diagonal SSM's complex state, and H3 also the last inputs of its shift
+SSM (:class:`LTIState`).
+
 An attention layer keeps its keys and values (:class:`KVState`): all of them for full attention
 (memory grows with the sequence), or the last ``window`` of them in a ring buffer for sliding-window
 attention (constant memory, like an SSM).
@@ -43,6 +46,20 @@ class Mamba3State:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass
+class LTIState:
+    """S4D / H3 (:mod:`ssmkit.models.s4d`, :mod:`ssmkit.models.h3`). ``ssm`` is replaced by each
+    step, not written in place, so a step keeps its autograd graph (the tests' second path)."""
+
+    ssm: torch.Tensor  # x, complex64: S4D (batch, H, N/2); H3 (batch, head_dim, head_dim, nheads,
+    # N/2), the outer product k vᵀ of every head, each entry N/2 modes
+    conv: torch.Tensor | None = None  # H3's shift SSM: its last shift_size inputs, (batch, d_model,
+    # shift_size)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ssm, self.conv) if t is not None)
 
 
 class KVState:
@@ -123,7 +140,7 @@ class KVState:
 class InferenceCache:
     layers: list = field(
         default_factory=list
-    )  # a LayerState / Mamba3State / KVState (or a backbone's own)
+    )  # a LayerState / Mamba3State / LTIState / KVState (or a backbone's own)
     seqlen_offset: int = 0  # tokens already folded into the states
 
     @classmethod

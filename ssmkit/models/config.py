@@ -3,8 +3,8 @@
 The top level holds what every model shares, named as mamba_ssm's ``MambaConfig`` (d_model, n_layer,
 vocab_size, pad_vocab_size_multiple, d_intermediate, attn_layer_idx, attn_cfg, rms_norm, ...); each
 SSM mixer's knobs are a group of their own, as mamba_ssm's ``ssm_cfg`` (``mamba1``, ``mamba2``,
-``mamba3``: :mod:`ssmkit.models.ssm_config`), so an official ``config.json`` maps onto it nearly one
-to one:
+``mamba3``, and ``s4d``, ``h3`` for the linear time-invariant mixers:
+:mod:`ssmkit.models.ssm_config`), so an official ``config.json`` maps onto it nearly one to one:
 
     ModelConfig(d_model=768, n_layer=24, vocab_size=50277, mixer="mamba2", mamba2=dict(d_state=64))
     ModelConfig(d_model=768, n_layer=24, vocab_size=50277, mixer="mamba2", d_state=64)  # short
@@ -17,7 +17,9 @@ N = ``d_state``; W = ``d_conv``; R = ``dt_rank`` (Mamba-1); Δ = dt, initialised
 ``dt_max``] and clamped to ``dt_limit`` (Mamba-2); P = ``headdim``; H = ``nheads`` = d_inner / P;
 G = ``ngroups``; Q = ``chunk_size`` (the SSD / Mamba-3 chunk); A = -exp(A_log), A_log's init from
 ``A_init_range`` (Mamba-2); A_t = -max(f(a_t), ``A_floor``), f = ``a_activation`` (Mamba-3);
-R = ``mimo_rank`` (Mamba-3 MIMO).
+R = ``mimo_rank`` (Mamba-3 MIMO); S4D / H3: A from ``init`` (S4D-Lin, -Inv, -LegS or random),
+Ā, B̄ by ``disc`` (zero-order hold or bilinear), H3's heads of ``head_dim`` channels and its shift
+SSM of ``shift_size`` taps.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from .ssm_config import (
     GROUP_FIELDS,
     GROUPS,
     ConfigError,
+    H3Config,
     Mamba1Config,
     Mamba2Config,
     Mamba3Config,
+    S4DConfig,
     _field,
     make_group,
 )
@@ -47,8 +51,12 @@ MIXERS = (
     "mamba3",
     "attn",
     "swa",
+    "s4d",
+    "h3",
 )  # "swa": attention over the last attn_cfg.window_size
-SSM_MIXERS = ("mamba1", "mamba2", "mamba3")  # the state-space mixers; the others attend
+MAMBA_MIXERS = ("mamba1", "mamba2", "mamba3")  # the selective (input-dependent) SSMs
+LTI_MIXERS = ("s4d", "h3")  # the linear time-invariant SSMs: one kernel, an FFT convolution
+SSM_MIXERS = MAMBA_MIXERS + LTI_MIXERS  # the state-space mixers; the others attend
 # mamba_ssm's MHA arguments (modules/mha.py) and their defaults, but causal=True (mamba_ssm's
 # default False trains a model that sees the future) and ssmkit's window_size (Samba's sliding
 # window; None = full).
@@ -134,14 +142,27 @@ def fair_sizes(mixer: str, d_inner: int) -> dict:
     comparable to the other mixers' (the rule of :meth:`ModelConfig.with_mixer`): Mamba-1 N = 16
     (its paper's); Mamba-2 and Mamba-3 N = 128, P = 64 from d_inner 1024 (mamba_ssm's defaults),
     else N = 64, P = 32, so a narrow model keeps several heads (P divides d_inner: fewer channels
-    for a width that is no multiple of 32); their chunk Q = 64, which short sequences barely pad."""
+    for a width that is no multiple of 32); their chunk Q = 64, which short sequences barely pad.
+    S4D: N = 64 (its paper's) from d_inner 1024, else 32, as its parameters per channel (2N + 2)
+    weigh more in a narrow layer. H3 has none: see :meth:`ModelConfig.with_mixer`."""
     if mixer not in SSM_MIXERS:
         raise ValueError(f"mixer={mixer!r} is not an SSM mixer; valid: {', '.join(SSM_MIXERS)}")
+    if mixer == "h3":
+        raise ValueError(_H3_NOT_FAIR)
     if mixer == "mamba1":
         return {"d_state": 16}
     big = d_inner >= 1024
+    if mixer == "s4d":
+        return {"d_state": 64 if big else 32}
     headdim = math.gcd(d_inner, 64 if big else 32)
     return {"d_state": 128 if big else 64, "headdim": headdim, "chunk_size": 64}
+
+
+_H3_NOT_FAIR = (
+    "H3 has no layer of a Mamba layer's size: its q, k, v and output projections are an "
+    "attention layer's (4·d_model², no expand), which the H3 paper pairs with an MLP in every "
+    "block; build it directly, ModelConfig(..., mixer='h3', d_intermediate=4 * d_model)"
+)
 
 
 def _ssm_kinds(mixer, layout) -> list[str]:
@@ -201,7 +222,8 @@ class ModelConfig:
     n_layer: int = 24  # number of blocks
     vocab_size: int = 50277  # tokenizer size (GPT-NeoX for the official models)
     pad_vocab_size_multiple: int = 8  # embedding rows rounded up to this (8 Mamba-1, 16 Mamba-2)
-    mixer: str = "mamba1"  # "mamba1" | "mamba2" | "mamba3" | "attn": every layer's mixer ...
+    mixer: str = "mamba1"  # "mamba1" | "mamba2" | "mamba3" | "s4d" | "h3" | "attn": every layer's
+    # mixer ...
     layout: list[str] | None = None  # ... unless given per layer, e.g. ["mamba3", "attn", "swa"]
     d_intermediate: int = 0  # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
     attn_layer_idx: list[int] | None = None  # mamba_ssm: the layers that are attention (MHA) ...
@@ -220,6 +242,8 @@ class ModelConfig:
     mamba1: Mamba1Config = field(default_factory=Mamba1Config)  # d_state 16, d_conv 4, expand 2
     mamba2: Mamba2Config = field(default_factory=Mamba2Config)  # d_state 128, headdim 64, Q 256
     mamba3: Mamba3Config = field(default_factory=Mamba3Config)  # d_state 128, headdim 64, Q 64
+    s4d: S4DConfig = field(default_factory=S4DConfig)  # d_state 64, expand 2, S4D-Lin, ZOH
+    h3: H3Config = field(default_factory=H3Config)  # d_state 64, head_dim 1, S4D-Lin, bilinear
 
     def __post_init__(self):
         if self.mixer not in MIXERS:
@@ -252,7 +276,7 @@ class ModelConfig:
         if self.mamba3.chunk_size is None:  # one chunk for a stack with Mamba-2 layers, else 64
             chunk = self.mamba2.chunk_size if "mamba2" in used else 64
             self.mamba3 = dataclasses.replace(self.mamba3, chunk_size=chunk)
-        for kind in ("mamba2", "mamba3"):
+        for kind in ("mamba2", "mamba3", "h3"):
             if kind in used:
                 getattr(self, kind).check_width(self.d_model)
 
@@ -319,8 +343,8 @@ class ModelConfig:
     # --- the layers ---
     @property
     def mixers(self) -> list[str]:
-        """The mixer of each layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or
-        "swa" (attention over the last attn_cfg.window_size positions)."""
+        """The mixer of each layer: "mamba1", "mamba2", "mamba3", "s4d", "h3", "attn" (full causal
+        attention) or "swa" (attention over the last attn_cfg.window_size positions)."""
         if self.layout is not None:
             return list(self.layout)
         attn = "swa" if (self.attn_cfg or {}).get("window_size") else "attn"
@@ -332,8 +356,11 @@ class ModelConfig:
         """The SSM mixers the layers use, in :data:`SSM_MIXERS`' order (Zamba2: ["mamba2"])."""
         return [kind for kind in SSM_MIXERS if kind in self.mixers]
 
-    def mixer_cfg(self, kind: str | None = None) -> Mamba1Config | Mamba2Config | Mamba3Config:
-        """The group of SSM mixer ``kind`` (``self.mamba1`` / ``mamba2`` / ``mamba3``); without
+    def mixer_cfg(
+        self, kind: str | None = None
+    ) -> Mamba1Config | Mamba2Config | Mamba3Config | S4DConfig | H3Config:
+        """The group of SSM mixer ``kind`` (``self.mamba1`` / ``mamba2`` / ``mamba3`` / ``s4d`` /
+        ``h3``); without
         ``kind``, that of the one SSM mixer the layers use (an error for none or several)."""
         if kind is None:
             if len(self.ssm_kinds) != 1:
@@ -361,9 +388,12 @@ class ModelConfig:
         that d_inner, its other knobs mamba_ssm's defaults. Each mixer so keeps the state size its
         paper pairs it with, and the blocks hold about the same number of parameters (Mamba-1's
         x_proj and dt_proj against the wider in_proj of Mamba-2 and Mamba-3; within 10%,
-        tests/unit/models/test_config.py). A Zamba2 model's layers stay Mamba-2."""
+        tests/unit/models/test_config.py). A Zamba2 model's layers stay Mamba-2. H3 is refused
+        either way: its layers are attention-sized, not Mamba-sized (:func:`fair_sizes`)."""
         if mixer not in SSM_MIXERS:
             raise ValueError(f"with_mixer({mixer!r}): valid SSM mixers: {', '.join(SSM_MIXERS)}")
+        if mixer == "h3" or "h3" in self.ssm_kinds:
+            raise ValueError(f"with_mixer({mixer!r}): {_H3_NOT_FAIR}")
         if not self.ssm_kinds:
             raise ValueError(
                 f"the model has no SSM layer to make a {mixer} layer (its layers: "
@@ -499,6 +529,12 @@ PRESETS: dict[str, dict] = {
                         mamba2=dict(d_state=32, headdim=16, chunk_size=64)),
     "tiny-mamba3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="mamba3",
                         mamba3=dict(d_state=32, headdim=16, chunk_size=64)),
+    # the linear time-invariant mixers: S4D (Gu et al. 2022) and an H3 hybrid (Fu et al. 2022):
+    # H3 blocks with an MLP each and attention in two layers, as the H3 paper's hybrid
+    "tiny-s4d": dict(d_model=64, n_layer=4, vocab_size=256, mixer="s4d", s4d=dict(d_state=32)),
+    "tiny-h3": dict(d_model=64, n_layer=4, vocab_size=256, mixer="h3", attn_layer_idx=[1, 3],
+                    attn_cfg=dict(num_heads=4), d_intermediate=128,
+                    h3=dict(d_state=16, head_dim=4, shift_size=4)),
     # Jamba-style hybrid (Lieber et al. 2024): one attention layer every attn_every layers at
     # attn_offset, Mamba-1 around it (Jamba's finding, which the plan follows: Mamba-1 + attention
     # beat Mamba-2 + attention). No positional embedding in the attention layers, as in Jamba:
@@ -535,12 +571,16 @@ def presets() -> list[str]:
 
 __all__ = [
     "ConfigError",
+    "H3Config",
+    "LTI_MIXERS",
+    "MAMBA_MIXERS",
     "MIXERS",
     "Mamba1Config",
     "Mamba2Config",
     "Mamba3Config",
     "ModelConfig",
     "PRESETS",
+    "S4DConfig",
     "SSM_MIXERS",
     "fair_sizes",
     "migrate_flat",

@@ -10,7 +10,8 @@ attention and MLPs included) load by name. Each block computes
 
 with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
 Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this
-same stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. With
+same stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. S4D
+and H3, the linear time-invariant mixers, take the same place. With
 ``cfg.zamba2`` the backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
 
 For long sequences two switches trade compute for memory: ``model.gradient_checkpointing = True``
@@ -40,22 +41,28 @@ from torch.utils.checkpoint import checkpoint
 from .attention import Attention
 from .cache import InferenceCache
 from .config import ModelConfig
+from .h3 import H3
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mlp import GatedMLP
 from .norms import RMSNorm
+from .s4d import S4D
 
 
 def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """The mixer of one layer: "mamba1", "mamba2", "mamba3", "attn" (full causal attention) or "swa"
-    (a sliding window)."""
+    """The mixer of one layer: "mamba1", "mamba2", "mamba3", "s4d", "h3", "attn" (full causal
+    attention) or "swa" (a sliding window)."""
     if kind == "mamba1":
         return Mamba1(cfg.d_model, cfg.mamba1)
     if kind == "mamba2":
         return Mamba2(cfg.d_model, cfg.mamba2, cfg.norm_epsilon)
     if kind == "mamba3":
         return Mamba3(cfg.d_model, cfg.mamba3)
+    if kind == "s4d":
+        return S4D(cfg.d_model, cfg.s4d)
+    if kind == "h3":
+        return H3(cfg.d_model, cfg.h3)
     return Attention(
         cfg.d_model, cfg.attn_cfg, window=cfg.attn_cfg["window_size"] if kind == "swa" else None
     )
@@ -122,8 +129,8 @@ class Backbone(nn.Module):
         self.gradient_checkpointing = False
 
     def allocate_states(self, batch_size: int, dtype, device) -> list:
-        """Zero states for generation, one per layer: a LayerState (Mamba-1/2), a Mamba3State or a
-        KVState (attention)."""
+        """Zero states for generation, one per layer: a LayerState (Mamba-1/2), a Mamba3State, an
+        LTIState (S4D, H3) or a KVState (attention)."""
         return [layer.mixer.allocate_state(batch_size, dtype, device) for layer in self.layers]
 
     def forward(
@@ -312,6 +319,8 @@ class MambaLM(nn.Module):
             Mamba1: "out_proj",
             Mamba2: "out_proj",
             Mamba3: "out_proj",
+            S4D: "out_proj",
+            H3: "out_proj",
             Attention: "out_proj",
             GatedMLP: "fc2",
         }.get(type(module))

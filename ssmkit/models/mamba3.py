@@ -30,20 +30,22 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import Mamba3State
-from .mixer_parts import check_packed, init_dt_bias
+from .mixer_parts import KeepsFp32, check_packed, init_dt_bias
 from .norms import RMSNorm, RMSNormGated
 from .ssm_config import Mamba3Config
 
 FP32_PARAMS = ("dt_bias", "B_bias", "C_bias", "mimo_x", "mimo_z", "mimo_o", "D")
 
 
-class Mamba3(nn.Module):
+class Mamba3(KeepsFp32, nn.Module):
     """Mamba-3: z, x, B, C, Δ, A, λ, angles from one in_proj; B and C normed, biased per head and
     rotated by angles accumulated with Δ; the exponential-trapezoidal scan
     (:func:`ssmkit.ops.mamba3_scan`), gated by silu(z); out_proj. MIMO runs the scan on
     ``mimo_rank`` projections of x at once.
     (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's ``mamba3`` group (its
     chunk_size given, as ModelConfig fills it in)."""
+
+    FP32_PARAMS = FP32_PARAMS
 
     def __init__(self, d_model: int, cfg: Mamba3Config):
         super().__init__()
@@ -106,21 +108,6 @@ class Mamba3(nn.Module):
             self.mimo_x.fill_(1.0 / self.rank)
             self.mimo_z.fill_(1.0)
             self.mimo_o.fill_(1.0 / self.rank)
-
-    def _apply(self, fn, recurse=True):
-        """Casts and moves as any module, but the :data:`FP32_PARAMS` keep their fp32 values (only
-        moved)."""
-        kept = {
-            name: getattr(self, name).data
-            for name in FP32_PARAMS
-            if hasattr(self, name) and getattr(self, name).dtype == torch.float32
-        }
-        super()._apply(fn, recurse)
-        for name, data in kept.items():
-            param = getattr(self, name)
-            if param.dtype != torch.float32 and param.is_floating_point():
-                param.data = data.to(device=param.device)
-        return self
 
     def allocate_state(self, batch_size, dtype, device) -> Mamba3State:
         new = lambda *shape, dt=dtype: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731

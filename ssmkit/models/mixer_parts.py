@@ -1,5 +1,6 @@
 """What the mixers share: Δ's bias at initialisation, the causal conv carried across calls, left
-padding zeroed, and the check that packed samples come without a cache or a padding mask.
+padding zeroed, the check that packed samples come without a cache or a padding mask, and the
+parameters that stay fp32 when a model is cast.
 
 Glossary: Δ = ``dt`` (the step size), softplus⁻¹ its inverse (``dt_bias`` stores softplus⁻¹(Δ₀)),
 ``state.conv`` the last d_conv inputs of the conv (the cache of generation), ``seq_idx`` (batch,
@@ -17,6 +18,28 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .ssm_config import Mamba1Config, Mamba2Config, Mamba3Config
+
+
+class KeepsFp32:
+    """Mixed into a mixer (before ``nn.Module``): its parameters named in ``FP32_PARAMS`` keep their
+    fp32 values when the model is cast to bf16 or fp16 (they are only moved), as mamba_ssm creates
+    its SSM parameters in fp32 whatever the model's dtype: Δ, A and the like lose too much in 16
+    bits, and complex tensors have no bf16 type at all."""
+
+    FP32_PARAMS: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {
+            name: getattr(self, name).data
+            for name in self.FP32_PARAMS
+            if hasattr(self, name) and getattr(self, name).dtype == torch.float32
+        }
+        super()._apply(fn, recurse)
+        for name, data in kept.items():
+            param = getattr(self, name)
+            if param.dtype != torch.float32 and param.is_floating_point():
+                param.data = data.to(device=param.device)
+        return self
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The knobs of each SSM mixer, one dataclass per mixer, as mamba_ssm's ``ssm_cfg`` holds them.
 
 A :class:`~ssmkit.models.config.ModelConfig` has one of each (``cfg.mamba1``, ``cfg.mamba2``,
-``cfg.mamba3``); a layer reads only the group of its own mixer (``Mamba2(d_model, cfg.mamba2)``).
-The fields of a group are the arguments of mamba_ssm's class for that mixer (``Mamba`` in
-modules/mamba_simple.py, ``Mamba2``, ``Mamba3``) with its defaults, plus a few of ssmkit's (marked).
+``cfg.mamba3``, ``cfg.s4d``, ``cfg.h3``); a layer reads only the group of its own mixer
+(``Mamba2(d_model, cfg.mamba2)``). The fields of a group are the arguments of mamba_ssm's class for
+that mixer (``Mamba`` in modules/mamba_simple.py, ``Mamba2``, ``Mamba3``) with its defaults, plus a
+few of ssmkit's (marked); for S4D those of state-spaces' standalone ``s4d.py``, for H3 those of
+HazyResearch/H3's ``H3`` and its kernels.
 
 Each group checks its own fields; an error is a :class:`ConfigError` naming the field as
 ``mamba2.headdim``. What depends on the model's width (headdim dividing d_inner, ...) ModelConfig
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import checks
+from ..ops.hippo import S4D_INITS
+from ..ops.lti import METHODS as DISCRETIZATIONS
 from ..ops.mamba3_ref import A_ACTIVATIONS
 
 ROPE_FRACTIONS = (0.5, 1.0)  # mamba_ssm's Mamba3 asserts one of these
@@ -70,7 +74,7 @@ def _pair(
 
 
 class _MixerConfig:
-    """What the three groups share: the checks of their common fields and the sizes derived from the
+    """What the groups share: the checks of their common fields and the sizes derived from the
     model's width."""
 
     kind: ClassVar[str]
@@ -263,7 +267,84 @@ class Mamba3Config(_HeadsConfig):
             )
 
 
-GROUPS: dict[str, type] = {"mamba1": Mamba1Config, "mamba2": Mamba2Config, "mamba3": Mamba3Config}
+class _LTIConfig(_MixerConfig):
+    """S4D and H3: a diagonal SSM of N/2 complex modes per channel (or head), initialised by one of
+    S4D's rules, discretised by ``disc``, with Δ log-uniform in [dt_min, dt_max]."""
+
+    def _check_lti(self):
+        self._int("d_state", minimum=2)
+        if self.d_state % 2:
+            raise ConfigError(
+                self._name("d_state"),
+                f"must be even: N/2 complex modes (each with its conjugate) make a real state of "
+                f"size N; got {self.d_state}",
+            )
+        _field(self._name("init"), checks.choice, self.init, valid=S4D_INITS)
+        _field(self._name("disc"), checks.choice, self.disc, valid=DISCRETIZATIONS)
+        self._positive("dt_min")
+        self.dt_max = _field(self._name("dt_max"), checks.number, self.dt_max, low=self.dt_min)
+
+
+@dataclass
+class S4DConfig(_LTIConfig):
+    """S4D (Gu, Gupta, Goel & Ré 2022, arXiv 2206.11893): H independent diagonal SSMs run as one
+    long convolution, as state-spaces' standalone ``s4d.py``, between ssmkit's projections."""
+
+    kind: ClassVar[str] = "s4d"
+    d_state: int = 64  # N, the real state size per channel: N/2 complex modes (even)
+    expand: int = 2  # ssmkit: in_proj widens d_model to H = expand * d_model channels
+    init: str = "lin"  # A's init: "lin" (S4D-Lin, s4d.py's) | "inv" | "legs" | "random" (ablation)
+    disc: str = "zoh"  # Ā, B̄ from A and Δ: "zoh" (s4d.py's) | "bilinear" (S4's)
+    dt_min: float = 0.001  # Δ is initialised log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1
+    bias: bool = True  # of in_proj / out_proj (s4d.py's output_linear has one)
+
+    def __post_init__(self):
+        self._check_lti()
+        self._int("expand")
+        self._bool("bias")
+
+
+@dataclass
+class H3Config(_LTIConfig):
+    """H3 (Fu, Dao, Saab, Thomas, Rudra & Ré 2022, arXiv 2212.14052): a shift SSM on the keys, a
+    diagonal SSM per head on their product with the values, read out by the queries; the arguments
+    of HazyResearch/H3's ``H3`` with its defaults (its LM's ``ssm_cfg``: S4D-Lin, bilinear)."""
+
+    kind: ClassVar[str] = "h3"
+    d_state: int = 64  # N, the diagonal SSM's real state size per head entry (even)
+    head_dim: int = 1  # channels per head: nheads = d_model / head_dim, each keeps a
+    # head_dim x head_dim outer product k vᵀ, every entry an SSM of N/2 complex modes
+    shift_size: int = 64  # the shift SSM's state size = its kernel's taps (the H3 code's: d_state)
+    init: str = "lin"  # the diagonal SSM's A: "lin" (H3's "diag-lin") | "inv" | "legs" | "random"
+    disc: str = "bilinear"  # H3's diagonal kernel default | "zoh"
+    dt_min: float = 0.001  # Δ is initialised log-uniform in [dt_min, dt_max]
+    dt_max: float = 0.1
+
+    def __post_init__(self):
+        self._check_lti()
+        for field in ("head_dim", "shift_size"):
+            self._int(field)
+
+    def nheads(self, d_model: int) -> int:
+        """H = d_model / head_dim."""
+        return d_model // self.head_dim
+
+    def check_width(self, d_model: int):
+        """head_dim must divide d_model."""
+        if d_model % self.head_dim:
+            raise ConfigError(
+                self._name("head_dim"), f"must divide d_model = {d_model}; got {self.head_dim}"
+            )
+
+
+GROUPS: dict[str, type] = {
+    "mamba1": Mamba1Config,
+    "mamba2": Mamba2Config,
+    "mamba3": Mamba3Config,
+    "s4d": S4DConfig,
+    "h3": H3Config,
+}
 # every field name of any group, and the groups that have it (the flat short form maps through this)
 GROUP_FIELDS: dict[str, tuple[str, ...]] = {}
 for _kind, _cls in GROUPS.items():
@@ -297,9 +378,11 @@ __all__ = [
     "ConfigError",
     "GROUPS",
     "GROUP_FIELDS",
+    "H3Config",
     "Mamba1Config",
     "Mamba2Config",
     "Mamba3Config",
+    "S4DConfig",
     "ROPE_FRACTIONS",
     "make_group",
 ]

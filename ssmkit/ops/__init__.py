@@ -11,6 +11,13 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
 * :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO
   and MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`,
   :func:`mamba3_chunked` are its three equivalent views
+* :mod:`ssmkit.ops.lti` -- the linear time-invariant SSM of S4 / S4D: :func:`discretize` (ZOH,
+  bilinear), the kernel by :func:`kernel_by_powers` or :func:`kernel_vandermonde`, run as
+  :func:`ssm_recurrent` (:func:`ssm_step`) or :func:`ssm_convolve` (FFT); :func:`state_after`,
+  :func:`state_response` carry a state across a convolution; :func:`shift_ssm` is H3's
+* :mod:`ssmkit.ops.hippo` -- HiPPO-LegS (:func:`legs`), S4's NPLR form (:func:`legs_nplr`,
+  :func:`nplr_to_dense`), S4D's diagonal inits (:func:`s4d_init`), and the online memory
+  (:func:`legs_memory`, :func:`legs_reconstruct`)
 * :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes
   ``seq_idx`` (batch, seqlen), the sample index of each position, and restarts at every sample;
   :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
@@ -23,6 +30,28 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
 from .backend import BACKENDS, BackendError
 from .compiled import compile_scan
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
+from .hippo import (
+    S4D_INITS,
+    legendre,
+    legs,
+    legs_memory,
+    legs_nplr,
+    legs_reconstruct,
+    nplr_to_dense,
+    s4d_init,
+)
+from .lti import (
+    discretize,
+    kernel_by_powers,
+    kernel_vandermonde,
+    shift_ssm,
+    ssm_convolve,
+    ssm_recurrent,
+    ssm_step,
+    state_after,
+    state_response,
+    vandermonde,
+)
 from .mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_scan, mamba3_step
 from .mamba3_ref import Mamba3States, a_activation, heavy_tail, mamba3_reference, rope_angles
 from .norm import rms_norm, rms_norm_gated
@@ -60,6 +89,24 @@ __all__ = [
     "mamba3_scan",
     "mamba3_step",
     "rope_angles",
+    "S4D_INITS",
+    "discretize",
+    "kernel_by_powers",
+    "kernel_vandermonde",
+    "legendre",
+    "legs",
+    "legs_memory",
+    "legs_nplr",
+    "legs_reconstruct",
+    "nplr_to_dense",
+    "s4d_init",
+    "shift_ssm",
+    "ssm_convolve",
+    "ssm_recurrent",
+    "ssm_step",
+    "state_after",
+    "state_response",
+    "vandermonde",
     "cu_seqlens",
     "positions_in_sample",
     "seq_idx_from_position_ids",

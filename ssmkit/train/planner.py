@@ -29,7 +29,7 @@ lower).
 
 Activations: what each block's parts save for the backward pass, per token of one layer, are in
 :mod:`ssmkit.train.planner_mixers` (norms; Mamba-1, -2 and -3 on their torch and cuda paths;
-attention; MLP); and:
+S4D and H3, PyTorch only; attention; MLP); and:
 
     the LM head   norm_f, embedding ids (8 bytes), and log_softmax's fp32 output B·L·V (4
                   bytes each); its backward adds two more fp32 B·L·V (the gradients of

@@ -51,6 +51,17 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   angles' copy and their cumulative sum 2HS, rstd 2Gr [f]. is_outproj_norm:
                   SISO + the norm's output E [a] and rstd H [f]; MIMO the norm on r outputs:
                   z·mimo_z, its input and output 3rE and rstd rH [f]
+    S4D, H3       (ssmkit's PyTorch path on every backend; H = S4D's channels E, H3's heads, n = N/2
+                  complex modes, c = 8 bytes a complex64) the diagonal SSM, per sequence whatever
+                  the batch: the Vandermonde matrix Ā^l c·H·n·L, K̄ padded to 2L and its FFT
+                  4·2HL + c·H(L+1), and Ā, B̄, C and their intermediates (6 complex + 2 fp32
+                  (H, n) with ZOH, 9 + 2 with the bilinear rule) + Δ H + the powers L [f]
+                  S4D: u (D·u's operand) 4E, u padded to 2L for the FFT 8E and its FFT cE(L+1)/L,
+                  GELU's input 4E [f]; out_proj's input (a copy, transposed) E, the GLU's 2d [a]
+                  H3 (P = head_dim, k vᵀ has dP entries a token): k 4d, the shift conv's taps over
+                  the padded k 4d(L+W-1)/L, the einsums' copies of k̄, v, q 12d, k vᵀ 4dP (D·k vᵀ's
+                  operand), padded 8dP and its FFT c·dP(L+1)/L, y's copy for the read-out 4dP
+                  [f]; out_proj's input d [a]
     attention     in_proj out (heads + 2 kv heads)·head_dim (+ mlp_dim), SDPA's output
                   heads·head_dim [a], its log-sum-exp H_attn [f]; rotary: rotated q, k and their
                   cos, sin; GQA: a copy of the output; d_conv: the conv's taps and output; a window
@@ -80,7 +91,16 @@ CUDA_SCAN_CHUNK = 2048  # mamba_ssm's selective scan keeps a state every 2048 st
 # and two T-step buffers before its saved tensors go; Mamba-2's and Mamba-3's chunked scans are many
 # small autograd ops, each freeing as it goes (Mamba-3's largest, the (Q'r)² blocks, leave twice
 # Mamba-2's share).
-BACKWARD_TEMPS = {"mamba1": 0.7, "mamba2": 0.1, "mamba3": 0.2, "attn": 0.3, "swa": 0.3, "mlp": 0.3}
+BACKWARD_TEMPS = {
+    "mamba1": 0.7,
+    "mamba2": 0.1,
+    "mamba3": 0.2,
+    "s4d": 0.4,
+    "h3": 0.6,
+    "attn": 0.3,
+    "swa": 0.3,
+    "mlp": 0.3,
+}
 
 
 def norm_bytes(cfg, backend: str, a: int) -> float:
@@ -179,6 +199,28 @@ def _mamba3(cfg, backend: str, B: int, L: int, a: int) -> float:
     return tok * per_tok + B * chunks * H * (P * N * 2 + 4)
 
 
+def _diagonal_ssm(H: int, n: int, L: int, disc: str) -> float:
+    """What :class:`ssmkit.models.s4d.DiagonalSSM` saves once per sequence: H channels of n
+    complex modes (module docstring)."""
+    params = (6 if disc == "zoh" else 9) * 8 + 2 * 4
+    return 8 * H * n * L + 4 * H * 2 * L + 8 * H * (L + 1) + params * H * n + 4 * H + 4 * L
+
+
+def _s4d(cfg, B: int, L: int, a: int) -> float:
+    m = cfg.s4d
+    E, d = m.d_inner(cfg.d_model), cfg.d_model
+    per_tok = (4 + 8 + 8 * (L + 1) / L + 4) * E + (E + 2 * d) * a
+    return B * L * per_tok + _diagonal_ssm(E, m.d_state // 2, L, m.disc)
+
+
+def _h3(cfg, B: int, L: int, a: int) -> float:
+    m = cfg.h3
+    d, P, W = cfg.d_model, m.head_dim, m.shift_size
+    entries = d * P  # of k vᵀ, a token
+    per_tok = 4 * d * (1 + (L + W - 1) / L + 3) + entries * (4 + 8 + 8 * (L + 1) / L + 4) + d * a
+    return B * L * per_tok + _diagonal_ssm(m.nheads(d), m.d_state // 2, L, m.disc)
+
+
 def _attention(cfg, kind: str, B: int, L: int, a: int) -> float:
     """mamba_ssm's MHA ("attn", "swa")."""
     c = cfg.attn_cfg
@@ -208,6 +250,10 @@ def mixer_bytes(cfg, kind: str, backend: str, B: int, L: int, a: int) -> float:
         return _mamba2(cfg, backend, B, L, a)
     if kind == "mamba3":
         return _mamba3(cfg, backend, B, L, a)
+    if kind == "s4d":  # no kernels: the PyTorch path on every backend
+        return _s4d(cfg, B, L, a)
+    if kind == "h3":
+        return _h3(cfg, B, L, a)
     return _attention(cfg, kind, B, L, a)
 
 

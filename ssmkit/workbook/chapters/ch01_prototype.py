@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ... import checks
-from ...models import SSM_MIXERS
+from ...models import MAMBA_MIXERS
 from ...train.config import CHOICES
 from ..params import (
     DEVICE,
@@ -65,7 +65,7 @@ PARAMETERS = Parameters(
 )
 # fmt: on
 
-NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
+NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3", "s4d": "S4D"}
 
 
 def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
@@ -76,7 +76,7 @@ def comparison_tokens(cfg, share: int = 4, cap: int = 24 * 1024) -> int:
 
 
 def compare_mixers(
-    cfg, data, val_data, out_dir, tokens: int | None = None, mixers=SSM_MIXERS, callbacks=()
+    cfg, data, val_data, out_dir, tokens: int | None = None, mixers=MAMBA_MIXERS, callbacks=()
 ) -> tuple[list[dict], dict]:
     """Train one model per mixer (seeded alike, same tokens in the same order, ``cfg``'s recipe,
     evaluated at the end) for ``tokens`` tokens each (default :func:`comparison_tokens`); their

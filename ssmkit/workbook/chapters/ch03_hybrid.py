@@ -99,7 +99,15 @@ PARAMETERS = Parameters(
 # fmt: on
 
 SWEEP = (0, 8, 4, 2, 1)  # attn_every of the ratio sweep: pure SSM, 1/8, 1/4, 1/2, pure attention
-LETTERS = {"mamba1": "M", "mamba2": "M2", "mamba3": "M3", "attn": "A", "swa": "W"}
+LETTERS = {
+    "mamba1": "M",
+    "mamba2": "M2",
+    "mamba3": "M3",
+    "s4d": "S",
+    "h3": "H3",
+    "attn": "A",
+    "swa": "W",
+}
 _CLEARED = {
     "layout": None,
     "attn_layer_idx": None,
@@ -127,9 +135,9 @@ def _mixers(of) -> list[str]:
 
 
 def layer_pattern(of) -> str:
-    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, M3 Mamba-3, A
-    attention, W sliding-window attention, T a Transformer block). ``of``: a ModelConfig,
-    TrainConfig or model."""
+    """The stack as letters, bottom layer first: "M M A M" (M Mamba-1, M2 Mamba-2, M3 Mamba-3, S
+    S4D, H3 H3, A attention, W sliding-window attention, T a Transformer block). ``of``: a
+    ModelConfig, TrainConfig or model."""
     return " ".join(LETTERS.get(m, "T") for m in _mixers(of))
 
 

@@ -280,7 +280,9 @@ def test_with_mixer_gives_the_models_of_the_comparison_rule(key):
 def test_with_mixer_keeps_the_blocks_within_ten_percent(d_model):
     base = ModelConfig.preset("tiny-hybrid", d_model=d_model)
     sizes = {}
-    for mixer in SSM_MIXERS:
+    for mixer in [
+        m for m in SSM_MIXERS if m != "h3"
+    ]:  # H3 is refused: tests/unit/models/test_h3.py
         cfg = base.with_mixer(mixer)
         assert cfg.mixers == [mixer, mixer, "attn", mixer] and cfg.attn_cfg == base.attn_cfg
         with torch.device("meta"):

@@ -37,6 +37,14 @@ M3 = dict(
     d_model=256, n_layer=4, vocab_size=1000, mixer="mamba3", d_state=64, headdim=32, chunk_size=64
 )
 M3_MIMO = dict(M3, is_mimo=True, mimo_rank=2)
+S4D = dict(d_model=256, n_layer=4, vocab_size=1000, mixer="s4d", d_state=32)
+H3 = dict(
+    d_model=256,
+    n_layer=4,
+    vocab_size=1000,
+    mixer="h3",
+    h3=dict(d_state=16, head_dim=4, shift_size=4),
+)
 TORCH_FP32 = dict(precision="fp32", strategy="single", backend="torch")
 
 
@@ -195,6 +203,25 @@ def saved_bytes(
         (dict(M3_MIMO, mimo_rank=1), 1, 128, False),
         (dict(M3_MIMO, is_outproj_norm=True), 1, 130, False),
         (dict(M3, is_outproj_norm=True, ngroups=2), 2, 100, False),
+        # S4D and H3: their diagonal SSM's Vandermonde matrix is per sequence, the rest per token;
+        # the bilinear rule, one channel per head, a hybrid, checkpointing
+        (S4D, 1, 256, False),
+        (dict(S4D, s4d=dict(d_state=16, disc="bilinear", expand=1)), 3, 100, False),
+        (S4D, 2, 128, True),
+        (H3, 1, 256, False),
+        (
+            dict(
+                H3,
+                n_layer=2,
+                layout=["h3", "attn"],
+                attn_cfg=dict(num_heads=4),
+                d_intermediate=512,
+                h3=dict(d_state=32, head_dim=1, disc="zoh"),
+            ),
+            2,
+            128,
+            False,
+        ),
         # a Mamba-3 + attention hybrid with MLPs
         (
             dict(
@@ -301,6 +328,10 @@ MEASURED = [
     (M3, 4, 256, False),
     (M3, 8, 128, True),
     (M3_MIMO, 2, 256, False),
+    (S4D, 4, 256, False),
+    (S4D, 8, 128, True),
+    (H3, 4, 256, False),
+    (H3, 8, 128, True),
 ]
 
 
