@@ -12,6 +12,7 @@ from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mlp import GatedMLP
+from .moe import SparseMoE, load_balancing_loss
 from .norms import RMSNorm, RMSNormGated
 from .ssm_config import ConfigError, Mamba1Config, Mamba2Config, Mamba3Config
 
@@ -19,6 +20,8 @@ __all__ = [
     "Attention",
     "ConfigError",
     "GatedMLP",
+    "SparseMoE",
+    "load_balancing_loss",
     "InferenceCache",
     "KVState",
     "LayerState",
