@@ -195,6 +195,8 @@ def saved_bytes(
         (dict(M3_MIMO, mimo_rank=1), 1, 128, False),
         (dict(M3_MIMO, is_outproj_norm=True), 1, 130, False),
         (dict(M3, is_outproj_norm=True, ngroups=2), 2, 100, False),
+        # a mixture of experts on layers 1 and 3 (4 experts, top 2), dense MLPs on 0 and 2
+        (dict(M1, d_intermediate=256, num_experts=4, num_experts_per_tok=2), 2, 128, False),
         # a Mamba-3 + attention hybrid with MLPs
         (
             dict(
