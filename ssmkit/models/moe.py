@@ -37,8 +37,11 @@ from .mlp import GatedMLP
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Jamba's routing: router_logits (tokens, E) -> (weights (tokens, k) fp32, experts (tokens, k)
-    int64): the top-k of the softmax over all E experts, in fp32, left unnormalised."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    int64): the top-k of the softmax over all E experts, in fp32 (fp64 for fp64 logits), left
+    unnormalised."""
+    probs = F.softmax(
+        router_logits, dim=-1, dtype=torch.promote_types(router_logits.dtype, torch.float32)
+    )
     return torch.topk(probs, top_k, dim=-1)
 
 

@@ -76,9 +76,9 @@ def test_jamba_experts_load_with_transformers_logits_generation_and_aux_loss(tmp
     for ours, theirs in zip(got.router_logits, want.router_logits):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     prompt = torch.randint(1, 100, (2, 4))
-    ours = ssmkit.generate(model, prompt, max_new_tokens=8, temperature=0)
+    ours = ssmkit.generate(model, prompt, max_new_tokens=5, temperature=0)
     with torch.no_grad():
-        theirs = hf.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        theirs = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(ours, theirs)
 
 
@@ -174,5 +174,5 @@ def test_expert_config_errors_name_the_field(tmp_path):
         with pytest.raises(CheckpointError, match=f"'{field}'"):
             ssmkit.from_pretrained(tmp_path / "j")
     (tmp_path / "j" / "config.json").write_text(json.dumps({**cfg, "num_experts": 1}))
-    with pytest.raises(CheckpointError, match=r"unexpected weights .*router"):
+    with pytest.raises(CheckpointError, match=r"unexpected weights .*mlp\.experts"):
         ssmkit.from_pretrained(tmp_path / "j")  # dense config, expert weights

@@ -131,7 +131,7 @@ def test_lm_loss_adds_the_aux_loss_and_returns_the_router_logits():
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     torch.manual_seed(0)
-    model = perturb_(ssmkit.build_model(ModelConfig(**MOE)), 4).train()
+    model = perturb_(ssmkit.build_model(ModelConfig(**{**MOE, "n_layer": 2})), 4).train()
     ids = torch.randint(0, 100, (2, 10))
     grads = []
     for recompute in (False, True):
@@ -150,7 +150,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 
 def test_cached_generation_equals_the_full_forward():
     torch.manual_seed(0)
-    cfg = ModelConfig(**{**MOE, "attn_every": 4, "attn_offset": 2, "attn_cfg": dict(num_heads=4)})
+    attn = dict(n_layer=2, attn_every=2, attn_offset=0, attn_cfg=dict(num_heads=4))
+    cfg = ModelConfig(**{**MOE, **attn, "expert_layer_period": 1, "expert_layer_offset": 0})
     model = perturb_(ssmkit.build_model(cfg), 5).eval()
     prompt = torch.randint(0, 100, (2, 5))
     cached = ssmkit.generate(model, prompt, max_new_tokens=6, temperature=0, use_cache=True)
