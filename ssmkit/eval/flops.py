@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from ..models.moe import SparseMoE
+
 
 def lti_flops(channels: int, d_state: int, seq_len: int) -> float:
     """Forward FLOPs per token of ``channels`` linear time-invariant SSMs of state size N =
@@ -33,7 +35,9 @@ def lti_flops(channels: int, d_state: int, seq_len: int) -> float:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward), an estimate for MFU.
 
-    Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts).
+    Matmuls: 6 per weight of every linear/conv (embedding lookups are free; a tied LM head counts);
+    a mixture of experts counts its router and the k experts a token runs through, not all E
+    (FLOPs follow the active parameters, ``model.num_parameters(active=True)``).
     Mamba-1 scan: 9 · d_inner · d_state per token forward (Gu & Dao 2023, section 3.3.2).
     Mamba-2 SSD with chunk Q, per token and head: 2Q·N (C·Bᵀ, per group) + 2Q·P (mask·X) + 4N·P
     (states). Mamba-3 with chunk Q and MIMO rank R (1 for SISO), per token and head: 2Q·R²·N (q·kᵀ:
@@ -52,6 +56,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Conv1d)):
             matmul += module.weight.numel()
+        elif isinstance(module, SparseMoE):  # its experts' linears are counted above, all E
+            matmul -= module.inactive_numel()
     flops = 6.0 * matmul
     mixers = getattr(cfg, "mixers", None)
     if mixers is not None:

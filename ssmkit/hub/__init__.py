@@ -4,8 +4,9 @@
   and weights
   ``model.safetensors`` (or ``pytorch_model.bin``, or shards with ``*.index.json``) named
   ``backbone.embeddings.weight``, ``backbone.layers.N.{norm,mixer.*}``, ``backbone.norm_f.weight``,
-  ``lm_head.weight``; and the hybrids ``model_type`` "jamba" (dense FFNs; ``format="jamba"``,
-  :mod:`~ssmkit.hub.jamba`) and "zamba2" (``format="zamba2"``, :mod:`~ssmkit.hub.zamba2`).
+  ``lm_head.weight``; and the hybrids ``model_type`` "jamba" (dense FFNs or a mixture of experts;
+  ``format="jamba"``, :mod:`~ssmkit.hub.jamba`) and "zamba2" (``format="zamba2"``,
+  :mod:`~ssmkit.hub.zamba2`).
 * mamba_ssm's ``MambaLMHeadModel``: ``config.json`` with ``d_model``, ``n_layer``, ``ssm_cfg``,
   ``attn_layer_idx``, ``attn_cfg``, ``d_intermediate`` and ``pytorch_model.bin`` named as ssmkit's
   own modules (``backbone.embedding.weight``, ``backbone.layers.N.{norm,mixer,norm2,mlp}.*``, ...).

@@ -1,5 +1,5 @@
 """transformers' Jamba checkpoints (``model_type`` "jamba", ``JambaForCausalLM``) <-> ssmkit, dense
-FFNs.
+FFNs and mixtures of experts.
 
 Jamba (Lieber et al. 2024) is ssmkit's hybrid block stack exactly: layer i is attention when
 ``i % attn_layer_period == attn_layer_offset``, else Mamba-1 with learnable RMSNorms on Δ, B, C
@@ -13,15 +13,23 @@ and the tensors both ways (:func:`state_from_jamba`, :func:`state_to_jamba`). We
     L.mamba.*                                    B.mixer.* (same names, dt/b/c_layernorm included)
     L.self_attn.{q,k,v}_proj / o_proj            B.mixer.in_proj = cat(q, k, v) / B.mixer.out_proj
     L.feed_forward.{up,gate}_proj / down_proj    B.mlp.fc1 = cat(up, gate) (value first) / B.mlp.fc2
+    L.feed_forward.router.weight                 B.mlp.router.weight           (expert layers)
+    L.feed_forward.experts.j.{up,gate}_proj      B.mlp.experts.j.fc1 = cat(up, gate)
+    L.feed_forward.experts.j.down_proj           B.mlp.experts.j.fc2
 
 What transformers 5 does that the mapping mirrors (modeling_jamba.py): attention has no bias and no
 position embedding, scale head_dim^-1/2 (head_dim = config.head_dim if given, else hidden_size //
 num_attention_heads); ``JambaMLP`` is down(act(gate(x)) * up(x)); ``hidden_act`` is also the conv's
 activation; one ``rms_norm_eps`` serves every norm; the residual stays in the input dtype
-(``residual_in_fp32=False``). ``num_experts > 1`` on some layer (a mixture of experts, Jamba's
-default of 16) cannot be represented. An ``intermediate_size`` that is not a multiple of 128
-(ssmkit's MLP width, as mamba_ssm's) loads exactly: the extra units get zero weights, so they output
-0 and, with zero gradients, stay 0; a save writes the MLP's full width.
+(``residual_in_fp32=False``). Layer i's feed-forward is a mixture of experts
+(``JambaSparseMoeBlock``: ssmkit's :class:`~ssmkit.models.moe.SparseMoE`, the same routing) when
+``num_experts > 1`` and ``i % expert_layer_period == expert_layer_offset``; the config fields keep
+their names in ModelConfig. Expert weights are read in both of transformers' layouts: one tensor per
+expert, as published checkpoints and transformers 5's ``save_pretrained`` write them, and the fused
+3-D tensors transformers 5 holds in memory (``experts.gate_up_proj`` (E, 2h, d), gate first, and
+``experts.down_proj`` (E, d, h)); a save writes one tensor per expert. An ``intermediate_size`` that
+is not a multiple of 128 (ssmkit's MLP width, as mamba_ssm's) loads exactly: the extra units get
+zero weights, so they output 0 and, with zero gradients, stay 0; a save writes the MLP's full width.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ DEFAULTS = dict(
     rms_norm_eps=1e-6,
     attention_dropout=0.0,
     num_experts=16,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.001,
     expert_layer_period=2,
     expert_layer_offset=1,
     attn_layer_period=8,
@@ -69,6 +79,11 @@ _FIELDS = {
     "rms_norm_eps": "norm_epsilon",
     "initializer_range": "initializer_range",
     "tie_word_embeddings": "tie_embeddings",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "expert_layer_period": "expert_layer_period",
+    "expert_layer_offset": "expert_layer_offset",
+    "router_aux_loss_coef": "router_aux_loss_coef",
     "mamba_d_state": "mamba1.d_state",
     "mamba_d_conv": "mamba1.d_conv",
     "mamba_expand": "mamba1.expand",
@@ -129,7 +144,6 @@ def config_from_jamba(hf: dict) -> ModelConfig:
     ]
     if bad:  # (every Jamba layer has an MLP: intermediate_size 0 is no Jamba either)
         raise CheckpointError(f"fields {bad} must be integers >= 1; got {[c[k] for k in bad]}")
-    _check_dense(c)
     heads = c["num_attention_heads"]
     kv = heads if c["num_key_value_heads"] is None else c["num_key_value_heads"]
     head_dim = c.get(
@@ -164,24 +178,6 @@ def config_from_jamba(hf: dict) -> ModelConfig:
     )
 
 
-def _check_dense(c: dict):
-    """Refuse a mixture of experts: JambaConfig gives layer i num_experts experts when i %
-    expert_layer_period == expert_layer_offset (JambaSparseMoeBlock), else one dense JambaMLP."""
-    n, period, offset = c["num_experts"], c["expert_layer_period"], c["expert_layer_offset"]
-    if not all(isinstance(v, int) and v >= 0 for v in (n, period, offset)) or period < 1:
-        raise CheckpointError(
-            f"fields 'num_experts', 'expert_layer_period', 'expert_layer_offset' must be "
-            f"integers (period >= 1); got {n!r}, {period!r}, {offset!r}"
-        )
-    moe = [i for i in range(c["num_hidden_layers"]) if i % period == offset] if n > 1 else []
-    if moe:
-        raise CheckpointError(
-            f"field 'num_experts' is {n}: layers {moe[:8]}{' ...' if len(moe) > 8 else ''} "
-            "are a mixture of experts (JambaSparseMoeBlock), which ssmkit cannot "
-            "represent; only dense Jamba models (num_experts=1) load"
-        )
-
-
 def _attention_period(cfg: ModelConfig) -> tuple[int, int]:
     """Jamba's (attn_layer_period, attn_layer_offset) giving exactly cfg's attention layers."""
     n, idx = cfg.n_layer, cfg.attn_layer_idx
@@ -199,8 +195,9 @@ def _attention_period(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def config_to_jamba(cfg: ModelConfig) -> dict:
-    """A ModelConfig as a transformers ``JambaConfig`` dict (dense: num_experts=1); a model Jamba
-    cannot express is a CheckpointError naming the field."""
+    """A ModelConfig as a transformers ``JambaConfig`` dict (its experts' fields as the config has
+    them; a dense model: num_experts=1); a model Jamba cannot express is a CheckpointError naming
+    the field."""
     if cfg.zamba2 is not None:
         raise CheckpointError("a Zamba2 model saves as format='zamba2' only")
     kinds = set(cfg.mixers)
@@ -254,6 +251,14 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
         mamba_conv_bias=m.conv_bias,
         mamba_proj_bias=m.bias,
     )
+    if cfg.num_experts > 1:
+        hf.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            expert_layer_period=cfg.expert_layer_period,
+            expert_layer_offset=cfg.expert_layer_offset,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+        )
     hf["attn_layer_period"], hf["attn_layer_offset"] = _attention_period(cfg)
     a = cfg.attn_cfg
     if a is None:  # no attention layers: any heads do
@@ -284,6 +289,7 @@ _SIMPLE = {
     "pre_ff_layernorm.weight": "norm2.weight",
     "self_attn.o_proj.weight": "mixer.out_proj.weight",
     "feed_forward.down_proj.weight": "mlp.fc2.weight",
+    "feed_forward.router.weight": "mlp.router.weight",
 }
 _TOP = {
     "model.embed_tokens.weight": "backbone.embedding.weight",
@@ -304,9 +310,10 @@ def _attn_sizes(cfg: ModelConfig) -> dict[str, int]:
 
 def state_from_jamba(state: dict, cfg: ModelConfig) -> dict:
     """A transformers Jamba state dict renamed (and q/k/v, up/gate fused) to ours, for ``cfg =
-    config_from_jamba(config)``. Names it does not know are passed through unchanged, so loading
-    reports them as unexpected."""
+    config_from_jamba(config)``; experts per expert or fused (module docstring). Names it does not
+    know are passed through unchanged, so loading reports them as unexpected."""
     out, parts = {}, {}
+    h, width = cfg.d_intermediate, mlp_width(cfg.d_intermediate)
     for name, tensor in state.items():
         match = _LAYER.fullmatch(name)
         if name in _TOP:
@@ -315,14 +322,27 @@ def state_from_jamba(state: dict, cfg: ModelConfig) -> dict:
             out[name] = tensor
         else:
             i, rest = int(match[2]), match[3]
-            piece = re.fullmatch(r"(self_attn|feed_forward)\.(q|k|v|up|gate)_proj\.weight", rest)
+            piece = re.fullmatch(
+                r"(self_attn|feed_forward(?:\.experts\.\d+)?)\.(q|k|v|up|gate)_proj\.weight", rest
+            )
+            down = re.fullmatch(r"feed_forward(\.experts\.\d+)?\.down_proj\.weight", rest)
             if piece:
                 parts.setdefault((i, piece[1]), {})[piece[2]] = (name, tensor)
+            elif down:
+                out[f"backbone.layers.{i}.mlp{down[1] or ''}.fc2.weight"] = tensor
+            elif rest == "feed_forward.experts.gate_up_proj":  # (E, 2h, d): gate, then up
+                fused = _fused(name, tensor, (cfg.num_experts, 2 * h, cfg.d_model))
+                for j, (gate, up) in enumerate(zip(fused[:, :h], fused[:, h:])):
+                    for key, part in (("gate", gate), ("up", up)):
+                        parts.setdefault((i, f"feed_forward.experts.{j}"), {})[key] = (name, part)
+            elif rest == "feed_forward.experts.down_proj":  # (E, d, h)
+                fused = _fused(name, tensor, (cfg.num_experts, cfg.d_model, h))
+                for j, part in enumerate(fused):
+                    out[f"backbone.layers.{i}.mlp.experts.{j}.fc2.weight"] = part
             elif rest.startswith("mamba."):
                 out[f"backbone.layers.{i}.mixer.{rest.removeprefix('mamba.')}"] = tensor
             else:
                 out[f"backbone.layers.{i}.{_SIMPLE.get(rest, rest)}"] = tensor
-    h, width = cfg.d_intermediate, mlp_width(cfg.d_intermediate)
     for (i, kind), got in sorted(parts.items()):
         if kind == "self_attn":
             sizes = _attn_sizes(cfg)
@@ -332,18 +352,28 @@ def state_from_jamba(state: dict, cfg: ModelConfig) -> dict:
                     for k in "qkv"
                 ]
             )
-        else:
+        else:  # feed_forward or feed_forward.experts.j
             up, gate = (
-                _piece(got, k, (h, cfg.d_model), f"model.layers.{i}.feed_forward")
-                for k in ("up", "gate")
+                _piece(got, k, (h, cfg.d_model), f"model.layers.{i}.{kind}") for k in ("up", "gate")
             )
             pad = up.new_zeros(width - h, cfg.d_model)
-            out[f"backbone.layers.{i}.mlp.fc1.weight"] = torch.cat([up, pad, gate, pad])
-    for i in range(cfg.n_layer):  # down_proj: zero columns for the padded units
-        key = f"backbone.layers.{i}.mlp.fc2.weight"
-        if key in out and width != h and tuple(out[key].shape) == (cfg.d_model, h):
+            ours = kind.replace("feed_forward", "mlp")
+            out[f"backbone.layers.{i}.{ours}.fc1.weight"] = torch.cat([up, pad, gate, pad])
+    for key in out:  # down_proj: zero columns for the padded units
+        fc2 = re.fullmatch(r"backbone\.layers\.\d+\.mlp(\.experts\.\d+)?\.fc2\.weight", key)
+        if fc2 and width != h and tuple(out[key].shape) == (cfg.d_model, h):
             out[key] = torch.cat([out[key], out[key].new_zeros(cfg.d_model, width - h)], dim=1)
     return out
+
+
+def _fused(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """One of transformers 5's fused expert tensors, of the shape the config implies."""
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"weight {name} has shape {tuple(tensor.shape)}, the config implies {shape} "
+            "(num_experts, ..., ...)"
+        )
+    return tensor
 
 
 def _piece(got: dict, key: str, shape: tuple, prefix: str) -> torch.Tensor:
@@ -353,7 +383,7 @@ def _piece(got: dict, key: str, shape: tuple, prefix: str) -> torch.Tensor:
         raise CheckpointError(
             f"missing weight {name} ({', '.join(n for n, _ in got.values())} are there)"
         )
-    tensor = got[key][1]
+    name, tensor = got[key]
     if tuple(tensor.shape) != shape:
         raise CheckpointError(
             f"weight {name} has shape {tuple(tensor.shape)}, the config implies {shape}"
@@ -382,13 +412,17 @@ def state_to_jamba(state: dict, cfg: ModelConfig) -> dict:
             sizes = _attn_sizes(cfg)
             for key, part in zip("qkv", tensor.split([sizes["q"], sizes["k"], sizes["v"]])):
                 out[f"{prefix}self_attn.{key}_proj.weight"] = part.clone()
-        elif rest == "mlp.fc1.weight":
+        elif re.fullmatch(r"mlp(\.experts\.\d+)?\.fc1\.weight", rest):
+            theirs = prefix + rest.replace("mlp", "feed_forward", 1).removesuffix("fc1.weight")
             up, gate = tensor.chunk(2)
-            out[prefix + "feed_forward.up_proj.weight"] = up.clone()
-            out[prefix + "feed_forward.gate_proj.weight"] = gate.clone()
+            out[theirs + "up_proj.weight"] = up.clone()
+            out[theirs + "gate_proj.weight"] = gate.clone()
+        elif re.fullmatch(r"mlp\.experts\.\d+\.fc2\.weight", rest):
+            theirs = prefix + rest.replace("mlp", "feed_forward", 1)
+            out[theirs.replace("fc2.weight", "down_proj.weight")] = tensor
         elif rest.startswith("mixer.") and mixers[i] == "mamba1":
             out[prefix + "mamba." + rest.removeprefix("mixer.")] = tensor
-        elif rest in simple:  # norms, the attention's out_proj, the MLP's fc2
+        elif rest in simple:  # norms, the attention's out_proj, the MLP's fc2, the router
             out[prefix + simple[rest]] = tensor
         else:
             raise CheckpointError(f"weight {name} has no place in a Jamba checkpoint")

@@ -399,6 +399,11 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
             "argument of mamba_ssm's MHA: this model cannot be saved in the mamba_ssm "
             "layout"
         )
+    if cfg.moe_layers:
+        raise CheckpointError(
+            f"num_experts={cfg.num_experts} (a mixture of experts on layers {cfg.moe_layers}): "
+            "mamba_ssm's MambaLMHeadModel has none; save format='jamba'"
+        )
     if "mamba1" in cfg.ssm_kinds and cfg.mamba1.mixer_rms_eps is not None:
         raise CheckpointError(
             "mamba_ssm has no norms on Δ, B, C (mamba1.mixer_rms_eps); save "

@@ -130,13 +130,14 @@ def _replace_in_place(tmp: Path, directory: Path, weights: str):
 
 def natural_format(cfg: ModelConfig) -> str:
     """The format a model is saved in when none is asked for: "zamba2" for a Zamba2 model, "jamba"
-    for Mamba-1 layers with Jamba's weighted Δ/B/C norms, "mamba_ssm" for Mamba-3, S4D or H3 layers,
-    attention layers or MLPs (transformers' Mamba configs hold none of them), else "hf"
-    (transformers' Mamba / FalconMamba / Mamba2)."""
+    for Mamba-1 layers with Jamba's weighted Δ/B/C norms or a mixture of experts (no other format
+    holds experts), "mamba_ssm" for Mamba-3, S4D or H3 layers, attention layers or MLPs
+    (transformers' Mamba configs hold none of them), else "hf" (transformers' Mamba / FalconMamba /
+    Mamba2)."""
     newer = {"mamba3", "s4d", "h3"} & set(cfg.mixers)
     if cfg.zamba2 is not None:
         return "zamba2"
-    if _jamba_norms(cfg) and not newer:
+    if (_jamba_norms(cfg) and not newer) or cfg.moe_layers:
         return "jamba"
     if cfg.attn_layer_idx or cfg.d_intermediate or newer:
         return "mamba_ssm"

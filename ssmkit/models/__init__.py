@@ -13,6 +13,7 @@ from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mlp import GatedMLP
+from .moe import SparseMoE, load_balancing_loss
 from .norms import RMSNorm, RMSNormGated
 from .s4d import S4D, DiagonalSSM
 from .ssm_config import (
@@ -28,6 +29,8 @@ __all__ = [
     "Attention",
     "ConfigError",
     "GatedMLP",
+    "SparseMoE",
+    "load_balancing_loss",
     "InferenceCache",
     "KVState",
     "LayerState",

@@ -237,6 +237,14 @@ class ModelConfig:
     residual_in_fp32: bool = True  # keep the residual stream in fp32 under bf16/fp16
     initializer_range: float = 0.02  # std of the embedding init
     rescale_prenorm_residual: bool = True  # out_proj init scaled by 1/sqrt(n_layer) (GPT-2 style)
+    # --- a mixture of experts in place of the MLP (Jamba; JambaConfig's names; moe.py): layer i's
+    # MLP is num_experts gated MLPs of width d_intermediate behind a top-k router when
+    # i % expert_layer_period == expert_layer_offset ---
+    num_experts: int = 1  # experts per MoE layer; 1 = dense (one GatedMLP per block, no router)
+    num_experts_per_tok: int = 2  # k: the experts each token runs through (Jamba: 2 of 16)
+    expert_layer_period: int = 2
+    expert_layer_offset: int = 1
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
 
     # --- each SSM mixer's knobs (mamba_ssm's ssm_cfg), read by the layers of that mixer only ---
     mamba1: Mamba1Config = field(default_factory=Mamba1Config)  # d_state 16, d_conv 4, expand 2
@@ -257,6 +265,7 @@ class ModelConfig:
         for kind in SSM_MIXERS:
             setattr(self, kind, make_group(kind, getattr(self, kind)))
         self._resolve_attention_layers()
+        self._check_experts()
         if self.zamba2 is not None:
             try:
                 self.zamba2 = check_zamba2(dict(self.zamba2), self.d_model, self.n_layer)
@@ -340,7 +349,52 @@ class ModelConfig:
                 self.attn_cfg, self.d_model, needs_window="swa" in self.mixers
             )
 
+    def _check_experts(self):
+        """The mixture-of-experts fields: integers in range, a top-k no larger than the experts,
+        and experts only where there is an MLP width for them and a stack that can hold them."""
+        for name in ("num_experts", "num_experts_per_tok", "expert_layer_period"):
+            setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
+        self.expert_layer_offset = _field(
+            "expert_layer_offset",
+            checks.integer,
+            self.expert_layer_offset,
+            minimum=0,
+            maximum=self.expert_layer_period - 1,
+        )
+        self.router_aux_loss_coef = _field(
+            "router_aux_loss_coef", checks.number, self.router_aux_loss_coef, low=0
+        )
+        if self.num_experts == 1:
+            return
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                "num_experts_per_tok",
+                f"must be at most num_experts={self.num_experts} (each token runs through k "
+                f"distinct experts); got {self.num_experts_per_tok}",
+            )
+        if self.d_intermediate == 0:
+            raise ConfigError(
+                "d_intermediate",
+                f"must be > 0 with num_experts={self.num_experts}: each expert is a gated MLP "
+                "of that width (d_intermediate=0 means no MLP, so nothing to split into experts)",
+            )
+        if self.zamba2 is not None:
+            raise ConfigError(
+                "num_experts",
+                f"must be 1 for a Zamba2 model (its shared blocks have one MLP); got "
+                f"{self.num_experts}",
+            )
+
     # --- the layers ---
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts (JambaConfig.layers_num_experts > 1):
+        i % expert_layer_period == expert_layer_offset, none when num_experts is 1."""
+        if self.num_experts == 1:
+            return []
+        period, offset = self.expert_layer_period, self.expert_layer_offset
+        return [i for i in range(self.n_layer) if i % period == offset]
+
     @property
     def mixers(self) -> list[str]:
         """The mixer of each layer: "mamba1", "mamba2", "mamba3", "s4d", "h3", "attn" (full causal

@@ -8,11 +8,13 @@ attention and MLPs included) load by name. Each block computes
     residual = residual + hidden;  hidden = mixer(norm(residual))
     residual = residual + hidden;  hidden = mlp(norm2(residual))   (only with d_intermediate > 0)
 
-with the residual stream optionally kept in fp32 (``residual_in_fp32``). The mixer of a layer is
-Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style hybrid is this
-same stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention layers. S4D
-and H3, the linear time-invariant mixers, take the same place. With
-``cfg.zamba2`` the backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
+with the residual stream optionally kept in fp32 (``residual_in_fp32``). On the layers
+``cfg.moe_layers`` the MLP is a mixture of experts (:mod:`ssmkit.models.moe`, Jamba's), whose
+router's load-balancing loss joins the loss when labels are given (``out.aux_loss``). The mixer of
+a layer is Mamba-1, Mamba-2, Mamba-3 or causal attention (full or sliding-window): a Jamba-style
+hybrid is this same stack with ``attn_every`` / ``attn_layer_idx`` / ``layout`` naming the attention
+layers. S4D and H3, the linear time-invariant mixers, take the same place. With ``cfg.zamba2`` the
+backbone is Zamba2's instead (:mod:`ssmkit.models.zamba2`).
 
 For long sequences two switches trade compute for memory: ``model.gradient_checkpointing = True``
 recomputes each block in the backward pass (activations of one block live at a time), and
@@ -46,6 +48,7 @@ from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mlp import GatedMLP
+from .moe import SparseMoE, load_balancing_loss
 from .norms import RMSNorm
 from .s4d import S4D
 
@@ -68,6 +71,16 @@ def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
     )
 
 
+def make_mlp(cfg: ModelConfig, layer_idx: int | None) -> nn.Module | None:
+    """The MLP after layer ``layer_idx``'s mixer: a mixture of experts on ``cfg.moe_layers``, else
+    the gated MLP of width d_intermediate, or None (d_intermediate 0)."""
+    if cfg.d_intermediate == 0:
+        return None
+    if layer_idx in cfg.moe_layers:
+        return SparseMoE(cfg.d_model, cfg.d_intermediate, cfg.num_experts, cfg.num_experts_per_tok)
+    return GatedMLP(cfg.d_model, cfg.d_intermediate)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.rms_norm:
         return RMSNorm(cfg.d_model, cfg.norm_epsilon)
@@ -80,19 +93,22 @@ class LMOutput:
     # (a chunked loss never holds them all)
     loss: torch.Tensor | None = None  # mean cross-entropy over labelled positions
     cache: InferenceCache | None = None  # the states after this call, when a cache was passed
+    # mixture of experts: the router's load-balancing loss (moe.py; in ``loss`` times
+    # router_aux_loss_coef), with labels or output_router_logits ...
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None  # ... (batch·seqlen, E) per MoE layer
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer: str):
+    def __init__(self, cfg: ModelConfig, mixer: str, layer_idx: int | None = None):
+        """Layer ``layer_idx`` of the stack (None: a dense block, wherever it sits)."""
         super().__init__()
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.norm = make_norm(cfg)
         self.mixer = make_mixer(cfg, mixer)
-        if cfg.d_intermediate > 0:
+        if cfg.d_intermediate > 0:  # norm2 registered first: the parameters' order stays
             self.norm2 = make_norm(cfg)
-            self.mlp = GatedMLP(cfg.d_model, cfg.d_intermediate)
-        else:
-            self.mlp = None
+        self.mlp = make_mlp(cfg, layer_idx)
 
     def _add_norm(self, hidden, residual, norm):
         """residual += hidden; the normed residual, and the residual (fp32 with
@@ -124,7 +140,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
+        self.layers = nn.ModuleList(Block(cfg, m, i) for i, m in enumerate(cfg.mixers))
         self.norm_f = make_norm(cfg)
         self.gradient_checkpointing = False
 
@@ -344,6 +360,7 @@ class MambaLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         loss_chunk_size: int | None = None,
         seq_idx: torch.Tensor | None = None,
+        output_router_logits: bool = False,
     ) -> LMOutput:
         """input_ids: (batch, seqlen) int64.
 
@@ -365,6 +382,11 @@ class MambaLM(nn.Module):
         packed row, non-decreasing (:func:`check_seq_idx`): every mixer restarts at each sample, so
         each sample's logits are those of the sample run alone. Not with a cache or an
         attention_mask. Its values are checked (one sync on a GPU) except under torch.compile.
+        output_router_logits: with mixture-of-experts layers (``cfg.moe_layers``), return their
+        router logits and the load-balancing loss (``aux_loss``) without labels too. With labels
+        the aux loss is always computed and ``router_aux_loss_coef`` times it is added to ``loss``
+        (transformers adds it only with ``output_router_logits=True``; a model that trains its
+        router wants it every step, and a coefficient of 0 leaves it out).
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -394,14 +416,30 @@ class MambaLM(nn.Module):
                     "padding): pack without padding, or give padding its own sample in seq_idx"
                 )
             check_seq_idx(seq_idx, input_ids, values=not torch.compiler.is_compiling())
-        hidden = self.backbone(input_ids, cache, attention_mask, seq_idx=seq_idx)
+        moe = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        want_aux = bool(moe) and (labels is not None or output_router_logits)
+        for m in moe:
+            m.keep_router_logits = want_aux
+        try:
+            hidden = self.backbone(input_ids, cache, attention_mask, seq_idx=seq_idx)
+            router_logits = tuple(m.router_logits for m in moe) if want_aux else None
+        finally:  # no tensor left on a module (it would hold the graph, and break deepcopy)
+            for m in moe:
+                m.keep_router_logits, m.router_logits = False, None
+        aux = None
+        if want_aux:
+            cfg = self.config
+            aux = load_balancing_loss(
+                router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask
+            )
+        extra = dict(aux_loss=aux, router_logits=router_logits if output_router_logits else None)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         chunk = self.loss_chunk_size if loss_chunk_size is None else loss_chunk_size
         if labels is None:
-            return LMOutput(logits=self.lm_head(hidden), cache=cache)
+            return LMOutput(logits=self.lm_head(hidden), cache=cache, **extra)
         if labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "
@@ -414,16 +452,16 @@ class MambaLM(nn.Module):
             if seq_idx is not None:  # nor the last of each packed sample
                 labels = labels.masked_fill(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1)), -100)
         if chunk:
-            return LMOutput(
-                logits=None,
-                loss=chunked_cross_entropy(hidden, self.lm_head, labels, chunk),
-                cache=cache,
+            logits = None
+            loss = chunked_cross_entropy(hidden, self.lm_head, labels, chunk)
+        else:
+            logits = self.lm_head(hidden)
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
             )
-        logits = self.lm_head(hidden)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
-        return LMOutput(logits=logits, loss=loss, cache=cache)
+        if aux is not None and self.config.router_aux_loss_coef:  # Jamba's / Switch's α · aux
+            loss = loss + self.config.router_aux_loss_coef * aux
+        return LMOutput(logits=logits, loss=loss, cache=cache, **extra)
 
     def save_pretrained(
         self,
@@ -456,12 +494,17 @@ class MambaLM(nn.Module):
             overwrite=overwrite,
         )
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+    def num_parameters(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameters, tied weights counted once. ``active``: those one token uses, so a mixture of
+        experts counts its router and k of its E experts (Jamba's "active parameters")."""
         params = {id(p): p for p in self.parameters()}  # tied weights counted once
         if exclude_embeddings:
             params.pop(id(self.backbone.embedding.weight), None)
             params.pop(id(self.lm_head.weight), None)
-        return sum(p.numel() for p in params.values())
+        total = sum(p.numel() for p in params.values())
+        if active:
+            total -= sum(m.inactive_numel() for m in self.modules() if isinstance(m, SparseMoE))
+        return total
 
 
 def build_model(

@@ -228,7 +228,10 @@ def _step_bytes(
     shard = n if strategy == "fsdp" else 1
     weights, optimizer = 4 * P / shard, 8 * P / shard
     grads = 4 * P / shard + (4 * P if strategy == "ddp" and n > 1 else 0)  # DDP's gradient buckets
-    layers = [block_parts(cfg, kind, backend, B, L, a) for kind in cfg.mixers]
+    layers = [
+        block_parts(cfg, kind, backend, B, L, a, moe=i in cfg.moe_layers)
+        for i, kind in enumerate(cfg.mixers)
+    ]
     head = tokens * (norm_bytes(cfg, backend, a) + 8)  # norm_f and the token ids
     if chunk:  # one chunk's logits recomputed: log_softmax's output and two gradients
         loss_saved, loss_temps = 0, 12 * min(chunk, tokens) * V

@@ -67,6 +67,10 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   cos, sin; GQA: a copy of the output; d_conv: the conv's taps and output; a window
                   shorter than L/2: the blocks' output
     MLP           fc1 out 2h + SiLU(gate) h + product h [a] (after norm2)
+    MoE           (the MLP of cfg.moe_layers; X = num_experts, k = num_experts_per_tok) the
+                  router's softmax X [f] and the aux loss's X [f], the top-k indices 8k; per routed
+                  copy (k per token) the gathered input d, the expert's MLP 4h, its output d and
+                  weight 1 [a], the token's and rank's indices 16 (after norm2)
 
 Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py
 checks it against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from
@@ -100,6 +104,7 @@ BACKWARD_TEMPS = {
     "attn": 0.3,
     "swa": 0.3,
     "mlp": 0.3,
+    "moe": 0.3,  # its experts' temporaries are the MLP's, k copies of them
 }
 
 
@@ -257,14 +262,21 @@ def mixer_bytes(cfg, kind: str, backend: str, B: int, L: int, a: int) -> float:
     return _attention(cfg, kind, B, L, a)
 
 
-def block_parts(cfg, kind: str, backend: str, B: int, L: int, a: int) -> list[tuple[str, float]]:
+def block_parts(
+    cfg, kind: str, backend: str, B: int, L: int, a: int, moe: bool = False
+) -> list[tuple[str, float]]:
     """(kind, bytes saved for the backward) of one block's parts in forward order: norm + mixer,
-    then norm2 + MLP when the block has one."""
+    then norm2 + MLP when the block has one (``moe``: a mixture of experts, a layer of
+    ``cfg.moe_layers``)."""
     tokens = B * L
     parts = [
         (kind, tokens * norm_bytes(cfg, backend, a) + mixer_bytes(cfg, kind, backend, B, L, a))
     ]
-    if cfg.d_intermediate:
+    if moe:
+        X, k, h = cfg.num_experts, cfg.num_experts_per_tok, mlp_width(cfg.d_intermediate)
+        routed = k * ((2 * cfg.d_model + 4 * h + 1) * a + 16)
+        parts.append(("moe", tokens * (norm_bytes(cfg, backend, a) + 8 * X + 8 * k + routed)))
+    elif cfg.d_intermediate:
         mlp = tokens * (norm_bytes(cfg, backend, a) + 4 * mlp_width(cfg.d_intermediate) * a)
         parts.append(("mlp", mlp))
     return parts

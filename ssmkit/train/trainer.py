@@ -9,7 +9,8 @@ One optimizer step (global batch B tokens = micro_batch x grad_accum x world_siz
 
     for each of grad_accum micro-batches (x, y):        # y = x shifted by one (the loader's labels)
         loss = CE(model(x).logits, y) / grad_accum       # bf16/fp16 autocast, fp32 master weights
-                                                         # (SFT: (x, y, seq_idx), model(x, seq_idx))
+                                                         # (SFT: (x, y, seq_idx), model(x, seq_idx);
+                                                         # experts: + coef · router aux loss)
         loss.backward()                                  # DDP/FSDP reduce on the last one only
     if the loss is not finite: skip the step (counted; stop after max_bad_steps in a row)
     clip the global grad norm to grad_clip; AdamW step at lr_at(step)
@@ -141,6 +142,8 @@ class Trainer:
                 f"{index['tokenizer']!r} has {vocab} tokens"
             )
         self.model = model.to(d.device)  # fp32 master weights (but bf16-pure)
+        # a mixture of experts trains its router with the load-balancing loss: the model's own loss
+        self.moe = bool(getattr(inner.config, "moe_layers", None))
         if cfg.activation_checkpointing or cfg.loss_chunk_size:
             long_context(inner, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
@@ -192,14 +195,22 @@ class Trainer:
         for batch in loader:
             yield tuple(t.to(self.dist.device, non_blocking=True) for t in batch)
 
-    def _loss(self, batch) -> torch.Tensor:
+    def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean loss of one micro-batch: the next-token loss (:func:`ssmkit.eval.lm_loss`), or for
         SFT the loss on the labelled (completion) tokens with ``seq_idx``, so the scan restarts at
-        each sample."""
+        each sample. A mixture of experts computes its loss itself, the router's load-balancing
+        loss included (:mod:`ssmkit.models.moe`); that aux loss is the second value (else None)."""
         if len(batch) == 2:
-            return lm_loss(self.module, *batch, self.config.loss_chunk_size)
-        x, y, seq_idx = batch
-        return self.module(x, labels=y, shift_labels=False, seq_idx=seq_idx).loss
+            if not self.moe:
+                return lm_loss(self.module, *batch, self.config.loss_chunk_size), None
+            x, y = batch
+            out = self.module(
+                x, labels=y, shift_labels=False, loss_chunk_size=self.config.loss_chunk_size
+            )
+        else:
+            x, y, seq_idx = batch
+            out = self.module(x, labels=y, shift_labels=False, seq_idx=seq_idx)
+        return out.loss, getattr(out, "aux_loss", None)
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self, until: int | None = None) -> list[dict]:
@@ -264,13 +275,17 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=d.device)
+            aux_sum = torch.zeros((), device=d.device)
             for micro in range(self.grad_accum):
                 batch = next(batches)
                 with self._sync(micro == self.grad_accum - 1), self._autocast():
-                    loss = self._loss(batch)
+                    loss, aux = self._loss(batch)
                 self.scaler.scale(loss / self.grad_accum).backward()
                 loss_sum += loss.detach()
+                if aux is not None:
+                    aux_sum += aux.detach()
             loss = d.all_reduce_mean(loss_sum / self.grad_accum).item()
+            aux = d.all_reduce_mean(aux_sum / self.grad_accum).item() if self.moe else None
             self.step += 1
             self.tokens += cfg.batch_tokens
             bar.update(1)
@@ -289,7 +304,7 @@ class Trainer:
                 self.scaler_skipped += 1  # inf/NaN gradients: no optimizer step, the scale halved
             self.optimizer.zero_grad(set_to_none=True)
             window.append(
-                (loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                (loss, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm), aux)
             )
             if self.step % cfg.log_every == 0 or self.step == stop:
                 elapsed = time.perf_counter() - t0
@@ -351,6 +366,8 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.dist.device),
             "skipped": self.skipped,
         }
+        if self.moe:  # the router's load-balancing loss (its coefficient times it is in "loss")
+            record["aux_loss"] = sum(w[2] for w in window) / len(window)
         if self.scaler.is_enabled():  # fp16: the loss scale and its skips
             record.update(grad_scale=self.scaler.get_scale(), scaler_skipped=self.scaler_skipped)
         if self.dist.world_size > 1:  # every rank's, rank order (a collective)

@@ -222,6 +222,8 @@ def saved_bytes(
             128,
             False,
         ),
+        # a mixture of experts on layers 1 and 3 (4 experts, top 2), dense MLPs on 0 and 2
+        (dict(M1, d_intermediate=256, num_experts=4, num_experts_per_tok=2), 2, 128, False),
         # a Mamba-3 + attention hybrid with MLPs
         (
             dict(

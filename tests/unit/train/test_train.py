@@ -224,6 +224,35 @@ def test_keep_last_and_metrics(tmp_path, shards):
     }
 
 
+# Jamba-style Mamba-1 (Δ/B/C norms, one epsilon) with 4 experts on layer 1: format "jamba" holds it
+MOE_OVERRIDES = dict(
+    d_model=32,
+    n_layer=2,
+    d_intermediate=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.1,
+    mixer_rms_eps=1e-5,
+    mixer_rms_weights=True,
+)
+
+
+def test_a_mixture_of_experts_trains_with_its_aux_loss(tmp_path, shards):
+    cfg = small(tmp_path, shards, model_overrides=MOE_OVERRIDES, max_steps=3)
+    trainer = Trainer(config=cfg)
+    router = trainer.model.backbone.layers[1].mlp.router.weight.detach().clone()
+    x, y = next(trainer._batches(trainer.loader))
+    loss, aux = trainer._loss((x, y))  # the LM's loss: next-token CE + coef · aux
+    ce = ssmkit.eval.lm_loss(trainer.model, x, y)
+    torch.testing.assert_close(loss, ce + 0.1 * aux, atol=1e-6, rtol=0)
+    train = [r for r in trainer.fit() if r["kind"] == "train"]
+    assert len(train) == 3 and all(1.0 < r["aux_loss"] <= 4.0 for r in train)  # k=2 when balanced
+    assert not torch.equal(trainer.model.backbone.layers[1].mlp.router.weight, router)
+    ckpts = tmp_path / "run" / "checkpoints"
+    loaded = ssmkit.from_pretrained(ckpts / (ckpts / "latest").read_text().strip() / "model")
+    torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, atol=1e-6, rtol=0)
+
+
 class Poisoned(torch.nn.Module):
     """The tiny model, with a NaN loss on chosen calls."""
 
