@@ -16,7 +16,7 @@ OVERWRITE ?=
 # `make test` runs the suite on this many worker processes (pytest-xdist): one per core
 JOBS   ?= 2
 
-.PHONY: run test lint lab strip demo bench gpu-check env clean
+.PHONY: run papers test lint lab strip demo bench gpu-check env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml | $(PY)
 run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defaults into runs/<timestamp>/
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN) $(if $(OVERWRITE),--overwrite)
 
+papers: $(STAMP)         ## run every papers/NN_*.ipynb (the companion notes) headless on CPU defaults into runs/papers-<timestamp>/
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run papers/[0-9][0-9]_*.ipynb --out runs/papers-$(RUN) $(if $(OVERWRITE),--overwrite)
+
 test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included; slowest 15 last
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) --dist worksteal
 
@@ -37,11 +40,11 @@ lint: $(STAMP)           ## ruff (rules in pyproject.toml): the format, pyflakes
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-lab: $(STAMP)            ## JupyterLab on the notebooks (kernel: this venv's Python)
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+lab: $(STAMP)            ## JupyterLab on the checkout: notebooks/, papers/ (kernel: this venv's Python)
+	$(VENV)/bin/jupyter lab . $(if $(filter 0,$(shell id -u)),--allow-root)
 
-strip: $(STAMP)          ## clear outputs and execution counts of notebooks/*.ipynb before committing
-	$(PY) -m ssmkit.cli workbook strip
+strip: $(STAMP)          ## clear outputs and execution counts of notebooks/ and papers/ before committing
+	$(PY) -m ssmkit.cli workbook strip notebooks/*.ipynb papers/*.ipynb
 
 demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (~1 min)
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
