@@ -4,7 +4,7 @@ selection tasks, and the registry of every task (``TASKS``, ``make_task``).
 Three small tasks here test whether a sequence model can *select* and *recall* information
 from its context. A recurrent model has to squeeze the whole past into a fixed-size state,
 so these tasks are where a selective SSM (Mamba) and a plain linear-time-invariant SSM differ.
-Recall at a distance (``associative-recall``, ``passkey``, ``phonebook``) is in
+Recall at a distance (``associative-recall``, ``passkey``, ``phonebook``, ``delay``) is in
 :mod:`ssmkit.data.synthetic_recall`, state tracking (``parity``, ``modular-arithmetic``) in
 :mod:`ssmkit.data.synthetic_state`; all of them are registered in :data:`TASKS` below.
 
@@ -91,6 +91,7 @@ from .synthetic_checks import (
     SyntheticBatch,
     accuracy,
     associative_recall_answers,
+    delay_answers,
     induction_heads_answers,
     modular_arithmetic_answers,
     mqar_answers,
@@ -99,7 +100,7 @@ from .synthetic_checks import (
     phonebook_answers,
     selective_copying_answers,
 )
-from .synthetic_recall import AssociativeRecall, Passkey, Phonebook
+from .synthetic_recall import AssociativeRecall, Delay, Passkey, Phonebook
 from .synthetic_state import ModularArithmetic, Parity
 from .synthetic_task import _batch, _random_subset, _require_int, _Task, check
 
@@ -112,6 +113,7 @@ __all__ = [
     "AssociativeRecall",
     "Passkey",
     "Phonebook",
+    "Delay",
     "Parity",
     "ModularArithmetic",
     "TASKS",
@@ -124,6 +126,7 @@ __all__ = [
     "associative_recall_answers",
     "passkey_answers",
     "phonebook_answers",
+    "delay_answers",
     "parity_answers",
     "modular_arithmetic_answers",
 ]
@@ -360,6 +363,7 @@ TASKS = {
         AssociativeRecall,
         Passkey,
         Phonebook,
+        Delay,
         Parity,
         ModularArithmetic,
     )

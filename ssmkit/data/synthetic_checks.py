@@ -29,6 +29,7 @@ __all__ = [
     "associative_recall_answers",
     "passkey_answers",
     "phonebook_answers",
+    "delay_answers",
     "parity_answers",
     "modular_arithmetic_answers",
 ]
@@ -168,6 +169,24 @@ def associative_recall_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
         if query not in keys:
             raise ValueError(f"the query {query} at position {L - 2} is not a key of the row")
         expected.append([IGNORE_INDEX] * (L - 1) + [dict(zip(keys, values))[query]])
+    return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
+
+
+def delay_answers(input_ids: torch.Tensor, task) -> torch.Tensor:
+    """Checker: the first ``seq_len - delay`` tokens are data (no noise id), then noise up to
+    position ``delay``; from there every label is the token ``delay`` positions earlier."""
+    D, L = task.delay, task.seq_len
+    M = L - D  # the data tokens, and the answers
+    expected = []
+    for row in input_ids.tolist():
+        data, gap, copy = row[:M], row[M:D], row[D:]
+        if task.noise_id in data or any(tok != task.noise_id for tok in gap):
+            raise ValueError(
+                f"expected {M} data tokens, then noise ({task.noise_id}) up to position {D}"
+            )
+        if copy != [row[t - D] for t in range(D, L)]:
+            raise ValueError(f"from position {D} each token must repeat the one {D} before it")
+        expected.append([IGNORE_INDEX] * D + copy)
     return torch.tensor(expected, dtype=torch.long).reshape(input_ids.shape)
 
 

@@ -1,5 +1,6 @@
 """Recall synthetic tasks: associative recall, passkey retrieval and phonebook lookup, where the
-answer is a token (or several) seen once, far back, and fetched by content.
+answer is a token (or several) seen once, far back, and fetched by content; and the delay task,
+where it is fetched by its distance alone.
 
 A fixed-size recurrent state has to hold everything that might be asked; attention can look it
 up. These are the tasks on which hybrids and Transformers beat pure SSMs in the papers cited below.
@@ -8,6 +9,7 @@ up. These are the tasks on which hybrids and Transformers beat pure SSMs in the 
     make_task("associative-recall", vocab_size=21, seq_len=22)    # 10 pairs, one query
     make_task("passkey", seq_len=1024, depth=0.5)                 # the key halfway through filler
     make_task("phonebook", vocab_size=64, seq_len=256)             # 36 entries of 2 + 4 tokens
+    make_task("delay", seq_len=96, delay=64)                       # the token 64 steps ago
 
 Tasks
 -----
@@ -34,6 +36,15 @@ Tasks
     (name, number) entries, then a name; the answer is its number::
 
         j o 5 5 5 1 ; a l 2 0 1 9 ; ... ? a l -> 2 0 1 9
+
+``Delay`` ("delay")
+    The copying-memory task of Arjovsky, Shah & Bengio 2016 ("Unitary Evolution Recurrent Neural
+    Networks", arXiv:1511.06464), without its delimiter: output the token seen ``delay`` steps
+    ago. The long-range memory test of HiPPO (Gu, Dao, Ermon, Rudra & Ré 2020, arXiv:2008.07069)
+    and S4's initialisation ablations. A time-invariant model solves it with one kernel tap at
+    the right lag, if its state can hold ``delay`` steps::
+
+        7 3 9 0 0 0 0 0 7 3 9          (delay 8: data, noise, the data again)
 """
 
 from __future__ import annotations
@@ -44,10 +55,15 @@ from typing import ClassVar
 import torch
 
 from .. import checks
-from .synthetic_checks import associative_recall_answers, passkey_answers, phonebook_answers
+from .synthetic_checks import (
+    associative_recall_answers,
+    delay_answers,
+    passkey_answers,
+    phonebook_answers,
+)
 from .synthetic_task import _batch, _random_subset, _require_int, _Task
 
-__all__ = ["AssociativeRecall", "Passkey", "Phonebook"]
+__all__ = ["AssociativeRecall", "Delay", "Passkey", "Phonebook"]
 
 _DIGITS = 10  # passkeys and phone numbers are decimal, as in the papers
 
@@ -311,4 +327,60 @@ class Phonebook(_Task):
         ids[:, L - b :] = numbers[rows, which]
         mask = torch.zeros(n, L, dtype=torch.bool)
         mask[:, L - b :] = True
+        return _batch(ids, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Delay
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delay(_Task):
+    """Output the token seen ``delay`` steps ago (copying memory at a fixed lag).
+
+    Layout (``M = seq_len - delay`` data tokens, ``delay >= M``)::
+
+        positions 0 .. M-1          data tokens, uniform over ids 1 .. vocab_size - 1
+        positions M .. delay-1      noise (0)
+        positions delay .. L-1      the data again: token t = token t - delay   <- the answers
+
+    Every answer is exactly ``delay`` steps after its source, so the task needs no content
+    lookup, only a memory of ``delay`` steps: the same lag for every answer (a time-invariant
+    model can solve it), far beyond a short convolution's reach.
+    """
+
+    vocab_size: int = 16
+    seq_len: int = 96
+    delay: int = 64
+
+    name: ClassVar[str] = "delay"
+    _answers: ClassVar = staticmethod(delay_answers)
+    noise_id: ClassVar[int] = 0
+    first_data_id: ClassVar[int] = 1
+
+    def __post_init__(self):
+        cls = type(self).__name__
+        _require_int(cls, "vocab_size", self.vocab_size, 1)
+        _require_int(cls, "seq_len", self.seq_len, 1)
+        _require_int(cls, "delay", self.delay, 1)
+        if self.vocab_size < self.first_data_id + 2:
+            raise ValueError(
+                f"{cls}: vocab_size={self.vocab_size} is too small: need vocab_size >= "
+                f"{self.first_data_id + 2} (noise={self.noise_id} plus at least 2 data tokens)"
+            )
+        if not self.delay < self.seq_len <= 2 * self.delay:
+            raise ValueError(
+                f"{cls}: need delay < seq_len <= 2 * delay (at least one answer, and the copy "
+                f"after the data); got seq_len={self.seq_len}, delay={self.delay}"
+            )
+
+    def _generate(self, n, gen):
+        M, D = self.seq_len - self.delay, self.delay
+        data = torch.randint(self.first_data_id, self.vocab_size, (n, M), generator=gen)
+        ids = torch.full((n, self.seq_len), self.noise_id, dtype=torch.long)
+        ids[:, :M] = data
+        ids[:, D:] = data
+        mask = torch.zeros(n, self.seq_len, dtype=torch.bool)
+        mask[:, D:] = True
         return _batch(ids, mask)

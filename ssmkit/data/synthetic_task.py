@@ -3,8 +3,8 @@
 
 The tasks themselves live in :mod:`ssmkit.data.synthetic` (selection: selective copying, induction
 heads, MQAR, and the registry ``TASKS``), :mod:`ssmkit.data.synthetic_recall` (associative recall,
-passkey, phonebook) and :mod:`ssmkit.data.synthetic_state` (parity, modular arithmetic); their
-checkers in :mod:`ssmkit.data.synthetic_checks`. A task is a frozen dataclass deriving from
+passkey, phonebook, delay) and :mod:`ssmkit.data.synthetic_state` (parity, modular arithmetic);
+their checkers in :mod:`ssmkit.data.synthetic_checks`. A task is a frozen dataclass deriving from
 :class:`_Task` with a ``name``, a ``_generate(n, gen)`` and its checker as ``_answers``.
 """
 

@@ -16,6 +16,7 @@ from ssmkit.data.synthetic import (
     MQAR,
     TASKS,
     AssociativeRecall,
+    Delay,
     InductionHeads,
     ModularArithmetic,
     Parity,
@@ -380,6 +381,7 @@ def test_registry_and_unknown_names():
         "associative-recall": AssociativeRecall,
         "passkey": Passkey,
         "phonebook": Phonebook,
+        "delay": Delay,
         "parity": Parity,
         "modular-arithmetic": ModularArithmetic,
     }
@@ -389,7 +391,8 @@ def test_registry_and_unknown_names():
     with pytest.raises(
         ValueError,
         match="unknown synthetic task 'copying'; valid names: selective-copying, "
-        "induction-heads, mqar, associative-recall, passkey, phonebook, parity, modular-arithmetic",
+        "induction-heads, mqar, associative-recall, passkey, phonebook, delay, parity, "
+        "modular-arithmetic",
     ):
         make_task("copying")
     with pytest.raises(

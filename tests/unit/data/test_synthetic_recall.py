@@ -1,5 +1,5 @@
-"""Recall synthetic tasks (associative recall, passkey, phonebook): seeded, well-formed, checkable
-against an independent re-derivation, scored at t-1, and their knobs checked."""
+"""Recall synthetic tasks (associative recall, passkey, phonebook, delay): seeded, well-formed,
+checkable against an independent re-derivation, scored at t-1, and their knobs checked."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from ssmkit.data.synthetic import (
     IGNORE_INDEX,
     TASKS,
     AssociativeRecall,
+    Delay,
     Passkey,
     Phonebook,
     SyntheticBatch,
     accuracy,
     check,
+    delay_answers,
     make_task,
     passkey_answers,
     phonebook_answers,
@@ -30,8 +32,9 @@ SMALL = {
     "associative-recall": dict(vocab_size=33, seq_len=32),  # 15 pairs, 16 keys
     "passkey": dict(seq_len=64, key_len=4),
     "phonebook": dict(vocab_size=32, seq_len=64, name_len=2, number_len=3),  # 9 entries
+    "delay": dict(vocab_size=8, seq_len=48, delay=40),  # 8 data tokens
 }
-ANSWERS_PER_ROW = {"associative-recall": 1, "passkey": 4, "phonebook": 3}
+ANSWERS_PER_ROW = {"associative-recall": 1, "passkey": 4, "phonebook": 3, "delay": 8}
 
 
 @pytest.fixture(params=list(SMALL))
@@ -125,6 +128,23 @@ def test_passkey_depth_and_filler():
     assert answers.tolist() == [[IGNORE_INDEX] * 10 + [5, 6, 7]]
 
 
+def test_delay_layout():
+    task = Delay(vocab_size=10, seq_len=20, delay=14)  # 6 data tokens, 8 of noise
+    batch = task.sample(400, seed=2)
+    ids = batch.input_ids
+    assert (ids[:, :6] >= task.first_data_id).all() and (ids[:, 6:14] == task.noise_id).all()
+    assert torch.equal(ids[:, 14:], ids[:, :6])  # token t is token t - delay
+    assert batch.answer_mask[:, 14:].all() and not batch.answer_mask[:, :14].any()
+    assert set(ids[:, :6].unique().tolist()) == set(range(1, 10))  # every data id is drawn
+    # a hand-made row (delay 5, 3 data tokens): the answers are the data, 5 steps later
+    row = torch.tensor([[7, 3, 9, 0, 0, 7, 3, 9]])
+    answers = delay_answers(row, Delay(vocab_size=10, seq_len=8, delay=5))
+    assert answers.tolist() == [[IGNORE_INDEX] * 5 + [7, 3, 9]]
+    for bad in ([7, 3, 9, 0, 0, 7, 3, 8], [7, 3, 9, 0, 4, 7, 3, 9], [7, 0, 9, 0, 0, 7, 0, 9]):
+        with pytest.raises(ValueError):
+            delay_answers(torch.tensor([bad]), Delay(vocab_size=10, seq_len=8, delay=5))
+
+
 def test_phonebook_layout():
     # 3 letters: 9 names, all of them used
     task = Phonebook(vocab_size=16, seq_len=60, name_len=2, number_len=2, num_entries=9)
@@ -161,6 +181,8 @@ def test_phonebook_layout():
         ("phonebook", dict(vocab_size=14, seq_len=6, name_len=1, number_len=1)),  # one name
         ("phonebook", dict(vocab_size=64, seq_len=256)),
         ("phonebook", dict(vocab_size=20, seq_len=100, name_len=6, number_len=10, num_entries=2)),
+        ("delay", dict(vocab_size=3, seq_len=2, delay=1)),  # smallest allowed
+        ("delay", dict(vocab_size=16, seq_len=300, delay=299)),  # one answer, far back
     ],
 )
 def test_checker_accepts_generated_batches(name, kwargs):
@@ -179,6 +201,8 @@ def _context_edit(task):
         elif isinstance(task, Passkey):  # change the hidden key's first digit
             at = (ids[r] == task.key_id).nonzero()[0].item() + 1
             ids[r, at] = 2 + (ids[r, at] - 2 + 1) % 10
+        elif isinstance(task, Delay):  # change the first data token
+            ids[r, 0] = 1 + ids[r, 0] % (task.vocab_size - 1)
         else:  # change the queried entry's first digit
             w, b = task.entry_len, task.number_len
             query = ids[r, -w + 1 : -b]
@@ -278,6 +302,10 @@ def test_tiny_model_accepts_batches(task):
         ),
         (Phonebook, dict(name_len=40), r"at most 2\*\*62 are supported"),
         (Phonebook, dict(number_len=0), r"number_len must be a positive integer"),
+        (Delay, dict(vocab_size=2), r"vocab_size=2 is too small: need vocab_size >= 3"),
+        (Delay, dict(seq_len=64, delay=64), r"need delay < seq_len <= 2 \* delay"),
+        (Delay, dict(seq_len=129, delay=64), r"got seq_len=129, delay=64"),
+        (Delay, dict(delay=0), r"delay must be a positive integer"),
     ],
 )
 def test_bad_parameters_raise_clear_errors(cls, kwargs, message):

@@ -19,6 +19,7 @@ from ssmkit.data.synthetic import (
     IGNORE_INDEX,
     MQAR,
     AssociativeRecall,
+    Delay,
     InductionHeads,
     ModularArithmetic,
     Parity,
@@ -26,6 +27,7 @@ from ssmkit.data.synthetic import (
     Phonebook,
     SelectiveCopying,
     associative_recall_answers,
+    delay_answers,
     induction_heads_answers,
     modular_arithmetic_answers,
     mqar_answers,
@@ -183,6 +185,7 @@ ANSWERS = {
     AssociativeRecall: associative_recall_answers,
     Passkey: passkey_answers,
     Phonebook: phonebook_answers,
+    Delay: delay_answers,
     Parity: parity_answers,
     ModularArithmetic: modular_arithmetic_answers,
 }
@@ -193,6 +196,7 @@ TASKS = [
     AssociativeRecall(vocab_size=33, seq_len=32),
     Passkey(seq_len=64, key_len=4),
     Phonebook(vocab_size=32, seq_len=64),
+    Delay(vocab_size=16, seq_len=64, delay=48),
     Parity(seq_len=20, min_bits=3),
     ModularArithmetic(seq_len=20, min_len=1, brackets=True),
 ]
