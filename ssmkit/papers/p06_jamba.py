@@ -185,12 +185,13 @@ def hf_parity(seed: int, new_tokens: int = 6) -> dict:
     ``ssmkit.from_pretrained``, and compare: ``{"rel": max |Δlogits| / max |logits| on ids
     (2, 12), "ours": greedy ids (2, 4 + new_tokens), "theirs": transformers' greedy ids,
     "moe_layers": ssmkit's MoE layers, "hf_moe_layers": transformers' layers with > 1 expert}``."""
-    import ssmkit
+    from ..hub.load import from_pretrained
+    from ..models.generate import generate
 
     hf = _hf_jamba(seed)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        model = ssmkit.from_pretrained(d).eval()
+        model = from_pretrained(d).eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, HF_TINY["vocab_size"], (2, 12), generator=g)
     prompt = torch.randint(1, HF_TINY["vocab_size"], (2, 4), generator=g)
@@ -199,7 +200,7 @@ def hf_parity(seed: int, new_tokens: int = 6) -> dict:
         want, got = hf(ids, use_cache=False).logits, model(ids).logits
         theirs = hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False)  # fmt: skip
-    ours = ssmkit.generate(model, prompt, max_new_tokens=new_tokens, temperature=0)
+    ours = generate(model, prompt, max_new_tokens=new_tokens, temperature=0)
     return {
         "rel": ((got - want).abs().max() / want.abs().max()).item(),
         "ours": ours,

@@ -206,7 +206,7 @@ def hf_parity(seed: int) -> float:
     float32."""
     from transformers import Zamba2Config, Zamba2ForCausalLM
 
-    import ssmkit
+    from ..hub.load import from_pretrained
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():
@@ -217,7 +217,7 @@ def hf_parity(seed: int) -> float:
             p.add_(0.02 * torch.randn_like(p))
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        model = ssmkit.from_pretrained(d).eval()
+        model = from_pretrained(d).eval()
     ids = torch.randint(0, HF_TINY["vocab_size"], (1, 10))
     with torch.no_grad():
         want, got = hf(ids).logits, model(ids).logits
