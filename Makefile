@@ -44,7 +44,7 @@ lab: $(STAMP)            ## JupyterLab on the checkout: notebooks/, papers/ (ker
 	$(VENV)/bin/jupyter lab . $(if $(filter 0,$(shell id -u)),--allow-root)
 
 strip: $(STAMP)          ## clear outputs and execution counts of notebooks/ and papers/ before committing
-	$(PY) -m ssmkit.cli workbook strip notebooks/*.ipynb papers/*.ipynb
+	$(PY) -m ssmkit.cli workbook strip
 
 demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps, then sample (~1 min)
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo

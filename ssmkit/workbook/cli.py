@@ -80,7 +80,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_strip_arguments(strip: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``ssmkit workbook strip``."""
-    strip.add_argument("notebooks", nargs="*", help="notebook paths (default: notebooks/*.ipynb)")
+    strip.add_argument(
+        "notebooks", nargs="*", help="notebook paths (default: notebooks/*.ipynb, papers/*.ipynb)"
+    )
     return strip
 
 
@@ -91,9 +93,11 @@ def _fail(status: int, message: str) -> int:
 
 
 def strip(args) -> int:
-    """``ssmkit workbook strip``: clear each notebook's outputs in place (a missing one: 2)."""
+    """``ssmkit workbook strip``: clear each notebook's outputs in place (a missing one: 2); by
+    default the workbook's and the paper notes' (``notebooks/``, ``papers/``)."""
+    default = [p for d in ("notebooks", "papers") for p in sorted(Path(d).glob("*.ipynb"))]
     try:
-        for p in args.notebooks or sorted(Path("notebooks").glob("*.ipynb")):
+        for p in args.notebooks or default:
             if not Path(p).is_file():
                 raise WorkbookError(f"notebook {p} does not exist")
             print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")

@@ -169,18 +169,25 @@ def small(page: str, text: str) -> str:
 
 
 def units() -> list:
-    """What runs, page by page in order: one unit for a page's python blocks (together, in order,
-    placed at the first of them), one per bash block."""
+    """What runs, page by page: a page's runnable blocks are one test, run in order in the page's
+    workspace (its python blocks together, placed at the first of them; each bash block on its own),
+    so that a block finds what an earlier block of its page wrote whichever test worker runs it.
+    Each skipped block is a test of its own that says why."""
     out = []
     for page, blocks in BLOCKS.items():
         python = [b for b in blocks if b.lang == "python" and b.skip is None]
+        steps = []
         for b in blocks:
             if b.lang == "text":  # not code (a directory tree): nothing to run
                 continue
-            if b is (python[0] if python else None):
-                out.append(pytest.param(python, id=f"{page}:python"))
-            elif b.lang != "python" or b.skip is not None:
-                out.append(pytest.param([b], id=f"{page}:{b.lang}:{b.line}"))
+            if b.skip is not None:
+                out.append(pytest.param([[b]], id=f"{page}:{b.lang}:{b.line}"))
+            elif b is (python[0] if python else None):
+                steps.append(python)
+            elif b.lang != "python":
+                steps.append([b])
+        if steps:
+            out.append(pytest.param(steps, id=page))
     return out
 
 
@@ -315,8 +322,13 @@ for b in json.load(open(sys.argv[1])):
 """
 
 
-@pytest.mark.parametrize("blocks", units())
-def test_block_runs(blocks, workspaces, shared_runs, session_home):
+@pytest.mark.parametrize("steps", units())
+def test_page_runs(steps, workspaces, shared_runs, session_home):
+    for blocks in steps:
+        _run_blocks(blocks, workspaces, shared_runs, session_home)
+
+
+def _run_blocks(blocks, workspaces, shared_runs, session_home):
     first = blocks[0]
     where = f"{first.page}:{first.line - 1}"
     if first.skip is not None:

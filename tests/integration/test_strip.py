@@ -24,7 +24,7 @@ from jupyter_server.services.contents.filemanager import FileContentsManager  # 
 
 from ssmkit import cli  # noqa: E402
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "papers").glob("*.ipynb"))
 LANGUAGE_INFO = {
     "codemirror_mode": {"name": "ipython", "version": 3},
     "file_extension": ".py",
