@@ -47,6 +47,7 @@ __all__ = [
     "ClaimBook",
     "ClaimsFailed",
     "Outcome",
+    "per_seed",
     "relative_error",
 ]
 
@@ -127,6 +128,13 @@ def relative_error(a, b) -> float:
     diff = (a - b).abs().max().item() if a.numel() else 0.0
     scale = b.abs().max().item() if b.numel() else 0.0
     return diff / scale if scale > 0 else diff
+
+
+def per_seed(rows: Sequence[dict], value: str = "accuracy", **match) -> dict:
+    """``{row["seed"]: row[value]}`` over the ``rows`` (one dict per run) whose fields equal
+    ``match``: the per-seed values an ordering or threshold claim takes.
+    ``per_seed(runs, model="mamba2", d_state=128)`` -> {0: 0.41, 1: 0.38, 2: 0.44}."""
+    return {r["seed"]: r[value] for r in rows if all(r[k] == v for k, v in match.items())}
 
 
 def _seeds(values: Mapping, claim: Claim, judged: bool) -> dict:

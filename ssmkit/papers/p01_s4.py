@@ -36,7 +36,7 @@ from ..data import make_task
 from ..models import ModelConfig, build_model
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, relative_error
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed, relative_error
 
 TITLE = "S4 and S4D (Gu, Goel & Ré 2021; Gu, Gupta, Goel & Ré 2022)"
 ARXIV = "2111.00396"
@@ -261,4 +261,4 @@ def delay_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def accuracy_by_seed(rows: list[dict], init: str) -> dict:
     """{seed: accuracy} of one init of :func:`delay_runs`."""
-    return {r["seed"]: r["accuracy"] for r in rows if r["init"] == init}
+    return per_seed(rows, init=init)

@@ -35,7 +35,7 @@ from ..models.h3 import H3
 from ..models.ssm_config import H3Config
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "H3: Hungry Hungry Hippos (Fu, Dao et al. 2022)"
 ARXIV = "2212.14052"
@@ -183,7 +183,7 @@ def ar_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def by_seed(rows: list[dict], model: str, key: str) -> dict:
     """{seed: row[key]} of one model's rows."""
-    return {r["seed"]: r[key] for r in rows if r["model"] == model}
+    return per_seed(rows, key, model=model)
 
 
 # --- language modelling: the hybrid against a Transformer ---------------------------------------

@@ -28,7 +28,7 @@ from ..models import ModelConfig, build_model
 from ..ops import selective_scan
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "Mamba: selective state spaces (Gu & Dao 2023)"
 ARXIV = "2312.00752"
@@ -199,7 +199,7 @@ def copying_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def by_seed(rows: list[dict], key: str, value, field: str = "accuracy") -> dict:
     """{seed: row[field]} of the rows whose ``key`` is ``value``."""
-    return {r["seed"]: r[field] for r in rows if r[key] == value}
+    return per_seed(rows, field, **{key: value})
 
 
 # --- induction heads: extrapolation --------------------------------------------------------------

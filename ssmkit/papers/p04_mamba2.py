@@ -30,7 +30,7 @@ from ..models import ModelConfig, build_model
 from ..ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_reference
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "Mamba-2 / SSD (Dao & Gu 2024)"
 ARXIV = "2405.21060"
@@ -264,5 +264,4 @@ def mqar_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def accuracy_by_seed(rows: list[dict], model: str, d_state: int) -> dict:
     """{seed: accuracy} of one model of :func:`mqar_runs`."""
-    return {r["seed"]: r["accuracy"] for r in rows
-            if r["model"] == model and r["d_state"] == d_state}  # fmt: skip
+    return per_seed(rows, model=model, d_state=d_state)

@@ -37,7 +37,7 @@ from ..data import make_task
 from ..models import ModelConfig, build_model
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "Zamba / Zamba2 (Glorioso et al. 2024)"
 ARXIV = "2405.16712"
@@ -255,4 +255,4 @@ def mqar_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def accuracy_by_seed(rows: list[dict], model: str) -> dict:
     """{seed: accuracy} of one model of :func:`mqar_runs`."""
-    return {r["seed"]: r["accuracy"] for r in rows if r["model"] == model}
+    return per_seed(rows, model=model)

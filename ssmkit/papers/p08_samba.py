@@ -36,7 +36,7 @@ from ..models import ModelConfig, build_model
 from ..models.attention import Attention
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "Samba (Ren et al. 2024)"
 ARXIV = "2406.07522"
@@ -195,5 +195,4 @@ def passkey_runs(seeds, steps: int, lengths, device="cpu") -> list[dict]:
 
 def accuracy_by_seed(rows: list[dict], model: str, length: int) -> dict:
     """{seed: accuracy} of one model at one length of :func:`passkey_runs`."""
-    return {r["seed"]: r["accuracy"] for r in rows
-            if r["model"] == model and r["length"] == length}  # fmt: skip
+    return per_seed(rows, model=model, length=length)

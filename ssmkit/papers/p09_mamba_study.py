@@ -30,7 +30,7 @@ from ..models import ModelConfig, build_model
 from ..models.attention import Attention
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook
+from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
 TITLE = "An Empirical Study of Mamba-based Language Models (Waleffe et al. 2024)"
 ARXIV = "2406.07887"
@@ -164,4 +164,4 @@ def phonebook_runs(seeds, steps: int, device="cpu") -> list[dict]:
 
 def accuracy_by_seed(rows: list[dict], model: str) -> dict:
     """{seed: accuracy} of one model of :func:`phonebook_runs`."""
-    return {r["seed"]: r["accuracy"] for r in rows if r["model"] == model}
+    return per_seed(rows, model=model)

@@ -117,3 +117,15 @@ def test_relative_error():
     assert relative_error(torch.tensor([1e-3]), torch.tensor([0.0])) == pytest.approx(1e-3)
     with pytest.raises(ValueError, match="shapes differ"):
         relative_error(torch.zeros(2), torch.zeros(3))
+
+
+def test_per_seed_picks_the_matching_runs():
+    from ssmkit.papers.claims import per_seed
+
+    rows = [
+        {"seed": s, "model": m, "n": n, "accuracy": a, "loss": -a}
+        for s, m, n, a in [(0, "a", 1, 0.5), (1, "a", 1, 0.6), (0, "a", 2, 0.7), (0, "b", 1, 0.1)]
+    ]
+    assert per_seed(rows, model="a", n=1) == {0: 0.5, 1: 0.6}
+    assert per_seed(rows, "loss", model="b") == {0: -0.1}
+    assert per_seed(rows, model="c") == {}
