@@ -302,6 +302,16 @@ def cache_nbytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def prefill_cache_nbytes(model: nn.Module, length: int, batch: int = 1, seed: int = 0) -> int:
+    """Bytes an ssmkit model's fresh generation cache holds after a prefill of ``length`` random
+    tokens, input ids (batch, length): constant in ``length`` for SSM and sliding-window layers,
+    linear for full attention (:func:`cache_nbytes`)."""
+    cache = model.allocate_cache(batch)
+    with torch.inference_mode():
+        model(_random_ids(model, batch, length, seed), cache=cache, logits_to_keep=1)
+    return cache_nbytes(cache)
+
+
 def _new_cache(model: nn.Module, batch: int):
     if _is_ssmkit(model):
         return model.allocate_cache(batch)

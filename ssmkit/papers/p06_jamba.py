@@ -34,7 +34,7 @@ import torch
 
 from .. import checks
 from ..data import make_task
-from ..eval.long_context import cache_nbytes
+from ..eval.long_context import prefill_cache_nbytes
 from ..models import ModelConfig, build_model
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
@@ -247,13 +247,9 @@ def small_cache_models() -> dict[str, ModelConfig]:
 
 def measured_cache(cfg: ModelConfig, length: int, batch: int = 1) -> int:
     """Bytes the bf16 InferenceCache of ``cfg`` holds after a prefill of ``length`` random tokens
-    (:func:`ssmkit.eval.cache_nbytes`)."""
+    (:func:`ssmkit.eval.long_context.prefill_cache_nbytes`)."""
     model = build_model(cfg, seed=0).to(torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, length))
-    cache = model.allocate_cache(batch)
-    with torch.inference_mode():
-        model(ids, cache=cache, logits_to_keep=1)
-    return cache_nbytes(cache)
+    return prefill_cache_nbytes(model, length, batch)
 
 
 def cache_rows(cfg: ModelConfig, lengths=CACHE_LENGTHS) -> list[dict]:

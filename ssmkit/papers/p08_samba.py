@@ -27,11 +27,10 @@ Glossary: W = ``window_size``, T = the training length, K = the passkey's digits
 
 from __future__ import annotations
 
-import torch
-
 from .. import checks
 from ..data import make_task
 from ..eval import answer_accuracy
+from ..eval.long_context import prefill_cache_nbytes
 from ..models import ModelConfig, build_model
 from ..models.attention import Attention
 from ..train import train_on_task
@@ -141,17 +140,9 @@ def sublayers(model) -> list[str]:
 
 def cache_bytes(cfg: ModelConfig, lengths, batch: int = 1, seed: int = 0) -> list[int]:
     """Bytes of the inference cache (``InferenceCache.nbytes``) after a prefill of each length, one
-    fresh cache per length: input ids (batch, length)."""
+    fresh cache per length (:func:`ssmkit.eval.long_context.prefill_cache_nbytes`)."""
     model = build_model(cfg, seed=seed).eval()
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for length in lengths:
-        cache = model.allocate_cache(batch)
-        ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
-        with torch.no_grad():
-            model(ids, cache=cache)
-        out.append(cache.nbytes())
-    return out
+    return [prefill_cache_nbytes(model, length, batch, seed) for length in lengths]
 
 
 def cache_formula(cfg: ModelConfig, batch: int = 1, bytes_per: int = 4) -> int:

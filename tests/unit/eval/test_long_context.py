@@ -16,6 +16,7 @@ from ssmkit.eval.long_context import (
     generation_cost,
     length_extrapolation,
     peak_rss_mb,
+    prefill_cache_nbytes,
     train_step_cost,
 )
 from ssmkit.models import ModelConfig, build_model
@@ -186,3 +187,14 @@ def test_training_steps_are_timed_in_the_trainers_allocator_setting(monkeypatch)
     assert modes == ["reuse", "reuse", "reuse", "measure"]
     assert env.malloc_mode() == "reuse"
     assert row["step_s"] > 0 and (row["peak_mb"] is None or row["peak_mb"] >= 0)
+
+
+def test_prefill_cache_nbytes_is_flat_for_mamba_and_grows_for_attention():
+    mamba = build_model(ModelConfig(d_model=16, n_layer=1, vocab_size=32), seed=0).eval()
+    attn = build_model(
+        ModelConfig(d_model=16, n_layer=1, vocab_size=32, mixer="attn", attn_cfg={"num_heads": 2}),
+        seed=0,
+    ).eval()
+    assert prefill_cache_nbytes(mamba, 8) == prefill_cache_nbytes(mamba, 64) > 0
+    # keys and values in fp32, one layer of 2 heads of 8: at least 2 * 4 * 16 bytes per token held
+    assert prefill_cache_nbytes(attn, 512) >= 2 * 4 * 16 * 512 > prefill_cache_nbytes(attn, 8)
