@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -68,7 +69,7 @@ MIMO_TIME_BOUND = 2.0
 
 _METHOD = "{} (method section; number not verified offline)"
 CLAIMS = [
-    Claim("trap-loop", PAPER, "Abstract, contribution (1): the exponential-trapezoidal recurrence",
+    Claim("trap-loop", PAPER, "Abstract, contribution (1): the recurrence from SSM discretisation",
           "identity",
           "the recurrence written as a plain loop in this note equals ssmkit's mamba3_reference"),
     Claim("trap-dual", PAPER, _METHOD.format("the recurrence's masked (SSD-like) form"),
@@ -101,7 +102,7 @@ CLAIMS = [
     Claim("lm-scale", PAPER, "Abstract (arXiv v1)", "cited",
           "1.5B language models: Mamba-3 over the next best model (Gated DeltaNet) in average "
           "downstream accuracy, MIMO further",
-          paper_value="+0.6 points; MIMO +1.2 more (1.8 in total)"),
+          paper_value="+0.6 percentage points; MIMO +1.2 more (1.8 in total)"),
 ]  # fmt: skip
 
 
@@ -275,6 +276,19 @@ def rotated_state_loop(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(ys, dim=1), h
 
 
+@contextmanager
+def one_thread():
+    """torch on one thread inside the block, as before after it: the models and states here are so
+    small that a second thread only adds synchronisation (on a busy 2-core machine a parity step
+    took ~9x the CPU time with 2 threads as with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- parity: the rotation against Mamba-2 -------------------------------------------------------
 
 
@@ -305,19 +319,24 @@ def without_rotation(model):
 def parity_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train every model of :func:`parity_models` on parity (``make_task("parity", **PARITY)``)
     once per seed (:func:`train_on_task`, batch PARITY_BATCH, lr PARITY_LR) and score it on 256
-    held-out strings: rows {"model", "seed", "accuracy", "loss", "seconds"}."""
+    held-out strings, on one thread (:func:`one_thread`): rows {"model", "seed", "accuracy", "loss",
+    "seconds"}."""
     task = make_task("parity", **PARITY)
-    rows = []
-    for name, cfg in parity_models().items():
-        for seed in seeds:
-            model = build_model(cfg, seed=seed).to(device)
-            if name.endswith("no rotation"):
-                without_rotation(model)
-            fit = train_on_task(model, task, steps=steps, batch=PARITY_BATCH, lr=PARITY_LR,
-                                seed=seed)  # fmt: skip
-            rows.append({"model": name, "seed": seed, **{k: fit[k] for k in
-                         ("accuracy", "loss", "seconds")}})  # fmt: skip
-    return rows
+    with one_thread():
+        return [
+            _parity_run(task, name, cfg, seed, steps, device)
+            for name, cfg in parity_models().items()
+            for seed in seeds
+        ]
+
+
+def _parity_run(task, name: str, cfg: ModelConfig, seed: int, steps: int, device) -> dict:
+    """One model trained and scored: a row of :func:`parity_runs`."""
+    model = build_model(cfg, seed=seed).to(device)
+    if name.endswith("no rotation"):
+        without_rotation(model)
+    fit = train_on_task(model, task, steps=steps, batch=PARITY_BATCH, lr=PARITY_LR, seed=seed)
+    return {"model": name, "seed": seed, **{k: fit[k] for k in ("accuracy", "loss", "seconds")}}
 
 
 def accuracy_by_seed(rows: list[dict], model: str) -> dict:
@@ -386,15 +405,15 @@ def counted_vs_formula(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def time_steps(seeds, ranks=RANKS, shape=STEP_SHAPE, n: int = 30) -> list[dict]:
-    """Milliseconds of one :func:`mamba3_step` (fp32, no grad) at each rank, the state size fixed
-    (P, N of ``shape``): per seed the fastest of ``n`` rounds, each round stepping every rank once
-    (interleaved, so a busy moment of the machine hits every rank alike). Rows {"rank", "seed",
-    "ms", "intensity"}."""
+    """Milliseconds of one :func:`mamba3_step` (fp32, no grad, one thread) at each rank, the state
+    size fixed (P, N of ``shape``): per seed the fastest of ``n`` rounds, each round stepping every
+    rank once (interleaved, so a busy moment of the machine hits every rank alike). Rows {"rank",
+    "seed", "ms", "intensity"}."""
     rows = []
     for seed in seeds:
         made = {rank: decode_inputs(rank, **shape, seed=seed) for rank in ranks}
         best = dict.fromkeys(ranks, math.inf)
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             for _ in range(n):
                 for rank, (states, inputs) in made.items():
                     start = time.perf_counter()
