@@ -156,7 +156,9 @@ class CompiledScanFn(torch.autograd.Function):
         B_p, C_p = _padded(tm(B), Lp), _padded(tm(C), Lp)
         keep_p = _padded(u.new_ones(L, batch) if keep is None else keep.t().contiguous(), Lp, 1.0)
         A2 = A.reshape(state[1:]) * LOG2_E
-        h, starts, ys = h0.reshape(state), [], []
+        # detached: this Function computes the gradients itself, and a start state that requires
+        # grad (an initial state) would make dynamo compile every chunk function a second time
+        h, starts, ys = h0.detach().reshape(state), [], []
         for s in range(0, Lp, T):
             starts.append(h)
             y, h = run(

@@ -211,17 +211,30 @@ def test_runs_under_papermill(path, tmp_path):
 # FSDP launches, the planner's state per rank) is tests/unit/workbook/test_workbook_scale_up.py's
 # test_compare_strategies_trains_alike, a third of this notebook's CI time
 TRAINING = [p for p in NOTEBOOKS if p.stem[:2] not in ("00", "02")]
+# Smaller still than params/ci.yaml: these runs show every cell takes a Mamba-3 model, not that it
+# learns (ci.yaml's runs above check the numbers): 2 steps, one evaluation, no Transformer
+# baseline (it does not change with `config`), one context length, one step per sweep model
+MAMBA3 = {
+    "config": "cpu-tiny-mamba3",
+    "max_tokens": 8192,
+    "evals": 1,
+    "baseline": False,
+    "sweep_steps": 1,
+    "context_lengths": [64],
+    "sft_steps": 2,
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TRAINING, ids=[p.stem for p in TRAINING])
 def test_runs_with_mamba3_blocks(path, tmp_path):
-    """Every stage takes a Mamba-3 model as its run config: CI parameters, config
-    cpu-tiny-mamba3."""
+    """Every stage takes a Mamba-3 model as its run config: CI parameters made smaller (MAMBA3),
+    config cpu-tiny-mamba3."""
     ci = workbook.load_params_file(ROOT / "params" / "ci.yaml")
+    declared = workbook.declared_parameters(path)
     summary = workbook.run_workbook(
         [path],
-        parameters={"config": "cpu-tiny-mamba3"},
+        parameters={k: v for k, v in MAMBA3.items() if k in declared},
         out=tmp_path / "run",
         shared=ci,
         cell_timeout=600,
