@@ -9,7 +9,10 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ssmkit-installed
 # `make run` writes runs/$(RUN)/ (executed notebooks, figures, metrics, summary.md)
-RUN    ?= $(shell date +%Y%m%d-%H%M%S)
+# expanded once (:=): a recipe that names it twice names one folder
+ifndef RUN
+RUN    := $(shell date +%Y%m%d-%H%M%S)
+endif
 PARAMS ?= params/cpu.yaml
 # `make run RUN=name OVERWRITE=1` replaces an earlier run of that name (only the files a run writes)
 OVERWRITE ?=
@@ -31,7 +34,8 @@ run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defau
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run -f $(PARAMS) --out runs/$(RUN) $(if $(OVERWRITE),--overwrite)
 
 papers: $(STAMP)         ## run every papers/NN_*.ipynb (the companion notes) headless on CPU defaults into runs/papers-<timestamp>/
-	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run papers/[0-9][0-9]_*.ipynb --out runs/papers-$(RUN) $(if $(OVERWRITE),--overwrite)
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run papers/[0-9][0-9]_*.ipynb --out runs/papers-$(RUN) $(if $(OVERWRITE),--overwrite); \
+	status=$$?; $(PY) -m ssmkit.papers --report runs/papers-$(RUN); exit $$status
 
 test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included; slowest 15 last
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) --dist worksteal

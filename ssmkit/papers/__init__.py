@@ -9,6 +9,8 @@ what note NN calls, its parameters (declared once, as the workbook's chapters do
     note_of("papers/04_mamba2.ipynb")                   # the module of a note (by NN)
     python -m ssmkit.papers [--check]                   # write (or check) parameters cells and
                                                         # papers/README.md
+    python -m ssmkit.papers --report runs/papers-X      # every claim of a run of the notes, one
+                                                        # table (runs/papers-X/claims.md)
 
 Each note module declares ``TITLE`` (the paper), ``ARXIV``, ``QUESTION`` (the question the paper
 answers, one sentence), ``CLAIMS`` (:class:`~ssmkit.papers.claims.Claim` records) and
@@ -21,9 +23,10 @@ import importlib
 import re
 from pathlib import Path
 
+from ..io import read_json
 from ..workbook.notebooks import PROJECT_ROOT, WorkbookError, read_notebook
 
-__all__ = ["find_notes", "index", "note_names", "note_of", "papers_dir"]
+__all__ = ["find_notes", "index", "note_names", "note_of", "papers_dir", "report"]
 
 _FOLDER = Path(__file__).resolve().parent
 
@@ -81,7 +84,8 @@ def index(root: str | Path | None = None) -> str:
         "note's own run; and exercises. An identity that fails stops its note; an ordering or",
         "threshold that does not hold on every seed of the note's fixed recipe is reported as",
         '"not reproduced". Run one with `ssmkit workbook run papers/NN_name.ipynb`, all with',
-        "`make papers`.",
+        "`make papers`, which ends with every claim of the run in one table",
+        "(`python -m ssmkit.papers --report runs/papers-NAME` writes its claims.md).",
         "",
         "| note | paper | question | claims checked | CPU time |",
         "|---|---|---|---|---|",
@@ -95,3 +99,42 @@ def index(root: str | Path | None = None) -> str:
             f"| {len(note.CLAIMS)}: {_kinds(note.CLAIMS)} | {cpu} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def report(run_dir: str | Path) -> str:
+    """Every claim of a run of the notes (``ssmkit workbook run papers/...`` or ``make papers``) as
+    one markdown table: note, claim, kind, the paper's value, ours, verdict; from each note's
+    ``claims.json`` under ``run_dir/NN_name/``, followed by the count of each verdict. A note whose
+    run left no claims.json (it stopped early) is listed as such."""
+    run_dir = Path(run_dir)
+    folders = sorted(p for p in run_dir.glob("[0-9][0-9]_*") if p.is_dir())
+    if not folders:
+        raise WorkbookError(f"{run_dir}: no note folders NN_name/ (a run of papers/*.ipynb?)")
+    rows = [
+        "| note | claim | kind | paper's value | ours | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    verdicts: dict[str, int] = {}
+    stopped = 0
+    for folder in folders:
+        path = folder / "claims.json"
+        if not path.is_file():
+            rows.append(f"| {folder.name} | – | – | – | – | no claims.json: the run stopped |")
+            stopped += 1
+            continue
+        for rec in read_json(path):
+            out = rec.get("outcome") or {}
+            verdict = out.get("verdict", "NOT CHECKED")
+            verdicts[verdict] = verdicts.get(verdict, 0) + 1
+            cells = [
+                folder.name,
+                f"**{rec['id']}**: {rec['statement']}",
+                rec["kind"],
+                rec.get("paper_value") or "(in words)",
+                out.get("ours", "–"),
+                verdict,
+            ]
+            rows.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    counts = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
+    tail = f"; {stopped} note(s) stopped before their claims table" if stopped else ""
+    return "\n".join(rows) + f"\n\n{sum(verdicts.values())} claims: {counts}{tail}\n"

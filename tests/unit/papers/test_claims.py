@@ -133,3 +133,36 @@ def test_per_seed_picks_the_matching_runs():
     assert per_seed(rows, model="a", n=1) == {0: 0.5, 1: 0.6}
     assert per_seed(rows, "loss", model="b") == {0: -0.1}
     assert per_seed(rows, model="c") == {}
+
+
+def test_report_tables_every_claim_of_a_run_and_names_a_note_that_stopped(tmp_path):
+    import subprocess
+    import sys
+
+    from ssmkit.papers import report
+    from ssmkit.workbook.notebooks import WorkbookError
+
+    b = book()
+    b.identity("same", torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    b.ordering("better", {0: 1, 1: 1, 2: 1}, {0: 0, 1: 0, 2: 2})
+    (tmp_path / "01_first").mkdir()
+    b.save(tmp_path / "01_first" / "claims.json")
+    (tmp_path / "02_stopped").mkdir()
+    table = report(tmp_path)
+    assert table.count("| 01_first |") == 5 and "| 02_stopped |" in table
+    assert (
+        "| **better**: A beats B | ordering | (in words) | 1 vs 0; 1 vs 0; 1 vs 2 (2/3 seeds) |"
+        " not reproduced |" in table
+    )
+    assert table.endswith(
+        "5 claims: 3 NOT CHECKED, 1 not reproduced, 1 pass; 1 note(s) stopped before their claims "
+        "table\n"
+    ), table
+    with pytest.raises(WorkbookError, match="no note folders"):
+        report(tmp_path / "01_first")
+    done = subprocess.run(
+        [sys.executable, "-m", "ssmkit.papers", "--report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and (tmp_path / "claims.md").read_text() == table, done.stderr
