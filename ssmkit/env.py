@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -176,3 +177,19 @@ def pick_device(device: str = "auto") -> str:
             f"device={device!r} requested but MPS is not available; use 'auto' or 'cpu'"
         )
     return device
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, restored after it (also on an error).
+    For models so small that a second thread only adds synchronisation: a companion note's task
+    models (width 32-64) spend more CPU time waiting than computing on two threads, several times
+    more on a busy 2-core machine."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"torch_threads: n must be an integer >= 1; got {n!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

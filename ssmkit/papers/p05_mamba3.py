@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import checks
 from ..data import make_task
+from ..env import torch_threads
 from ..models import ModelConfig, build_model
 from ..ops.mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_step
 from ..ops.mamba3_ref import mamba3_reference, zero_states
@@ -276,19 +276,6 @@ def rotated_state_loop(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(ys, dim=1), h
 
 
-@contextmanager
-def one_thread():
-    """torch on one thread inside the block, as before after it: the models and states here are so
-    small that a second thread only adds synchronisation (on a busy 2-core machine a parity step
-    took ~9x the CPU time with 2 threads as with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # --- parity: the rotation against Mamba-2 -------------------------------------------------------
 
 
@@ -319,10 +306,10 @@ def without_rotation(model):
 def parity_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train every model of :func:`parity_models` on parity (``make_task("parity", **PARITY)``)
     once per seed (:func:`train_on_task`, batch PARITY_BATCH, lr PARITY_LR) and score it on 256
-    held-out strings, on one thread (:func:`one_thread`): rows {"model", "seed", "accuracy", "loss",
-    "seconds"}."""
+    held-out strings, on one thread (:func:`ssmkit.env.torch_threads`): rows {"model", "seed",
+    "accuracy", "loss", "seconds"}."""
     task = make_task("parity", **PARITY)
-    with one_thread():
+    with torch_threads(1):
         return [
             _parity_run(task, name, cfg, seed, steps, device)
             for name, cfg in parity_models().items()
@@ -413,7 +400,7 @@ def time_steps(seeds, ranks=RANKS, shape=STEP_SHAPE, n: int = 30) -> list[dict]:
     for seed in seeds:
         made = {rank: decode_inputs(rank, **shape, seed=seed) for rank in ranks}
         best = dict.fromkeys(ranks, math.inf)
-        with torch.no_grad(), one_thread():
+        with torch.no_grad(), torch_threads(1):
             for _ in range(n):
                 for rank, (states, inputs) in made.items():
                     start = time.perf_counter()

@@ -1116,3 +1116,18 @@ def test_causal_conv1d_channels_last_view_matches_reference(seqlen):
         ops.causal_conv1d_torch, ops.causal_conv1d_reference, inputs, REL_TOL
     )
     assert ops.causal_conv1d_torch(x, weight, bias).stride(1) == 1
+
+
+def test_torch_threads_sets_and_restores_even_on_an_error():
+    from ssmkit.env import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"), torch_threads(1):
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="integer >= 1"), torch_threads(bad):
+            pass
