@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import checks, ops
 from ..data import make_task
+from ..env import torch_threads
 from ..models import ModelConfig, build_model, matched_transformer
 from ..models.h3 import H3
 from ..models.ssm_config import H3Config
@@ -171,14 +172,15 @@ def ar_models() -> dict[str, ModelConfig]:
 def ar_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train each of :func:`ar_models` on associative recall once per seed (:func:`train_on_task`,
     batch 32, lr 3e-3), scored on 256 held-out sequences: rows {"model", "seed", "accuracy"}."""
-    task = make_task("associative-recall", **AR)
-    rows = []
-    for name, cfg in ar_models().items():
-        for seed in seeds:
-            model = build_model(cfg, seed=seed).to(device)
-            fit = train_on_task(model, task, steps=steps, batch=32, lr=3e-3, seed=seed)
-            rows.append({"model": name, "seed": seed, "accuracy": fit["accuracy"]})
-    return rows
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        task = make_task("associative-recall", **AR)
+        rows = []
+        for name, cfg in ar_models().items():
+            for seed in seeds:
+                model = build_model(cfg, seed=seed).to(device)
+                fit = train_on_task(model, task, steps=steps, batch=32, lr=3e-3, seed=seed)
+                rows.append({"model": name, "seed": seed, "accuracy": fit["accuracy"]})
+        return rows
 
 
 def by_seed(rows: list[dict], model: str, key: str) -> dict:
@@ -194,19 +196,20 @@ def lm_runs(seeds, steps: int, out_dir, device="cpu") -> list[dict]:
     ssmkit's Trainer (the LM recipe, ``steps`` steps of 2048 tokens, byte-level on the embedded
     corpus), once per seed; each one's validation loss at the end: rows {"model", "seed",
     "val_loss", "params"}."""
-    from ..eval import summarize_run
-    from ..train import TrainConfig, Trainer
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        from ..eval import summarize_run
+        from ..train import TrainConfig, Trainer
 
-    rows = []
-    for seed in seeds:
-        cfg = TrainConfig(**LM, max_steps=steps, seed=seed, device=device)
-        hybrid = build_model(cfg.model_config(vocab_size=257), seed=seed)  # byte: 256 + EOS
-        torch.manual_seed(seed)
-        models = {"h3 hybrid": hybrid, "transformer": matched_transformer(hybrid, cfg.seq_len)}
-        for name, model in models.items():
-            run_cfg = dataclasses.replace(cfg, out_dir=f"{out_dir}/lm/{name.split()[0]}-{seed}")
-            run = summarize_run(Trainer(model, run_cfg, name=name).fit())
-            params = sum(t.numel() for t in model.parameters())
-            rows.append({"model": name, "seed": seed, "val_loss": run["val_loss"],
-                         "params": params})  # fmt: skip
-    return rows
+        rows = []
+        for seed in seeds:
+            cfg = TrainConfig(**LM, max_steps=steps, seed=seed, device=device)
+            hybrid = build_model(cfg.model_config(vocab_size=257), seed=seed)  # byte: 256 + EOS
+            torch.manual_seed(seed)
+            models = {"h3 hybrid": hybrid, "transformer": matched_transformer(hybrid, cfg.seq_len)}
+            for name, model in models.items():
+                run_cfg = dataclasses.replace(cfg, out_dir=f"{out_dir}/lm/{name.split()[0]}-{seed}")
+                run = summarize_run(Trainer(model, run_cfg, name=name).fit())
+                params = sum(t.numel() for t in model.parameters())
+                rows.append({"model": name, "seed": seed, "val_loss": run["val_loss"],
+                             "params": params})  # fmt: skip
+        return rows

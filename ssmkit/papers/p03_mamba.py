@@ -23,6 +23,7 @@ import torch
 
 from .. import checks
 from ..data import make_task
+from ..env import torch_threads
 from ..eval import answer_accuracy
 from ..models import ModelConfig, build_model
 from ..ops import selective_scan
@@ -186,15 +187,16 @@ def copying_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train the LTI mixer (s4d) and S6 (mamba1), same width and depth (MODEL), on selective
     copying (SC) once per seed (:func:`train_on_task`), scored on 256 held-out sequences: rows
     {"model", "seed", "accuracy", "seconds"}."""
-    task = make_task("selective-copying", **SC)
-    rows = []
-    for mixer in ("s4d", "mamba1"):
-        for seed in seeds:
-            model = build_model(ModelConfig(**MODEL, mixer=mixer), seed=seed).to(device)
-            fit = train_on_task(model, task, steps=steps, batch=SC_BATCH, lr=SC_LR, seed=seed)
-            rows.append({"model": mixer, "seed": seed, "accuracy": fit["accuracy"],
-                         "seconds": fit["seconds"]})  # fmt: skip
-    return rows
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        task = make_task("selective-copying", **SC)
+        rows = []
+        for mixer in ("s4d", "mamba1"):
+            for seed in seeds:
+                model = build_model(ModelConfig(**MODEL, mixer=mixer), seed=seed).to(device)
+                fit = train_on_task(model, task, steps=steps, batch=SC_BATCH, lr=SC_LR, seed=seed)
+                rows.append({"model": mixer, "seed": seed, "accuracy": fit["accuracy"],
+                             "seconds": fit["seconds"]})  # fmt: skip
+        return rows
 
 
 def by_seed(rows: list[dict], key: str, value, field: str = "accuracy") -> dict:
@@ -208,18 +210,19 @@ def by_seed(rows: list[dict], key: str, value, field: str = "accuracy") -> dict:
 def induction_runs(seeds, steps: int, lengths, device="cpu") -> list[dict]:
     """Train Mamba (mamba1, MODEL) on induction heads at IH_TRAIN_LEN once per seed, then score it
     on IH_TEST held-out sequences at each of ``lengths``: rows {"seed", "length", "accuracy"}."""
-    rows = []
-    for seed in seeds:
-        model = build_model(ModelConfig(**MODEL, mixer="mamba1"), seed=seed).to(device)
-        task = make_task("induction-heads", vocab_size=16, seq_len=IH_TRAIN_LEN)
-        train_on_task(model, task, steps=steps, batch=IH_BATCH, lr=IH_LR, seed=seed, n_test=1)
-        for length in lengths:
-            test = make_task("induction-heads", vocab_size=16, seq_len=length)
-            batch = test.split(0, IH_TEST, 10_000 + seed)[1]
-            with torch.no_grad():
-                acc = answer_accuracy(model, batch, batch_size=IH_TEST)
-            rows.append({"seed": seed, "length": length, "accuracy": acc})
-    return rows
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        rows = []
+        for seed in seeds:
+            model = build_model(ModelConfig(**MODEL, mixer="mamba1"), seed=seed).to(device)
+            task = make_task("induction-heads", vocab_size=16, seq_len=IH_TRAIN_LEN)
+            train_on_task(model, task, steps=steps, batch=IH_BATCH, lr=IH_LR, seed=seed, n_test=1)
+            for length in lengths:
+                test = make_task("induction-heads", vocab_size=16, seq_len=length)
+                batch = test.split(0, IH_TEST, 10_000 + seed)[1]
+                with torch.no_grad():
+                    acc = answer_accuracy(model, batch, batch_size=IH_TEST)
+                rows.append({"seed": seed, "length": length, "accuracy": acc})
+        return rows
 
 
 def at_length(rows: list[dict]) -> tuple[int, dict]:

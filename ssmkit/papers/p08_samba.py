@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from .. import checks
 from ..data import make_task
+from ..env import torch_threads
 from ..eval import answer_accuracy
 from ..eval.long_context import prefill_cache_nbytes
 from ..models import ModelConfig, build_model
@@ -171,17 +172,18 @@ def passkey_runs(seeds, steps: int, lengths, device="cpu") -> list[dict]:
     """Train every model of :func:`passkey_models` on passkey retrieval at ``lengths[0]`` (T) once
     per seed (:func:`train_on_task`, TRAIN), then score it on N_TEST held-out sequences at each
     length: rows {"model", "seed", "length", "accuracy"}."""
-    rows = []
-    for name, cfg in passkey_models().items():
-        for seed in seeds:
-            model = build_model(cfg, seed=seed).to(device)
-            task = make_task("passkey", seq_len=lengths[0], **PASSKEY)
-            train_on_task(model, task, steps=steps, seed=seed, n_test=1, **TRAIN)
-            for length in lengths:
-                _, test = make_task("passkey", seq_len=length, **PASSKEY).split(0, N_TEST, seed)
-                acc = answer_accuracy(model, test)
-                rows.append({"model": name, "seed": seed, "length": length, "accuracy": acc})
-    return rows
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        rows = []
+        for name, cfg in passkey_models().items():
+            for seed in seeds:
+                model = build_model(cfg, seed=seed).to(device)
+                task = make_task("passkey", seq_len=lengths[0], **PASSKEY)
+                train_on_task(model, task, steps=steps, seed=seed, n_test=1, **TRAIN)
+                for length in lengths:
+                    _, test = make_task("passkey", seq_len=length, **PASSKEY).split(0, N_TEST, seed)
+                    acc = answer_accuracy(model, test)
+                    rows.append({"model": name, "seed": seed, "length": length, "accuracy": acc})
+        return rows
 
 
 def accuracy_by_seed(rows: list[dict], model: str, length: int) -> dict:

@@ -31,6 +31,7 @@ import math
 
 from .. import checks
 from ..data import make_task
+from ..env import torch_threads
 from ..eval import answer_accuracy
 from ..finetune import apply_lora, parameter_counts
 from ..models import ModelConfig, build_model
@@ -111,8 +112,9 @@ def judged(p: dict) -> bool:
 def pretrain(steps: int, seed: int = 0, device="cpu") -> tuple:
     """The base model (BASE_MODEL) trained on selective copying (PRETRAIN_TASK): (model, fit)."""
     model = build_model(ModelConfig(**BASE_MODEL), seed=seed).to(device)
-    fit = train_on_task(model, make_task("selective-copying", **PRETRAIN_TASK), steps=steps,
-                        seed=seed, **PRETRAIN)  # fmt: skip
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        fit = train_on_task(model, make_task("selective-copying", **PRETRAIN_TASK), steps=steps,
+                            seed=seed, **PRETRAIN)  # fmt: skip
     return model, fit
 
 
@@ -147,19 +149,20 @@ def finetune_runs(base, seeds, steps: int, device="cpu") -> list[dict]:
     """Fine-tune a LoRA copy of ``base`` per adapter of RANKS and seed on the shifted task
     (SHIFTED_TASK, :func:`train_on_task`, FINETUNE): rows {"adapter", "seed", "accuracy", "loss",
     "trainable"}; the base model's own accuracy on the shifted task is the row "none"."""
-    task = make_task("selective-copying", **SHIFTED_TASK)
-    rows = []
-    for seed in seeds:
-        _, test = task.split(0, 256, seed)
-        rows.append({"adapter": "none", "seed": seed, "accuracy": answer_accuracy(base, test),
-                     "loss": math.nan, "trainable": 0})  # fmt: skip
-    for adapter, ranks in RANKS.items():
+    with torch_threads(1):  # tiny models: a 2nd thread only waits
+        task = make_task("selective-copying", **SHIFTED_TASK)
+        rows = []
         for seed in seeds:
-            model = with_lora(base, ranks).to(device)
-            fit = train_on_task(model, task, steps=steps, seed=seed, **FINETUNE)
-            rows.append({"adapter": adapter, "seed": seed, "accuracy": fit["accuracy"],
-                         "loss": fit["loss"], "trainable": trainable(model)})  # fmt: skip
-    return rows
+            _, test = task.split(0, 256, seed)
+            rows.append({"adapter": "none", "seed": seed, "accuracy": answer_accuracy(base, test),
+                         "loss": math.nan, "trainable": 0})  # fmt: skip
+        for adapter, ranks in RANKS.items():
+            for seed in seeds:
+                model = with_lora(base, ranks).to(device)
+                fit = train_on_task(model, task, steps=steps, seed=seed, **FINETUNE)
+                rows.append({"adapter": adapter, "seed": seed, "accuracy": fit["accuracy"],
+                             "loss": fit["loss"], "trainable": trainable(model)})  # fmt: skip
+        return rows
 
 
 def accuracy_by_seed(rows: list[dict], adapter: str) -> dict:
