@@ -34,7 +34,7 @@ from ..env import torch_threads
 from ..models import ModelConfig, build_model, matched_transformer
 from ..models.h3 import H3
 from ..models.ssm_config import H3Config
-from ..train import train_on_task
+from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
 from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
@@ -170,17 +170,11 @@ def ar_models() -> dict[str, ModelConfig]:
 
 
 def ar_runs(seeds, steps: int, device="cpu") -> list[dict]:
-    """Train each of :func:`ar_models` on associative recall once per seed (:func:`train_on_task`,
-    batch 32, lr 3e-3), scored on 256 held-out sequences: rows {"model", "seed", "accuracy"}."""
-    with torch_threads(1):  # tiny models: a 2nd thread only waits
-        task = make_task("associative-recall", **AR)
-        rows = []
-        for name, cfg in ar_models().items():
-            for seed in seeds:
-                model = build_model(cfg, seed=seed).to(device)
-                fit = train_on_task(model, task, steps=steps, batch=32, lr=3e-3, seed=seed)
-                rows.append({"model": name, "seed": seed, "accuracy": fit["accuracy"]})
-        return rows
+    """Train each of :func:`ar_models` on associative recall once per seed (batch 32, lr 3e-3;
+    :func:`~ssmkit.train.train_each`, one thread), scored on 256 held-out sequences: rows
+    {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
+    task = make_task("associative-recall", **AR)
+    return train_each(ar_models(), task, seeds, steps, device, batch=32, lr=3e-3)
 
 
 def by_seed(rows: list[dict], model: str, key: str) -> dict:

@@ -27,7 +27,7 @@ from ..env import torch_threads
 from ..eval import answer_accuracy
 from ..models import ModelConfig, build_model
 from ..ops import selective_scan
-from ..train import train_on_task
+from ..train import train_each, train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
 from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
@@ -185,18 +185,11 @@ def gate_rows(deltas, A: float = -1.0) -> list[dict]:
 
 def copying_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train the LTI mixer (s4d) and S6 (mamba1), same width and depth (MODEL), on selective
-    copying (SC) once per seed (:func:`train_on_task`), scored on 256 held-out sequences: rows
-    {"model", "seed", "accuracy", "seconds"}."""
-    with torch_threads(1):  # tiny models: a 2nd thread only waits
-        task = make_task("selective-copying", **SC)
-        rows = []
-        for mixer in ("s4d", "mamba1"):
-            for seed in seeds:
-                model = build_model(ModelConfig(**MODEL, mixer=mixer), seed=seed).to(device)
-                fit = train_on_task(model, task, steps=steps, batch=SC_BATCH, lr=SC_LR, seed=seed)
-                rows.append({"model": mixer, "seed": seed, "accuracy": fit["accuracy"],
-                             "seconds": fit["seconds"]})  # fmt: skip
-        return rows
+    copying (SC) once per seed (:func:`~ssmkit.train.train_each`, one thread), scored on 256
+    held-out sequences: rows {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
+    models = {mixer: ModelConfig(**MODEL, mixer=mixer) for mixer in ("s4d", "mamba1")}
+    task = make_task("selective-copying", **SC)
+    return train_each(models, task, seeds, steps, device, batch=SC_BATCH, lr=SC_LR)
 
 
 def by_seed(rows: list[dict], key: str, value, field: str = "accuracy") -> dict:

@@ -26,10 +26,9 @@ import torch
 
 from .. import checks
 from ..data import make_task
-from ..env import torch_threads
-from ..models import ModelConfig, build_model
+from ..models import ModelConfig
 from ..ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_reference
-from ..train import train_on_task
+from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
 from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
@@ -242,26 +241,15 @@ def mqar_models() -> dict[str, ModelConfig]:
 
 
 def mqar_runs(seeds, steps: int, device="cpu") -> list[dict]:
-    """Train every model of :func:`mqar_models` on MQAR once per seed (:func:`train_on_task`, batch
-    MQAR_BATCH, lr 3e-3) and score it on 256 held-out sequences: rows {"model", "d_state", "seed",
-    "accuracy", "seconds"}."""
-    with torch_threads(1):  # tiny models: a 2nd thread only waits
-        task = make_task("mqar", **MQAR)
-        rows = []
-        for name, cfg in mqar_models().items():
-            for seed in seeds:
-                model = build_model(cfg, seed=seed).to(device)
-                fit = train_on_task(model, task, steps=steps, batch=MQAR_BATCH, lr=3e-3, seed=seed)
-                rows.append(
-                    {
-                        "model": name.split()[0],
-                        "d_state": int(name.split("=")[1]),
-                        "seed": seed,
-                        "accuracy": fit["accuracy"],
-                        "seconds": fit["seconds"],
-                    }
-                )
-        return rows
+    """Train every model of :func:`mqar_models` on MQAR once per seed (batch MQAR_BATCH, lr 3e-3;
+    :func:`~ssmkit.train.train_each`, one thread), scored on 256 held-out sequences: rows
+    {"model", "d_state", "seed", "accuracy", "loss", "seconds", "params"}."""
+    task = make_task("mqar", **MQAR)
+    rows = train_each(mqar_models(), task, seeds, steps, device, batch=MQAR_BATCH, lr=3e-3)
+    for row in rows:  # "mamba2 N=16" -> model "mamba2", d_state 16
+        name = row["model"]
+        row["model"], row["d_state"] = name.split()[0], int(name.split("=")[1])
+    return rows
 
 
 def accuracy_by_seed(rows: list[dict], model: str, d_state: int) -> dict:

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 from .. import checks
 from ..data import make_task
-from ..env import torch_threads
-from ..models import ModelConfig, build_model
+from ..models import ModelConfig
 from ..models.attention import Attention
-from ..train import train_on_task
+from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
 from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
 
@@ -149,19 +146,10 @@ def phonebook_models() -> dict[str, ModelConfig]:
 
 def phonebook_runs(seeds, steps: int, device="cpu") -> list[dict]:
     """Train every model of :func:`phonebook_models` on phonebook lookup (PHONEBOOK) once per seed
-    (:func:`train_on_task`, TRAIN) and score it on 256 held-out books: rows {"model", "seed",
-    "accuracy", "loss"}."""
-    with torch_threads(1):  # tiny models: a 2nd thread only waits
-        task = make_task("phonebook", **PHONEBOOK)
-        rows = []
-        for name, cfg in phonebook_models().items():
-            for seed in seeds:
-                torch.manual_seed(seed)
-                model = build_model(cfg, seed=seed).to(device)
-                fit = train_on_task(model, task, steps=steps, seed=seed, **TRAIN)
-                rows.append({"model": name, "seed": seed, "accuracy": fit["accuracy"],
-                             "loss": fit["loss"]})  # fmt: skip
-        return rows
+    (TRAIN; :func:`~ssmkit.train.train_each`, one thread), scored on 256 held-out books: rows
+    {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
+    task = make_task("phonebook", **PHONEBOOK)
+    return train_each(phonebook_models(), task, seeds, steps, device, **TRAIN)
 
 
 def accuracy_by_seed(rows: list[dict], model: str) -> dict:

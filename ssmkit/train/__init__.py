@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .data import prepare_data
 from .optim import build_optimizer, lr_at, split_parameters
 from .planner import MemoryPlan, memory_table, plan_memory, scale_up_plans
-from .task import train_on_task
+from .task import train_each, train_on_task
 from .trainer import Trainer, TrainingError
 
 __all__ = [
@@ -39,5 +39,6 @@ __all__ = [
     "prepare_data",
     "scale_up_plans",
     "split_parameters",
+    "train_each",
     "train_on_task",
 ]

@@ -3,6 +3,7 @@ optimizer and schedule, for tasks whose batches are generated, not read from tok
 
     fit = train_on_task(model, make_task("mqar", vocab_size=33, seq_len=32), steps=200, batch=16)
     fit["accuracy"]        # the fraction of held-out answers right
+    rows = train_each({"a": cfg_a, "b": cfg_b}, task, seeds=[0, 1, 2], steps=200)  # a comparison
 
 One step: ``batch`` fresh sequences, the loss on their answer positions only, the global gradient
 norm clipped at ``grad_clip``, an AdamW step (:func:`~ssmkit.train.optim.build_optimizer`: decay on
@@ -14,17 +15,20 @@ it reads like the Trainer's and has its checks.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from .. import checks
+from ..env import torch_threads
 from ..eval import answer_accuracy
 from ..eval.loss import model_device
+from ..models import ModelConfig, build_model
 from .config import TrainConfig
 from .optim import build_optimizer, lr_at
 
-__all__ = ["task_recipe", "train_on_task"]
+__all__ = ["task_recipe", "train_each", "train_on_task"]
 
 
 def task_recipe(
@@ -94,3 +98,42 @@ def train_on_task(
         "seconds": seconds,
         "steps": recipe.max_steps,
     }
+
+
+def train_each(
+    models: Mapping[str, ModelConfig],
+    task,
+    seeds: Sequence[int],
+    steps: int,
+    device="cpu",
+    threads: int | None = 1,
+    **train,
+) -> list[dict]:
+    """A comparison on a synthetic task: each model of ``models`` built with each seed
+    (``build_model(cfg, seed=seed)``) and trained on ``task`` by :func:`train_on_task` (``steps``,
+    ``seed=seed`` and ``train``: batch, lr, n_test, ...), models outer, seeds inner.
+
+    ``threads``: torch threads while training (:func:`ssmkit.env.torch_threads`); 1 by default, as
+    the models of such comparisons are so small that a second thread only waits; None: as set.
+    Returns one row per run: {"model" (its key), "seed", "accuracy", "loss", "seconds",
+    "params"}."""
+    rows = []
+    for name, cfg in models.items():
+        for seed in seeds:
+            model = build_model(cfg, seed=seed).to(device)
+            if threads is None:
+                fit = train_on_task(model, task, steps=steps, seed=seed, **train)
+            else:
+                with torch_threads(threads):
+                    fit = train_on_task(model, task, steps=steps, seed=seed, **train)
+            rows.append(
+                {
+                    "model": name,
+                    "seed": seed,
+                    "accuracy": fit["accuracy"],
+                    "loss": fit["loss"],
+                    "seconds": fit["seconds"],
+                    "params": model.num_parameters(),
+                }
+            )
+    return rows

@@ -55,3 +55,26 @@ def test_the_recipe_is_warmup_then_a_cosine_to_a_tenth():
         )
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         task_recipe(steps=0)
+
+
+def test_train_each_is_train_on_task_per_model_and_seed_on_one_thread(monkeypatch):
+    import torch
+
+    from ssmkit.train import train_each
+
+    task = make_task("mqar", vocab_size=17, seq_len=16, num_kv_pairs=2)
+    small = ModelConfig(d_model=16, n_layer=1, vocab_size=17)
+    models = {"a": small, "b": small.with_mixer("mamba2")}
+    seen = []
+    monkeypatch.setattr(
+        torch, "set_num_threads", lambda n, real=torch.set_num_threads: seen.append(n) or real(n)
+    )
+    rows = train_each(models, task, seeds=[0, 1], steps=2, batch=4, n_test=8)
+    assert [(r["model"], r["seed"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert set(rows[0]) == {"model", "seed", "accuracy", "loss", "seconds", "params"}
+    assert seen[::2] == [1] * 4  # each training on one thread, the count restored after it
+    alone = train_on_task(
+        build_model(models["b"], seed=1), task, steps=2, batch=4, n_test=8, seed=1
+    )
+    assert (rows[3]["loss"], rows[3]["accuracy"]) == (alone["loss"], alone["accuracy"])
+    assert rows[3]["params"] == build_model(models["b"]).num_parameters()
