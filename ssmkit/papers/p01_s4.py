@@ -73,8 +73,9 @@ CLAIMS = [
     Claim("disc-converge", S4, "Section 2.2, equation (3) (discretisation)", "threshold",
           "ZOH and bilinear kernels both converge to the continuous impulse response: at the "
           "smallest Δ (2^-13) the error is at most 1e-2 of max |h|, for both"),
+    # 10%: the bound declared before the first run; a bound is never moved toward the result
     Claim("disc-large-dt", S4, "Section 2.2, equation (3) (discretisation)", "threshold",
-          "at a large step (Δ = 2) ZOH and bilinear give kernels that differ by at least 1% "
+          "at a large step (Δ = 2) ZOH and bilinear give kernels that differ by at least 10% "
           "(relative)"),
     Claim("disc-agree", S4, "Section 2.2, equation (3) (discretisation)", "threshold",
           "at a small step (Δ = 2^-13) ZOH and bilinear kernels agree to 1e-6 (relative)"),
