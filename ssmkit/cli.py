@@ -10,7 +10,7 @@
 
 Each command's options are declared once, by one function that adds them to an ``argparse``
 parser: env, generate, eval, convert and data prepare here; train, plan, demo and the workbook's
-run and strip in their own modules, whose ``main`` builds its parser from the same function
+run, strip and build in their own modules, whose ``main`` builds its parser from the same function
 (``python -m ssmkit.train``, what torchrun starts on each rank; ``python -m ssmkit.demo``;
 ``python -m ssmkit.workbook``). A run function takes the parsed options and returns the exit
 status (0 or None: success); a user's mistake is one line on stderr.
@@ -85,6 +85,11 @@ COMMANDS = {
         "clear the notebooks' outputs and execution counts in place",
         "ssmkit.workbook.cli:add_strip_arguments",
         "ssmkit.workbook.cli:strip",
+    ),
+    "workbook build": Command(
+        "write the student, solution or instructor copies of the notebooks (workshops)",
+        "ssmkit.workbook.cli:add_build_arguments",
+        "ssmkit.workbook.cli:build",
     ),
 }
 

@@ -7,6 +7,7 @@
     ssmkit workbook run [NOTEBOOK ...] [-p key value] [-f params.yaml] [--out runs/NAME] \
         [--overwrite]
     ssmkit workbook strip [NOTEBOOK ...]
+    ssmkit workbook build --for student|solution|instructor OUT [NOTEBOOK ...]
 
 Modules, in the order a reader meets them:
 
@@ -22,12 +23,14 @@ Modules, in the order a reader meets them:
   cell, its output streamed live, its summary returned; interrupting the cell stops every rank;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
   :func:`declared_parameters`, :func:`strip_notebook`, :func:`load_params_file`);
+* :mod:`~ssmkit.workbook.copies`: the student, solution and instructor copies of the masters
+  (:func:`build_copies`, :func:`build_copy`);
 * :mod:`~ssmkit.workbook.runner`: :func:`run_workbook`, papermill with per-cell timeouts;
   :mod:`~ssmkit.workbook.progress`: its line per cell and the slow-run warning;
 * :mod:`~ssmkit.workbook.rundir`: the run directory's record and :func:`write_summary`;
 * :mod:`~ssmkit.workbook.signals` (SIGINT / SIGTERM -> :class:`Interrupted`) and
   :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends);
-* :mod:`~ssmkit.workbook.cli`: :func:`main`, ``ssmkit workbook run|strip``.
+* :mod:`~ssmkit.workbook.cli`: :func:`main`, ``ssmkit workbook run|strip|build``.
 
 papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run; the
 chapters (torch, the trainer) when a notebook imports one.
@@ -43,6 +46,7 @@ from .cells import (
     write_metrics,
 )
 from .cli import main
+from .copies import build_copies, build_copy
 from .launch import LaunchError, launch_train
 from .notebooks import (
     PROJECT_ROOT,
@@ -81,6 +85,9 @@ __all__ = [
     "find_notebooks",
     "load_params_file",
     "strip_notebook",
+    # workshop copies of the masters
+    "build_copies",
+    "build_copy",
     # the runner and its command line
     "DEFAULT_CELL_TIMEOUT",
     "RECORD",

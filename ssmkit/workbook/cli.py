@@ -4,14 +4,17 @@
                         [--overwrite] [--cell-timeout SECONDS] [--kernel NAME] [--quiet]
                         [--progress] [--log-output]
     ssmkit workbook strip [NOTEBOOK ...]          # clear outputs before committing
+    ssmkit workbook build --for student|solution|instructor OUT [NOTEBOOK ...]   # workshop copies
 
 Without NOTEBOOKs, every ``notebooks/NN_*.ipynb`` runs, in order, printing a line per notebook and
 one per code cell as it ends (``--quiet``: per notebook only). ``-p`` values are read with the
 grammar of ``ssmkit train --set`` (:func:`ssmkit.checks.parse_value`: ``none``, ``true``, ``1e3``,
 ``[1, 2]``, ``"text"``); ``-f`` is a YAML params file. Exit status: 0 all ok, 1 a notebook failed
 (or a file could not be written), 2 bad arguments or inputs (a refused run touches nothing), 128 +
-signal number when interrupted (130, 143). The options are declared once, in
-:func:`add_run_arguments` and :func:`add_strip_arguments`; the ``ssmkit`` command's table names
+signal number when interrupted (130, 143). ``build`` writes the student, solution or instructor copy
+of each master (:mod:`ssmkit.workbook.copies`); a refused master or OUT is one line, status 2, and
+nothing written. The options are declared once, in :func:`add_run_arguments`,
+:func:`add_strip_arguments` and :func:`add_build_arguments`; the ``ssmkit`` command's table names
 them.
 """
 
@@ -23,11 +26,20 @@ from pathlib import Path
 
 from ..checks import parse_value
 from ..io import describe_os_error
+from .copies import KINDS, build_copies
 from .notebooks import WorkbookError, load_params_file, strip_notebook
 from .runner import DEFAULT_CELL_TIMEOUT, run_workbook, timeout_seconds
 from .signals import Interrupted
 
-__all__ = ["add_run_arguments", "add_strip_arguments", "main", "run", "strip"]
+__all__ = [
+    "add_build_arguments",
+    "add_run_arguments",
+    "add_strip_arguments",
+    "build",
+    "main",
+    "run",
+    "strip",
+]
 
 
 def add_run_arguments(run: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -86,6 +98,29 @@ def add_strip_arguments(strip: argparse.ArgumentParser) -> argparse.ArgumentPars
     return strip
 
 
+def add_build_arguments(build: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``ssmkit workbook build``."""
+    build.add_argument(
+        "--for",
+        dest="kind",
+        required=True,
+        choices=KINDS,
+        help="student: answers replaced by a 'your turn' line that raises, hidden tests and "
+        "instructor cells removed, outputs cleared; solution: the same with the answers; "
+        "instructor: the masters as they are",
+    )
+    build.add_argument(
+        "out",
+        metavar="OUT",
+        help="folder for the copies (OUT/notebooks/..., OUT/papers/...); new, or one an earlier "
+        "build of the same kind wrote; never a master's folder",
+    )
+    build.add_argument(
+        "notebooks", nargs="*", help="master notebooks (default: notebooks/*.ipynb, papers/*.ipynb)"
+    )
+    return build
+
+
 def _fail(status: int, message: str) -> int:
     """A user's error (or an interrupted run): ``ssmkit workbook: message`` on stderr."""
     print(f"ssmkit workbook: {message}", file=sys.stderr)
@@ -101,6 +136,19 @@ def strip(args) -> int:
             if not Path(p).is_file():
                 raise WorkbookError(f"notebook {p} does not exist")
             print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")
+    except WorkbookError as exc:
+        return _fail(2, str(exc))
+    except OSError as exc:
+        return _fail(1, describe_os_error(exc))
+    return 0
+
+
+def build(args) -> int:
+    """``ssmkit workbook build``: the ``--for`` copy of each master under OUT, a line per copy; a
+    refused master or OUT: 2, nothing written; a file that cannot be written: 1."""
+    try:
+        for path in build_copies(args.notebooks or None, args.kind, args.out):
+            print(f"{args.kind} {path}")
     except WorkbookError as exc:
         return _fail(2, str(exc))
     except OSError as exc:
@@ -152,8 +200,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> None:
-    """``python -m ssmkit.workbook run|strip ...`` (and ``ssmkit.workbook.main``): parse, then
-    :func:`run` or :func:`strip`; exits with their status when it is not 0."""
+    """``python -m ssmkit.workbook run|strip|build ...`` (and ``ssmkit.workbook.main``): parse,
+    then :func:`run`, :func:`strip` or :func:`build`; exits with their status when it is not 0."""
     parser = argparse.ArgumentParser(
         prog="ssmkit workbook", description="run the notebooks headless with papermill"
     )
@@ -162,7 +210,10 @@ def main(argv=None) -> None:
         sub.add_parser("run", help="execute notebooks into runs/NAME/ and write summary.md")
     )
     add_strip_arguments(sub.add_parser("strip", help="clear outputs and execution counts in place"))
+    add_build_arguments(
+        sub.add_parser("build", help="write the student, solution or instructor copies")
+    )
     args = parser.parse_args(argv)
-    status = strip(args) if args.command == "strip" else run(args)
+    status = {"strip": strip, "build": build}.get(args.command, run)(args)
     if status:
         sys.exit(status)

@@ -32,6 +32,7 @@ KNOWN = {
     "convert": "--to",
     "workbook run": "--params-file",
     "workbook strip": "notebooks",
+    "workbook build": "--for",
 }
 WIDE = {"COLUMNS": "1000"}  # argparse wraps at the terminal's width, breaking lines at hyphens
 
@@ -110,6 +111,7 @@ def test_each_command_help_shows_its_own_options(name, capsys, monkeypatch):
         ("demo", "ssmkit.demo:main"),
         ("workbook run", "ssmkit.workbook.cli:main"),
         ("workbook strip", "ssmkit.workbook.cli:main"),
+        ("workbook build", "ssmkit.workbook.cli:main"),
     ],
 )
 def test_the_module_entry_points_show_the_same_options(name, entry, capsys, monkeypatch):
@@ -118,7 +120,7 @@ def test_the_module_entry_points_show_the_same_options(name, entry, capsys, monk
     help."""
     monkeypatch.setenv("COLUMNS", WIDE["COLUMNS"])
     _, ours, _ = run_main([*name.split(), "--help"], capsys)
-    argv = name.split()[1:] + ["--help"]  # the workbook's: run|strip --help
+    argv = name.split()[1:] + ["--help"]  # the workbook's: run|strip|build --help
     with pytest.raises(SystemExit) as done:
         _load(entry)(argv)
     theirs = capsys.readouterr().out
@@ -134,7 +136,11 @@ def test_a_missing_or_unknown_command_is_argparse_s_error(capsys):
     code, _, err = run_main(["trian"], capsys)
     assert code == 2 and "invalid choice: 'trian'" in err and "'data prepare'" in err
     code, _, err = run_main(["workbook", "go"], capsys)
-    assert code == 2 and "ssmkit workbook: error" in err and "(choose from 'run', 'strip')" in err
+    assert (
+        code == 2
+        and "ssmkit workbook: error" in err
+        and "(choose from 'run', 'strip', 'build')" in err
+    )
     code, out, _ = run_main(["data", "--help"], capsys)
     assert code == 0 and words(f"prepare {COMMANDS['data prepare'].help}") in words(out)
     code, _, err = run_main(["env", "--bogus"], capsys)
