@@ -37,7 +37,7 @@ from ..env import torch_threads
 from ..models import ModelConfig, build_model
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed, relative_error
+from .claims import MIN_SEEDS, Claim, ClaimBook, relative_error
 
 TITLE = "S4 and S4D (Gu, Goel & Ré 2021; Gu, Gupta, Goel & Ré 2022)"
 ARXIV = "2111.00396"
@@ -260,8 +260,3 @@ def delay_runs(seeds, steps: int, device="cpu") -> list[dict]:
                 rows.append({"init": init, "seed": seed, "accuracy": fit["accuracy"],
                              "loss": fit["loss"], "seconds": fit["seconds"]})  # fmt: skip
         return rows
-
-
-def accuracy_by_seed(rows: list[dict], init: str) -> dict:
-    """{seed: accuracy} of one init of :func:`delay_runs`."""
-    return per_seed(rows, init=init)

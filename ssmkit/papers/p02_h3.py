@@ -36,7 +36,7 @@ from ..models.h3 import H3
 from ..models.ssm_config import H3Config
 from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "H3: Hungry Hungry Hippos (Fu, Dao et al. 2022)"
 ARXIV = "2212.14052"
@@ -175,11 +175,6 @@ def ar_runs(seeds, steps: int, device="cpu") -> list[dict]:
     {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
     task = make_task("associative-recall", **AR)
     return train_each(ar_models(), task, seeds, steps, device, batch=32, lr=3e-3)
-
-
-def by_seed(rows: list[dict], model: str, key: str) -> dict:
-    """{seed: row[key]} of one model's rows."""
-    return per_seed(rows, key, model=model)
 
 
 # --- language modelling: the hybrid against a Transformer ---------------------------------------

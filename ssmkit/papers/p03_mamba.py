@@ -29,7 +29,7 @@ from ..models import ModelConfig, build_model
 from ..ops import selective_scan
 from ..train import train_each, train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Mamba: selective state spaces (Gu & Dao 2023)"
 ARXIV = "2312.00752"
@@ -190,11 +190,6 @@ def copying_runs(seeds, steps: int, device="cpu") -> list[dict]:
     models = {mixer: ModelConfig(**MODEL, mixer=mixer) for mixer in ("s4d", "mamba1")}
     task = make_task("selective-copying", **SC)
     return train_each(models, task, seeds, steps, device, batch=SC_BATCH, lr=SC_LR)
-
-
-def by_seed(rows: list[dict], key: str, value, field: str = "accuracy") -> dict:
-    """{seed: row[field]} of the rows whose ``key`` is ``value``."""
-    return per_seed(rows, field, **{key: value})
 
 
 # --- induction heads: extrapolation --------------------------------------------------------------

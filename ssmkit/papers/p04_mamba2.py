@@ -30,7 +30,7 @@ from ..models import ModelConfig
 from ..ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_reference
 from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Mamba-2 / SSD (Dao & Gu 2024)"
 ARXIV = "2405.21060"
@@ -250,8 +250,3 @@ def mqar_runs(seeds, steps: int, device="cpu") -> list[dict]:
         name = row["model"]
         row["model"], row["d_state"] = name.split()[0], int(name.split("=")[1])
     return rows
-
-
-def accuracy_by_seed(rows: list[dict], model: str, d_state: int) -> dict:
-    """{seed: accuracy} of one model of :func:`mqar_runs`."""
-    return per_seed(rows, model=model, d_state=d_state)

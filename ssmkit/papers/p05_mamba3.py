@@ -41,7 +41,7 @@ from ..ops.mamba3_ref import mamba3_reference, zero_states
 from ..ops.ssd import ssd_reference
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Mamba-3 (Lahoti et al. 2026)"
 ARXIV = "2603.15569"
@@ -324,11 +324,6 @@ def _parity_run(task, name: str, cfg: ModelConfig, seed: int, steps: int, device
         without_rotation(model)
     fit = train_on_task(model, task, steps=steps, batch=PARITY_BATCH, lr=PARITY_LR, seed=seed)
     return {"model": name, "seed": seed, **{k: fit[k] for k in ("accuracy", "loss", "seconds")}}
-
-
-def accuracy_by_seed(rows: list[dict], model: str) -> dict:
-    """{seed: accuracy} of one model of :func:`parity_runs`."""
-    return per_seed(rows, model=model)
 
 
 # --- MIMO: arithmetic intensity of the decode step ----------------------------------------------

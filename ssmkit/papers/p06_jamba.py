@@ -38,7 +38,7 @@ from ..eval.long_context import prefill_cache_nbytes
 from ..models import ModelConfig, build_model
 from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Jamba (Lieber et al. 2024)"
 ARXIV = "2403.19887"
@@ -278,8 +278,3 @@ def mqar_runs(seeds, steps: int, device="cpu") -> list[dict]:
     {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
     task = make_task("mqar", **MQAR)
     return train_each(mqar_models(), task, seeds, steps, device, batch=16, lr=3e-3)
-
-
-def accuracy_by_seed(rows: list[dict], model: str) -> dict:
-    """{seed: accuracy} of one model of :func:`mqar_runs`."""
-    return per_seed(rows, model=model)

@@ -36,7 +36,7 @@ from ..models import ModelConfig, build_model
 from ..models.attention import Attention
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Samba (Ren et al. 2024)"
 ARXIV = "2406.07522"
@@ -184,8 +184,3 @@ def passkey_runs(seeds, steps: int, lengths, device="cpu") -> list[dict]:
                     acc = answer_accuracy(model, test)
                     rows.append({"model": name, "seed": seed, "length": length, "accuracy": acc})
         return rows
-
-
-def accuracy_by_seed(rows: list[dict], model: str, length: int) -> dict:
-    """{seed: accuracy} of one model at one length of :func:`passkey_runs`."""
-    return per_seed(rows, model=model, length=length)

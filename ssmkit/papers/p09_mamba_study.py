@@ -28,7 +28,7 @@ from ..models import ModelConfig
 from ..models.attention import Attention
 from ..train import train_each
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "An Empirical Study of Mamba-based Language Models (Waleffe et al. 2024)"
 ARXIV = "2406.07887"
@@ -150,8 +150,3 @@ def phonebook_runs(seeds, steps: int, device="cpu") -> list[dict]:
     {"model", "seed", "accuracy", "loss", "seconds", "params"}."""
     task = make_task("phonebook", **PHONEBOOK)
     return train_each(phonebook_models(), task, seeds, steps, device, **TRAIN)
-
-
-def accuracy_by_seed(rows: list[dict], model: str) -> dict:
-    """{seed: accuracy} of one model of :func:`phonebook_runs`."""
-    return per_seed(rows, model=model)

@@ -37,7 +37,7 @@ from ..finetune import apply_lora, parameter_counts
 from ..models import ModelConfig, build_model
 from ..train import train_on_task
 from ..workbook.params import DEVICE, Param, Parameters, check_out_dir
-from .claims import MIN_SEEDS, Claim, ClaimBook, per_seed
+from .claims import MIN_SEEDS, Claim, ClaimBook
 
 TITLE = "Parameter-efficient fine-tuning of SSMs (Galim et al. 2024)"
 ARXIV = "2410.09016"
@@ -163,8 +163,3 @@ def finetune_runs(base, seeds, steps: int, device="cpu") -> list[dict]:
                 rows.append({"adapter": adapter, "seed": seed, "accuracy": fit["accuracy"],
                              "loss": fit["loss"], "trainable": trainable(model)})  # fmt: skip
         return rows
-
-
-def accuracy_by_seed(rows: list[dict], adapter: str) -> dict:
-    """{seed: accuracy} of one adapter of :func:`finetune_runs`."""
-    return per_seed(rows, adapter=adapter)
