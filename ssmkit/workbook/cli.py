@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..checks import parse_value
 from ..io import describe_os_error
-from .copies import KINDS, build_copies
+from .copies import KINDS, build_copies, default_masters
 from .notebooks import WorkbookError, load_params_file, strip_notebook
 from .runner import DEFAULT_CELL_TIMEOUT, run_workbook, timeout_seconds
 from .signals import Interrupted
@@ -130,9 +130,8 @@ def _fail(status: int, message: str) -> int:
 def strip(args) -> int:
     """``ssmkit workbook strip``: clear each notebook's outputs in place (a missing one: 2); by
     default the workbook's and the paper notes' (``notebooks/``, ``papers/``)."""
-    default = [p for d in ("notebooks", "papers") for p in sorted(Path(d).glob("*.ipynb"))]
     try:
-        for p in args.notebooks or default:
+        for p in args.notebooks or default_masters():
             if not Path(p).is_file():
                 raise WorkbookError(f"notebook {p} does not exist")
             print(f"{'stripped' if strip_notebook(p) else 'clean   '} {p}")

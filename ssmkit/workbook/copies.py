@@ -82,8 +82,8 @@ _MARKER_WORDS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HI
 
 
 def default_masters() -> list[Path]:
-    """The masters ``ssmkit workbook build`` takes without NOTEBOOKs: ``notebooks/*.ipynb`` and
-    ``papers/*.ipynb`` under the working directory (what ``ssmkit workbook strip`` takes)."""
+    """The masters ``ssmkit workbook build`` and ``ssmkit workbook strip`` take without NOTEBOOKs:
+    ``notebooks/*.ipynb`` and ``papers/*.ipynb`` under the working directory."""
     return [p for d in ("notebooks", "papers") for p in sorted(Path(d).glob("*.ipynb"))]
 
 
