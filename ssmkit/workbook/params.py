@@ -57,13 +57,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import checks
-from .cells import pick_device, run_config_names, unknown_run_config
+from .cells import format_duration, pick_device, run_config_names, unknown_run_config
 from .notebooks import PROJECT_ROOT, WorkbookError, declared_parameters
 
 __all__ = [
+    "ALLOW_CPU",
+    "CPU_FLOP_S",
+    "CPU_HOURS",
     "DEVICE",
     "Param",
     "Parameters",
+    "check_cpu_sized",
     "check_data",
     "check_device",
     "check_out_dir",
@@ -72,6 +76,7 @@ __all__ = [
     "check_tokenizer",
     "injected_parameters",
     "notebooks_dir",
+    "planned_training",
     "resolve_out_dir",
     "route_parameters",
     "train_keys",
@@ -172,6 +177,8 @@ class Parameters:
                 raise
             except ValueError as exc:
                 raise WorkbookError(str(exc)) from None
+        if ALLOW_CPU.name in out:  # a notebook that trains: no GPU-sized run on a CPU by mistake
+            check_cpu_sized(out)
         return out
 
     def cell(self) -> str:
@@ -308,6 +315,108 @@ DEVICE = Param(
     "device", "auto", check_device,
     '"auto": cuda if visible, else mps, else cpu; or "cpu", "cuda", "cuda:1"',
 )  # fmt: skip
+
+
+# --- a GPU-sized run on a CPU --------------------------------------------------------------------
+
+# The one rule that refuses a GPU-sized run when `device` resolved to cpu (check_cpu_sized): the
+# training it asks for, 6 * parameters * tokens FLOP (Kaplan et al. 2020, eq. 2.1), would take more
+# than CPU_HOURS at CPU_FLOP_S. CPU_FLOP_S is stated, not measured (a measurement would take longer
+# than the check may): the workbook's cpu-tiny (7M parameters) trained at ~500-2,500 tokens/s on
+# 1-2 cores, 2e10-1e11 FLOP/s; the low end is what a learner's kernel on a shared machine got. Every
+# CPU default and params/cpu.yaml and params/ci.yaml plan well under an hour by this rule; the
+# params/gpu-*.yaml recipes plan days to centuries (gpu-a100.yaml's 10B tokens of a 129M model:
+# ~7.7e18 FLOP, ~12,000 years), so the line sits far from both.
+CPU_FLOP_S = 2e10
+CPU_HOURS = 12
+
+# the override, declared by every notebook that trains
+ALLOW_CPU = Param(
+    "allow_cpu", False, checks.boolean,
+    f"True: train on cpu even a run planned to take > {CPU_HOURS} h there",
+)  # fmt: skip
+
+SFT_WINDOW_TOKENS = 8 * 128  # notebook 04: a fine-tuning step is 8 packed windows of 128 tokens
+_SIZE_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)([mb])(?![a-z0-9])", re.IGNORECASE)
+
+
+def _config_params(name: str, overrides: dict) -> tuple[int, str] | None:
+    """(parameters, model preset) of the run config ``name`` with ``overrides``, counted on the meta
+    device (its own tokenizer's vocabulary: no tokenizer is loaded); None if it cannot be built."""
+    import torch
+
+    from ..models import MambaLM
+    from .cells import train_config
+
+    keep = {k: v for k, v in overrides.items() if k in ("model", "model_overrides")}
+    try:
+        run = train_config(name, max_steps=1, **keep)
+        with torch.device("meta"):
+            return sum(p.numel() for p in MambaLM(run.model_config()).parameters()), run.model
+    except Exception:  # a bad override is named later, when the notebook builds its config
+        return None
+
+
+def _hub_params(base: str) -> int | None:
+    """The size a pretrained model's name states ("state-spaces/mamba-130m-hf" -> 130M,
+    "...mamba-2.8b-hf" -> 2.8B), or None (nothing is loaded to find out)."""
+    size = _SIZE_IN_NAME.search(Path(str(base)).name)
+    if not size:
+        return None
+    return int(float(size.group(1)) * (1e6 if size.group(2).lower() == "m" else 1e9))
+
+
+def planned_training(values: dict) -> tuple[float, str]:
+    """(FLOP, what) of the training a notebook's checked ``values`` ask for: 6 * parameters *
+    tokens of ``config`` trained on ``max_tokens`` (notebook 04: only when ``base`` is "", plus its
+    two fine-tuning runs, LoRA and full, of ``sft_steps`` x :data:`SFT_WINDOW_TOKENS` tokens of the
+    base, its size read from its name). ``what`` says it in words. Comparison runs beside the main
+    one (01's baseline, 03's sweep) are not counted: the main one decides."""
+    flops, what = 0.0, []
+    overrides = values.get("overrides") or {}
+    base = values.get("base", "")
+    if values.get("config") and values.get("max_tokens") and not base:
+        counted = _config_params(values["config"], overrides)
+        if counted:
+            n, model = counted
+            flops += 6 * n * values["max_tokens"]
+            what.append(f"{model} ({_count(n)} parameters) on {values['max_tokens']:,} tokens")
+    if base and values.get("sft_steps"):
+        n = _hub_params(base)
+        if n:
+            tokens = values["sft_steps"] * SFT_WINDOW_TOKENS
+            flops += 2 * 6 * n * tokens
+            what.append(f"{base} ({_count(n)} parameters) fine-tuned twice on {tokens:,} tokens")
+    return flops, " + ".join(what)
+
+
+def check_cpu_sized(values: dict) -> None:
+    """Raise :class:`WorkbookError` (one line) when ``device`` resolved to cpu, ``allow_cpu`` is not
+    set and the training planned (:func:`planned_training`) would take more than
+    :data:`CPU_HOURS` at :data:`CPU_FLOP_S`: a GPU recipe on a CPU-only machine stops in its
+    notebook's check cell, before any data is prepared, instead of running for days."""
+    if values.get(ALLOW_CPU.name) or str(values.get("device", "")) != "cpu":
+        return
+    flops, what = planned_training(values)
+    seconds = flops / CPU_FLOP_S
+    if seconds <= CPU_HOURS * 3600:
+        return
+    days = seconds / 86400
+    took = f"{days:,.0f} days" if days >= 2 else format_duration(seconds)
+    raise WorkbookError(
+        f"device resolved to cpu, and this is a GPU-sized run: {what} is "
+        f"{_sci(flops)} FLOP, ~{took} at a CPU's ~{_sci(CPU_FLOP_S)} FLOP/s (the limit: "
+        f"{CPU_HOURS} h); run it where cuda is visible, use a CPU params file (params/cpu.yaml), "
+        "or set allow_cpu=True (-p allow_cpu true) to run it anyway"
+    )
+
+
+def _sci(x: float) -> str:
+    return f"{x:.1e}".replace("e+", "e").replace(".0e", "e")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
 
 
 def train_keys() -> list[str]:

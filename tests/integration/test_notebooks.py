@@ -259,3 +259,35 @@ def test_bad_parameter_fails_in_the_first_cell(path, tmp_path):
     assert entry["error"].startswith(
         "WorkbookError: device='tpu' is not valid; valid: auto, cpu, cuda"
     )
+
+
+def test_a_gpu_recipe_on_cpu_is_refused_in_the_first_cell(tmp_path):
+    """`01 -f params/gpu-a100.yaml` with device cpu stops in its check cell, in seconds, before any
+    data is prepared (a learner's run once printed `device cpu, 19074 steps` and went on)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    path = ROOT / "notebooks" / "01_prototype_130m.ipynb"
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "ssmkit.cli", "workbook", "run", str(path), "-f",
+               str(ROOT / "params" / "gpu-a100.yaml"), "-p", "data", "stdlib-docs", "-p",
+               "device", "cpu", "--out", str(out)]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    assert done.returncode != 0, done.stdout + done.stderr
+    (entry,) = json.loads((out / "summary.json").read_text())["notebooks"]
+    nb = nbformat.read(path, as_version=4)
+    first = 1 + next(
+        i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])
+    )
+    first += next(i for i, c in enumerate(nb.cells[first:]) if c.cell_type == "code")
+    assert entry["status"] == "failed" and entry["cell"] == first, entry
+    assert entry["error"].startswith(
+        "WorkbookError: device resolved to cpu, and this is a GPU-sized run: mamba-130m"
+    ), entry["error"]
+    assert "allow_cpu" in entry["error"] and seconds < 60, seconds
+    assert not any(out.rglob("*.bin")), "no data was prepared"

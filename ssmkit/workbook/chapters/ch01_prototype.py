@@ -23,6 +23,7 @@ from ... import checks
 from ...models import MAMBA_MIXERS
 from ...train.config import CHOICES
 from ..params import (
+    ALLOW_CPU,
     DEVICE,
     Param,
     Parameters,
@@ -47,6 +48,7 @@ PARAMETERS = Parameters(
     Param("max_tokens", 250_000,       checks.integer,
           "training tokens for each model; the plan: 10_000_000_000", minimum=1, whole_floats=True),
     DEVICE,
+    ALLOW_CPU,
     Param("precision",  "fp32",        checks.choice,
           '"fp32" on CPU; "bf16" on A100/H100 (autocast, fp32 master weights)',
           valid=CHOICES["precision"]),

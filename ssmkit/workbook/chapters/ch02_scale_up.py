@@ -42,6 +42,7 @@ from ..cells import rounded
 from ..launch import launch_train
 from ..notebooks import PROJECT_ROOT, WorkbookError
 from ..params import (
+    ALLOW_CPU,
     DEVICE,
     Param,
     Parameters,
@@ -148,6 +149,7 @@ PARAMETERS = Parameters(
     Param("scaling_tokens", 24_576,        checks.integer,
           "beyond: training tokens of each of them", minimum=1, whole_floats=True),
     DEVICE,
+    ALLOW_CPU,
     Param("overrides",      {"eval_batches": 2}, check_overrides,
           "more TrainConfig keys for every run: here 2 micro-batches per evaluation; a recipe's "
           "keys arrive here (-f params/gpu-8xa100.yaml)"),

@@ -31,6 +31,7 @@ from ...models.config import GROUP_FIELDS
 from ...train import train_on_task
 from ..cells import pick_device, rounded
 from ..params import (
+    ALLOW_CPU,
     DEVICE,
     Param,
     Parameters,
@@ -85,6 +86,7 @@ PARAMETERS = Parameters(
     Param("context_lengths", [256, 1024, 4096, 16384], checks.integers,
           "3.3: lengths timed and evaluated at; GPU: up to 131072", minimum=2, ascending=True),
     DEVICE,
+    ALLOW_CPU,
     Param("evals",           4,             checks.integer,
           "3.1: validation points per run", minimum=1, whole_floats=True),
     Param("overrides",       {},            check_overrides,

@@ -27,6 +27,7 @@ from ...eval import summarize_run
 from ..cells import pick_device, train_config
 from ..notebooks import WorkbookError
 from ..params import (
+    ALLOW_CPU,
     DEVICE,
     Param,
     Parameters,
@@ -418,6 +419,7 @@ PARAMETERS = Parameters(
           '... and target_modules: "plan" (x_proj, in_proj, out_proj, those the model has; '
           'Mamba-2/3 have no x_proj), or a list, e.g. ["in_proj"]'),
     DEVICE,
+    ALLOW_CPU,
     Param("overrides",    {},            check_overrides,
           'more TrainConfig keys for every run, e.g. {"micro_batch": 4}'),
     Param("out_dir",      "../runs/lab/04_lora_finetune", check_out_dir,

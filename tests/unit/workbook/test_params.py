@@ -213,3 +213,76 @@ def test_what_papermill_injected_is_compared_with_the_declared(monkeypatch, caps
         assert seed_only.check({"seed": 2, "other": "ignored"}) == {"seed": 2}
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # outside IPython
     assert seed_only.check({"seed": 3}) == {"seed": 3}
+
+
+# --- a GPU-sized run on a CPU ---------------------------------------------------------------------
+
+
+def recipe(chapter, params_file: str | None, **more) -> dict:
+    """A notebook's namespace: its defaults, a params file's keys it declares, ``more``."""
+    import yaml
+
+    ns = chapter.PARAMETERS.defaults()
+    if params_file:
+        given = yaml.safe_load((ROOT / "params" / params_file).read_text())
+        ns.update({k: v for k, v in given.items() if k in ns})
+    return {**ns, **more}
+
+
+def test_a_gpu_recipe_is_refused_when_device_resolves_to_cpu(tmp_path):
+    ns = recipe(ch01_prototype, "gpu-a100.yaml", device="cpu", out_dir=str(tmp_path))
+    with pytest.raises(WorkbookError) as err:
+        ch01_prototype.PARAMETERS.check(ns)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("device resolved to cpu, and this is a GPU-sized run: mamba-130m")
+    for part in ("10,000,000,000 tokens", "params/cpu.yaml", "allow_cpu=True", "-p allow_cpu"):
+        assert part in message, message
+
+
+@pytest.mark.parametrize(
+    "chapter, params_file",
+    [("ch02_scale_up", "gpu-8xa100.yaml"), ("ch03_hybrid", "gpu-a100.yaml"),
+     ("ch04_finetune", "gpu-a100-finetune.yaml"), ("ch04_finetune", "gpu-h100-finetune-2.8b.yaml")],
+)  # fmt: skip
+def test_every_gpu_recipe_is_refused_by_its_notebook_on_cpu(chapter, params_file, tmp_path):
+    import importlib
+
+    module = importlib.import_module(f"ssmkit.workbook.chapters.{chapter}")
+    ns = recipe(module, params_file, device="cpu", out_dir=str(tmp_path))
+    if "finetune" in params_file:  # its hub tokenizer: refused first when the hub is offline
+        ns["tokenizer"] = "gpt2"
+    with pytest.raises(WorkbookError, match="GPU-sized run"):
+        module.PARAMETERS.check(ns)
+
+
+def test_a_gpu_recipe_runs_on_cpu_when_allowed_or_on_cuda(tmp_path, monkeypatch):
+    ns = recipe(ch01_prototype, "gpu-a100.yaml", device="cpu", out_dir=str(tmp_path))
+    assert ch01_prototype.PARAMETERS.check({**ns, "allow_cpu": "true"})["allow_cpu"] is True
+    monkeypatch.setattr(workbook.params, "pick_device", lambda value: "cuda")
+    assert ch01_prototype.PARAMETERS.check(ns)["device"] == "cuda"
+
+
+@pytest.mark.parametrize("params_file", [None, "cpu.yaml", "ci.yaml"])
+@pytest.mark.parametrize(
+    "name", ["ch01_prototype", "ch02_scale_up", "ch03_hybrid", "ch04_finetune"]
+)
+def test_cpu_defaults_and_ci_values_are_not_refused(name, params_file, tmp_path):
+    import importlib
+
+    module = importlib.import_module(f"ssmkit.workbook.chapters.{name}")
+    ns = recipe(module, params_file, device="cpu", out_dir=str(tmp_path))
+    assert module.PARAMETERS.check(ns)["allow_cpu"] is False
+
+
+def test_the_rule_states_its_threshold_once():
+    from ssmkit.workbook import params
+
+    flops, what = params.planned_training(
+        {"config": "cpu-tiny", "max_tokens": 250_000, "overrides": {}}
+    )
+    assert "cpu-tiny" in what or "tiny" in what
+    assert flops / params.CPU_FLOP_S < 3600  # the CPU default: well under an hour by the rule
+    assert params._hub_params("state-spaces/mamba-2.8b-hf") == 2_800_000_000
+    assert params._hub_params("state-spaces/mamba-130m-hf") == 130_000_000
+    assert params._hub_params("/ckpt/my-run") is None
