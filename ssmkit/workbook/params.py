@@ -405,7 +405,13 @@ def check_cpu_sized(values: dict) -> None:
     if seconds <= CPU_HOURS * 3600:
         return
     days = seconds / 86400
-    took = f"{days:,.0f} days" if days >= 2 else format_duration(seconds)
+    took = (
+        f"{days / 365:,.0f} years"
+        if days >= 730
+        else f"{days:,.0f} days"
+        if days >= 2
+        else format_duration(seconds)
+    )
     raise WorkbookError(
         f"device resolved to cpu, and this is a GPU-sized run: {what} is "
         f"{_sci(flops)} FLOP, ~{took} at a CPU's ~{_sci(CPU_FLOP_S)} FLOP/s (the limit: "
