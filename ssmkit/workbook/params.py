@@ -33,6 +33,9 @@ Rules, the same under ``ssmkit workbook run``, plain ``papermill`` and JupyterLa
   and with ``ssmkit workbook run`` alike), and parameters of the workbook's other notebooks (a
   workbook-wide file such as ``params/cpu.yaml``), which are noted as not used
   (:func:`injected_parameters`);
+* a notebook that trains declares ``allow_cpu``: when ``device`` resolved to cpu and the training
+  its values ask for would take more than :data:`CPU_HOURS` on a CPU (:func:`check_cpu_sized`), the
+  check stops it (a GPU recipe on a CPU-only machine), unless ``allow_cpu`` is True;
 * ``ssmkit workbook run -f FILE``: :func:`route_parameters` gives each notebook the keys it declares
   and the TrainConfig keys (as ``overrides``) when it declares ``overrides``; a file key that no
   notebook of the workbook declares and that is not a TrainConfig key is an error before anything
@@ -324,9 +327,9 @@ DEVICE = Param(
 # than CPU_HOURS at CPU_FLOP_S. CPU_FLOP_S is stated, not measured (a measurement would take longer
 # than the check may): the workbook's cpu-tiny (7M parameters) trained at ~500-2,500 tokens/s on
 # 1-2 cores, 2e10-1e11 FLOP/s; the low end is what a learner's kernel on a shared machine got. Every
-# CPU default and params/cpu.yaml and params/ci.yaml plan well under an hour by this rule; the
-# params/gpu-*.yaml recipes plan days to centuries (gpu-a100.yaml's 10B tokens of a 129M model:
-# ~7.7e18 FLOP, ~12,000 years), so the line sits far from both.
+# CPU default and params/cpu.yaml and params/ci.yaml plan under 10 minutes by this rule; the
+# params/gpu-*.yaml recipes plan 44 h (gpu-a100-finetune.yaml in 04) to ~12 years (gpu-a100.yaml's
+# 10B tokens of a 129M model: ~7.7e18 FLOP), so the line sits far from both.
 CPU_FLOP_S = 2e10
 CPU_HOURS = 12
 
@@ -402,7 +405,13 @@ def check_cpu_sized(values: dict) -> None:
     if seconds <= CPU_HOURS * 3600:
         return
     days = seconds / 86400
-    took = f"{days:,.0f} days" if days >= 2 else format_duration(seconds)
+    took = (
+        f"{days / 365:,.0f} years"
+        if days >= 730
+        else f"{days:,.0f} days"
+        if days >= 2
+        else format_duration(seconds)
+    )
     raise WorkbookError(
         f"device resolved to cpu, and this is a GPU-sized run: {what} is "
         f"{_sci(flops)} FLOP, ~{took} at a CPU's ~{_sci(CPU_FLOP_S)} FLOP/s (the limit: "

@@ -39,6 +39,7 @@ def params(tmp_path, **kw) -> dict:
         lora_dropout=0.0,
         lora_targets="plan",
         device="cpu",
+        allow_cpu=False,
         overrides={},
         out_dir=str(tmp_path),
         seed=0,
