@@ -174,7 +174,10 @@ def test_code_uses_the_library_and_hardcodes_nothing(path):
         logic = [
             ln for ln in cell.source.splitlines() if ln.strip() and not ln.strip().startswith("#")
         ]
-        assert len(logic) <= MAX_CELL_LINES, (
+        parameters = "parameters" in cell.metadata.get(
+            "tags", []
+        )  # values, written from PARAMETERS
+        assert len(logic) <= MAX_CELL_LINES or parameters, (
             f"{where} has {len(logic)} lines; move the logic into ssmkit"
         )
 
