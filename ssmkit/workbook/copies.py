@@ -22,10 +22,13 @@ Checks the learner must not see go between ``### BEGIN HIDDEN TESTS`` and ``### 
 ========== ====================================================================================
 kind       what the copy holds
 ========== ====================================================================================
-student    each answer replaced by one line, at the marker's indentation, that raises
-           ``NotImplementedError("Exercise: your turn - ...")`` when run (a markdown answer: a
-           "your turn" sentence); hidden tests and ``instructor`` cells removed; outputs and
-           execution counts cleared; the ``solution`` tag becomes ``exercise``
+student    each answer replaced by a placeholder: ``name = ...  # your turn`` for each name the
+           answer assigns (so the cell's ``check(...)`` reports "not done yet" and the copy runs
+           on to its end), else (an answer that assigns nothing, e.g. a function's body) one line
+           at the marker's indentation that raises ``NotImplementedError("Exercise: your turn -
+           ...")``; a markdown answer: a "your turn" sentence; hidden tests and ``instructor``
+           cells removed; outputs and execution counts cleared; the ``solution`` tag becomes
+           ``exercise``
 solution   the student copy with the answers in place of the "your turn" lines (markers removed)
 instructor the master as it is, markers and notes included
 ========== ====================================================================================
@@ -46,8 +49,10 @@ student handout).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import textwrap
 from pathlib import Path
 
 from ..io import DirLock, overlapping, read_json, write_atomically
@@ -73,6 +78,7 @@ MARKERS = {
 # what a student copy holds in place of an answer (code cells, then markdown cells)
 YOUR_TURN = 'raise NotImplementedError("Exercise: your turn - replace this line with your answer")'
 YOUR_TURN_TEXT = "_Exercise: your turn - write your answer here._"
+PLACEHOLDER = "{name} = ...  # Exercise: your turn - replace ... with your answer"
 SOLUTION_TAG, INSTRUCTOR_TAG, EXERCISE_TAG = "solution", "instructor", "exercise"
 COPY_KEY = "copy"  # a copy's metadata.ssmkit.copy: its kind (a master has none)
 RECORD = ".ssmkit-copies.json"  # in OUT: {"kind": "student", "written": ["papers/01_s4.ipynb"]}
@@ -127,6 +133,41 @@ def _regions(lines: list[str], where: str) -> list[tuple[str, int, int]]:
     return found
 
 
+def _assigned(lines: list[str]) -> list[str]:
+    """The names an answer's ``lines`` assign at their own top level (``zoh = ...``, ``a, b = ...``,
+    ``def f``, ``for i in``), in order; empty when they assign none or are not a whole block of
+    Python (an answer that is part of a statement)."""
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        targets = {
+            ast.Assign: lambda n: n.targets,
+            ast.AnnAssign: lambda n: [n.target],
+            ast.AugAssign: lambda n: [n.target],
+            ast.For: lambda n: [n.target],
+        }.get(type(node), lambda n: [])(node)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Name) and leaf.id not in names:
+                    names.append(leaf.id)
+    return names
+
+
+def _placeholder(answer: list[str], indent: str, cell_type: str) -> list[str]:
+    """What a student copy holds in place of ``answer`` (see the module docstring)."""
+    if cell_type != "code":
+        return [f"{indent}{YOUR_TURN_TEXT}\n"]
+    names = _assigned(answer) if not indent else []
+    if names:
+        return [f"{indent}{PLACEHOLDER.format(name=name)}\n" for name in names]
+    return [f"{indent}{YOUR_TURN}\n"]
+
+
 def _rewrite(lines: list[str], regions, kind: str, cell_type: str) -> list[str]:
     """The lines of one cell in copy ``kind``: each region kept, replaced or removed."""
     if kind == "instructor":
@@ -140,8 +181,7 @@ def _rewrite(lines: list[str], regions, kind: str, cell_type: str) -> list[str]:
             else:
                 marker = lines[begin]
                 indent = marker[: len(marker) - len(marker.lstrip())]
-                turn = YOUR_TURN if cell_type == "code" else YOUR_TURN_TEXT
-                out.append(f"{indent}{turn}\n")
+                out += _placeholder(lines[begin + 1 : end], indent, cell_type)
         start = end + 1  # hidden tests: dropped from both copies
     out += lines[start:]
     if out and out[-1].endswith("\n"):  # nbformat stores no newline after a cell's last line
