@@ -6,6 +6,9 @@
 * Under pytest-xdist (``make test`` runs ``-n 2``: one worker per core), each worker and what it
   starts (notebook kernels, torchrun ranks, CLIs) computes on one thread, so two workers share the
   two cores instead of fighting over them.
+* ``SSMKIT_EXERCISES=strict``: an exercise's ``check(...)`` raises on a wrong or missing answer
+  instead of printing a line, so every master a test runs under papermill (its kernel inherits this
+  environment) fails on a wrong solution. A test of the printed lines unsets it.
 * ``shards``: byte-level token shards of the embedded corpus (train: 60K tokens in 3 shards,
   validation: 8K), prepared once per session and only read. The tiny training config on them is
   :func:`helpers.small`. A test file may define its own ``shards`` (test_distributed.py does).
@@ -18,6 +21,7 @@ import os
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["SSMKIT_EXERCISES"] = "strict"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")

@@ -105,8 +105,9 @@ def add_build_arguments(build: argparse.ArgumentParser) -> argparse.ArgumentPars
         dest="kind",
         required=True,
         choices=KINDS,
-        help="student: answers replaced by a 'your turn' line that raises, hidden tests and "
-        "instructor cells removed, outputs cleared; solution: the same with the answers; "
+        help="student: each answer replaced by 'name = ...  # Exercise: your turn' lines (so its "
+        "check() says 'not done yet'; a line that raises where it assigns no name), hidden tests "
+        "and instructor cells removed, outputs cleared; solution: the same with the answers; "
         "instructor: the masters as they are",
     )
     build.add_argument(

@@ -8,13 +8,15 @@ master, written with plain JSON (no nbgrader, no grading server).
     ssmkit workbook build --for student|solution|instructor OUT [NOTEBOOK ...]
 
 A master marks an exercise the way nbgrader does. A code cell tagged ``solution`` holds the setup,
-then the answer between two marker lines, then the checks::
+then the answer between two marker lines, then its check (:mod:`ssmkit.workbook.exercises`; not
+an ``assert`` on the answer, which a student copy's ``...`` would crash)::
 
     a, b = torch.tensor([-1.0]), torch.tensor([1.0])      # setup: kept in every copy
     ### BEGIN SOLUTION
     zoh = (math.exp(-0.5), 1 - math.exp(-0.5))            # the answer
+    bilinear = (0.6, 0.4)
     ### END SOLUTION
-    assert ops.discretize(a, b, 0.5)[0].item() == zoh[0]  # the check: kept in every copy
+    check("p01.1", zoh=zoh, bilinear=bilinear)            # the check: kept in every copy
 
 Checks the learner must not see go between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``
 (in any cell); a cell tagged ``instructor`` holds notes for the teacher.

@@ -1,6 +1,7 @@
 """`ssmkit workbook build` on every real master (notebooks/, papers/): the student copies leak no
 answer, hidden test or instructor note; the solution copies hold every answer; the instructor copies
-are the masters.
+are the masters. A student copy holds ``name = ...  # Exercise: your turn`` for each name an answer
+assigns (or one raising "your turn" line).
 
 The oracle reads the masters' markers with its own few lines (a region is the lines between two
 marker lines), independent of ssmkit.workbook.copies; the copies are read with nbformat and
@@ -11,6 +12,7 @@ test_papers.py's and test_notebooks.py's business).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -95,7 +97,10 @@ def test_copies_of_a_master(master, built):
                 assert line.strip() not in text, f"{rel}: student copy leaks {line!r}"
     for marker in (*SOLUTION, *HIDDEN):
         assert marker not in text
-    assert text.count("Exercise: your turn") == len(answers)
+    asked = re.findall(r"^\s*(\w+) = \.\.\.  # Exercise: your turn", text, re.M)
+    assert text.count("Exercise: your turn") >= len(answers)
+    stray = [n for n in asked if not any(re.search(rf"\b{n}\b", "\n".join(r)) for r in answers)]
+    assert not stray, f"{rel}: placeholders for names no answer assigns: {stray}"
     assert not any(n and n in text for n in notes)
     assert all(c.get("outputs", []) == [] for c in student.cells)
     assert len(student.cells) == len(nb.cells) - len(notes)

@@ -2,9 +2,10 @@
 
 Oracles: a synthetic master made with nbformat whose answers, hidden tests and instructor notes are
 known strings; the copies are read back with nbformat (and validated against its schema), and their
-code cells are run in this process: the solution copy's checks pass, the student copy stops at
-each exercise with the "your turn" error. Every refusal is injected into an otherwise good master
-and must name the cell and leave OUT untouched.
+code cells are run in this process: the solution copy's checks pass; the student copy's
+``name = ...`` placeholder makes its ``check()`` report "not done yet" and the copy runs on, and an
+answer that assigns nothing (a function's body) stops it with the "your turn" error. Every refusal
+is injected into an otherwise good master and must name the cell and leave OUT untouched.
 """
 
 from __future__ import annotations
@@ -17,13 +18,27 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from ssmkit import cli
-from ssmkit.workbook import WorkbookError, build_copies, build_copy
-from ssmkit.workbook.copies import RECORD, YOUR_TURN
+from ssmkit.workbook import WorkbookError, build_copies, build_copy, exercises
+from ssmkit.workbook.copies import PLACEHOLDER, RECORD, YOUR_TURN
 
 ANSWER = "answer = 6 * 7  # the secret"
 HIDDEN = "assert answer % 2 == 0  # the secret check"
 NOTE = "Instructor: most learners forget the factor 7."
 FUNC_ANSWER = "return x * x  # the squared secret"
+CHECK = 'check("99.5", answer=answer)'  # the toy exercise below
+ASKED = PLACEHOLDER.format(name="answer")  # the student copy's line in place of ANSWER
+
+
+@pytest.fixture(autouse=True)
+def toy_exercise():
+    """Exercise "99.5" of the synthetic master: right when ``answer`` is 42."""
+
+    @exercises.exercise("99.5", "the answer", ("answer",), wrong={"answer": 41})
+    def _(answer):
+        return None if answer == 42 else "not 42"
+
+    yield
+    exercises._REGISTRY.pop("99.5")
 
 
 def master_cells() -> list:
@@ -33,13 +48,14 @@ def master_cells() -> list:
         new_markdown_cell("# A note\nSome prose."),
         new_code_cell("base = 6", metadata={"tags": ["parameters"]}),
         new_code_cell(
-            f"factor = 7\n### BEGIN SOLUTION\n{ANSWER}\n### END SOLUTION\nassert answer == 42",
+            "from ssmkit.workbook.exercises import check\n\nfactor = 7\n### BEGIN SOLUTION\n"
+            f"{ANSWER}\n### END SOLUTION\n{CHECK}",
             metadata={"tags": ["solution"]},
             outputs=[new_output("stream", name="stdout", text="42\n")],
             execution_count=3,
         ),
         new_code_cell(
-            "assert isinstance(answer, int)\n### BEGIN HIDDEN TESTS\n" + HIDDEN + "\n"
+            "assert answer is not None\n### BEGIN HIDDEN TESTS\n" + HIDDEN + "\n"
             "### END HIDDEN TESTS"
         ),
         new_markdown_cell(NOTE, metadata={"tags": ["instructor"]}),
@@ -83,7 +99,9 @@ def read(path: Path):
     return nb
 
 
-def test_student_copy_asks_for_each_answer_and_hides_the_rest(master, tmp_path):
+def test_student_copy_asks_for_each_answer_and_hides_the_rest(
+    master, tmp_path, monkeypatch, capsys
+):
     before = master.read_bytes()
     (path,) = build_copies([master], "student", tmp_path / "out")
     assert path == tmp_path / "out" / "papers" / master.name and master.read_bytes() == before
@@ -93,17 +111,21 @@ def test_student_copy_asks_for_each_answer_and_hides_the_rest(master, tmp_path):
         assert secret not in text, secret
     assert len(nb.cells) == len(master_cells()) - 1  # the instructor note is gone
     first, hidden, func, prose = nb.cells[2], nb.cells[3], nb.cells[4], nb.cells[5]
-    assert first.source == f"factor = 7\n{YOUR_TURN}\nassert answer == 42"
+    assert first.source.endswith(f"factor = 7\n{ASKED}\n{CHECK}")
     assert first.outputs == [] and first.execution_count is None
     assert first.metadata.tags == ["exercise"]
-    assert hidden.source == "assert isinstance(answer, int)"
+    assert hidden.source == "assert answer is not None"
     assert func.source == f"def square(x):\n    {YOUR_TURN}\n\nassert square(3) == 9"
     assert prose.source.startswith("Why 42?\n_Exercise: your turn")
     assert nb.metadata.ssmkit == {"copy": "student"}
+    monkeypatch.delenv(exercises.STRICT_ENV, raising=False)
     ns: dict = {}
     with pytest.raises(NotImplementedError, match="Exercise: your turn - replace this line"):
-        run_code(nb, ns)
-    assert ns["factor"] == 7 and "answer" not in ns  # the setup ran, then the learner's turn
+        run_code(nb, ns)  # the first exercise reports and runs on; the function's body stops it
+    assert ns["factor"] == 7 and ns["answer"] is Ellipsis
+    assert capsys.readouterr().out == (
+        "99.5 the answer: not done yet - replace the ... in answer\n"
+    )
 
 
 def test_solution_copy_holds_each_answer_and_its_checks_pass(master, tmp_path):
@@ -112,10 +134,10 @@ def test_solution_copy_holds_each_answer_and_its_checks_pass(master, tmp_path):
     text = json.dumps(nb)
     for gone in (HIDDEN, NOTE, "###", "your turn"):
         assert gone not in text, gone
-    assert nb.cells[2].source == f"factor = 7\n{ANSWER}\nassert answer == 42"
+    assert nb.cells[2].source.endswith(f"factor = 7\n{ANSWER}\n{CHECK}")
     assert nb.cells[4].source == f"def square(x):\n    {FUNC_ANSWER}\n\nassert square(3) == 9"
     assert nb.cells[5].source == "Why 42?\nBecause it is 6 x 7."
-    assert run_code(nb)["answer"] == 42
+    assert run_code(nb)["answer"] == 42  # under the suite's strict mode: check() raised nothing
 
 
 def test_instructor_copy_is_the_master_with_its_kind_recorded(master, tmp_path):
