@@ -67,3 +67,17 @@ def trained_run(tmp_path_factory, shards):
     out = tmp_path_factory.mktemp("trained")
     Trainer(config=small(out, shards, max_steps=2)).fit()
     return out / "run"
+
+
+# A test that records a `screenshots` property (record_property; tests/browser) gets its folder
+# named at the end of the run, with or without xdist (the workers' reports carry the property).
+_screenshots: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    _screenshots.update(v for k, v in report.user_properties if k == "screenshots")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for folder in sorted(_screenshots):
+        terminalreporter.write_line(f"screenshots: {folder}")
