@@ -313,24 +313,20 @@ def check_notebook(rel: str, path: Path, state: dict) -> list[str]:
         for i, (e, err) in enumerate(zip(state["errors"], state["stderr"]))
         if e.strip() or "Traceback" in err
     ]
-    # TODO(issue 25): an exercise that does not yet report through check() (papers/01_s4 at this
-    # commit) fails at its own assert in a student copy, and Run All stops there; tolerated only
-    # for such a cell, so the test tightens by itself once every exercise calls check()
-    legacy = [i for i in exercises if "check(" not in sources[i]]
-    stop = failed[0] if failed and failed[0] in legacy else len(code)
-    if failed and failed[0] != stop or len(failed) > 1:
-        shown = [i for i in failed if i != stop]
+    if failed:
         problems.append(
-            f"{rel}: error output in code cell(s) {shown}:\n"
-            + (state["errors"][shown[0]] or state["stderr"][shown[0]])[-2000:]
+            f"{rel}: error output in code cell(s) {failed}:\n"
+            + (state["errors"][failed[0]] or state["stderr"][failed[0]])[-2000:]
         )
-    unrun = [i for i, p in enumerate(state["prompts"][:stop]) if not re.search(r"\[\d+\]", p)]
+    unrun = [i for i, p in enumerate(state["prompts"]) if not re.search(r"\[\d+\]", p)]
     if unrun:
         problems.append(f"{rel}: {len(unrun)} of {len(code)} code cells not run: {unrun}")
     for i in exercises:
-        if i not in legacy and NOT_DONE not in state["stdout"][i]:
+        if "check(" not in sources[i]:
+            problems.append(f"{rel}: exercise (code cell {i}) does not report through check()")
+        elif NOT_DONE not in state["stdout"][i]:
             problems.append(f"{rel}: exercise (code cell {i}) does not print {NOT_DONE!r}")
-    if any("plots." in s for s in sources[:stop]) and not state["images"]:
+    if any("plots." in s for s in sources) and not state["images"]:
         problems.append(f"{rel}: no figure rendered as an image")
     return problems
 
