@@ -26,6 +26,7 @@ from torch import nn
 from ..env import pick_device
 from ..hub import from_pretrained, parse_dtype
 from ..io import read_json
+from ..ops.compiled import check_setting as check_compile_setting
 from .manifest import verify
 from .resolve import Resolved, resolve
 
@@ -134,6 +135,7 @@ def load_model(path: str | os.PathLike, dtype=None, device=None) -> tuple[nn.Mod
     :class:`.manifest.CheckpointCorrupt`. A LoRA run loads as its base with the adapter merged in
     (in eval mode). dtype / device: as :func:`ssmkit.from_pretrained` takes them, checked before
     anything is read, applied after merging."""
+    check_compile_setting()  # SSMKIT_COMPILE_SCAN: now, not at the first forward pass
     dtype = parse_dtype(dtype)
     device = pick_device(str(device)) if device is not None else None
     where = resolve(path)

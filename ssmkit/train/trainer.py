@@ -48,6 +48,7 @@ from ..data import TokenLoader
 from ..env import reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
 from ..io import read_json, tqdm_bar, write_atomically
+from ..ops.compiled import check_setting as check_compile_setting
 from . import checkpoint
 from .config import TrainConfig
 from .data import (
@@ -91,6 +92,7 @@ class Trainer:
         name: str | None = None,
     ):
         cfg = self.config = config or TrainConfig()
+        check_compile_setting()  # SSMKIT_COMPILE_SCAN: now, not at the first step
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
         if d.device.type == "cpu":
