@@ -491,3 +491,25 @@ def test_a_params_file_that_is_no_mapping_is_shown_short(tmp_path):
         message
     )
     assert len(message) < 300 and "\n" not in message
+
+
+def test_a_kernel_s_log_after_a_timeout_is_dropped_and_before_it_kept(tmp_path, capfd):
+    """Fault injected: the kernel logs an error as it exits, as ipykernel's ZMQ teardown does after
+    a cell timeout (before: that traceback reached the terminal under ssmkit's clean report). What
+    the kernel logged while it ran is still shown."""
+    nb = make_notebook(
+        tmp_path / "01_hang.ipynb",
+        "x = 1",
+        "import atexit\n"
+        "from ipykernel.kernelapp import IPKernelApp\n"
+        "log = IPKernelApp.instance().log\n"
+        "log.error('KEPT: written while the kernel ran')\n"
+        "atexit.register(lambda: log.error('zmq.error.ZMQError: Socket operation on non-socket'))",
+        "import time; time.sleep(600)",
+    )
+    with pytest.raises(SystemExit):
+        workbook.main(["run", str(nb), "--out", str(tmp_path / "run"), "--cell-timeout", "1"])
+    err = capfd.readouterr().err
+    assert "KEPT: written while the kernel ran" in err
+    assert "ZMQError" not in err and "Traceback" not in err, err
+    assert err.rstrip().endswith("ssmkit workbook: 1 of 1 notebook(s) failed")
