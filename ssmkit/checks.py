@@ -207,14 +207,42 @@ def _loader():
     return _LOADER
 
 
+MAX_YAML_VALUES = 100_000  # values a document may expand to through its &anchors / *aliases
+
+
+def _expanded_size_exceeds(data, limit: int) -> bool:
+    """Whether ``data``, with every shared (aliased) list or mapping counted once per use, holds
+    more than ``limit`` values; stops counting at the limit, so a "billion laughs" document (nine
+    aliases of nine aliases ...) or a self-referencing one costs ``limit`` steps, not 9**9."""
+    count, stack = 0, [data]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+    return False
+
+
 def load_yaml(text_value: str):
     """A YAML document read with ssmkit's grammar (config files, params files, command-line values):
     ``1e3`` / ``3e-3`` are floats (YAML 1.1 keeps them strings), ``none`` is null, and only
     ``true``/``false`` are booleans (YAML 1.1 also reads yes/no/on/off as booleans). Raises
-    yaml.YAMLError."""
+    yaml.YAMLError, also for a document whose aliases expand it past :data:`MAX_YAML_VALUES`
+    values (anything that walked it -- a check, a repr, papermill -- would hang)."""
     import yaml
 
-    return yaml.load(text_value, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
+    data = yaml.load(text_value, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
+    if _expanded_size_exceeds(data, MAX_YAML_VALUES):
+        raise yaml.YAMLError(
+            f"the document expands to more than {MAX_YAML_VALUES:,} values through its "
+            "&anchors and *aliases (nested or self-referencing); write the values out instead"
+        )
+    return data
 
 
 def parse_value(text_value: str):

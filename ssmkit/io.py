@@ -179,7 +179,11 @@ def overlapping(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def describe_os_error(exc: OSError) -> str:
-    """One line for an OSError a user can act on: which file, and what to do about it."""
+    """One line for an OSError a user can act on: which file, and what to do about it (an OSError
+    raised with a message only, e.g. :class:`ssmkit.train.checkpoint.CheckpointWriteError`: that
+    message)."""
+    if exc.errno is None and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return " ".join(exc.args[0].split())
     where = f" {exc.filename}" if exc.filename else ""
     hint = {
         errno.ENOSPC: "the disk is full: free space or choose another directory",

@@ -86,6 +86,8 @@ def _records(source: str, split: str, seed: int, max_samples: int | None):
         records = [parse_record(row, f"{source} {split}[{i}]") for i, row in enumerate(rows)]
         return records, f"{source}/{sys.implementation.name}-{platform.python_version()}"
     path = Path(source)
+    if path.suffix == ".jsonl" and path.is_dir():
+        raise ValueError(f"SFT source {source} is a directory, not a .jsonl file")
     if path.suffix != ".jsonl" or not path.is_file():
         raise ValueError(
             f"unknown SFT source {source!r}; valid: {', '.join(SFT_SOURCES)} or a path to a "

@@ -109,6 +109,19 @@ def _messages(value, where: str, field: str) -> list[tuple[str, str]]:
     return out
 
 
+def _encodable(text: str, where: str, what: str):
+    """Text a tokenizer can take: JSON's ``"\\ud800"`` (a lone surrogate, valid JSON) decodes to a
+    str that is no Unicode text, and tokenizers fail on it with errors naming no line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _fail(
+            where,
+            f"{what} holds a lone surrogate {text[exc.start]!r} at character {exc.start} (an "
+            "unpaired \\uD800-\\uDFFF escape): not text; write the character itself or its pair",
+        )
+
+
 def _no_markers(text: str, where: str, what: str, markers=MARKERS):
     for marker in markers:
         if marker in text:
@@ -152,6 +165,8 @@ def parse_record(row, where: str = "record") -> SFTRecord:
         if isinstance(prompt, str) and isinstance(completion, str):
             if not completion.strip():
                 _fail(where, f"the completion is empty ({completion!r}): nothing to train on")
+            _encodable(prompt, where, "the prompt")
+            _encodable(completion, where, "the completion")
             return SFTRecord(
                 (("prompt", prompt), ("completion", completion)), (False, True), False, where
             )
@@ -174,6 +189,7 @@ def parse_record(row, where: str = "record") -> SFTRecord:
                 f"message {i} (assistant) is empty ({content!r}): an empty completion trains "
                 "nothing",
             )
+        _encodable(content, where, f"message {i} ({role})")
         _no_markers(content, where, f"message {i} ({role})")
     if msgs[-1][0] != "assistant":
         _fail(
@@ -199,6 +215,8 @@ def read_jsonl(path: str | Path) -> list[SFTRecord]:
                     row = json.loads(line)
                 except ValueError as exc:
                     _fail(where, f"not valid JSON ({exc})")
+                except RecursionError:  # json's decoder recurses once per [ or {
+                    _fail(where, "nested too deeply to read (thousands of [ or {)")
                 records.append(parse_record(row, where))
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..io import read_json, write_atomically
 from ..models import ModelConfig
-from .lora import _peft, apply_lora
+from .lora import _peft, apply_lora, check_values
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -148,7 +148,20 @@ def load_adapter(
     model in eval mode, as peft's ``PeftModel.from_pretrained`` leaves it. The tensors' names and
     shapes must match the adapter the config builds on this model, else ValueError."""
     saved, tensors = read_adapter(directory)
-    config = _peft().PeftConfig.from_peft_type(**saved)
+    try:
+        config = _peft().PeftConfig.from_peft_type(**saved)
+    except (TypeError, ValueError) as exc:  # an unknown or malformed field
+        raise ValueError(f"{Path(directory) / ADAPTER_CONFIG}: {exc}") from None
+    # peft takes any value here (r 4.5, lora_alpha "8" or -8) and fails later, or silently
+    # computes another update: the checks lora_config makes, naming the file
+    check_values(
+        config.r,
+        config.lora_alpha,
+        config.lora_dropout,
+        getattr(config, "rank_pattern", None) or None,
+        getattr(config, "alpha_pattern", None) or None,
+        where=str(Path(directory) / ADAPTER_CONFIG),
+    )
     config.inference_mode = not trainable
     lora = apply_lora(model, config=config, adapter_name=adapter_name)
     expected = {k: tuple(v.shape) for k, v in adapter_state(lora, adapter_name).items()}

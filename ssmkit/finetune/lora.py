@@ -15,6 +15,10 @@ begins at the pretrained model. ``apply_lora`` is ``peft.get_peft_model`` with s
   part(s) after a dot); a name that matches nothing is a ValueError listing the names the model has.
   With the default (None) the plan's three names are kept where the model has them (Mamba-2/3 have
   no x_proj).
+* every name in ``modules_to_save`` must match a module the same way (peft accepts one that
+  matches nothing and trains nothing extra); a ready ``LoraConfig`` (``config=``, what
+  :func:`~ssmkit.finetune.load_adapter` builds from adapter_config.json) gets :func:`lora_config`'s
+  checks of r, lora_alpha and lora_dropout (:func:`check_values`).
 * only ``nn.Linear`` and ``nn.Embedding`` layers are targets: the depthwise ``conv1d`` cannot hold a
   LoRA update (peft's conv adapter mixes channels; see :mod:`ssmkit.models.lora_aware`), norms are
   no matrices. Either is a ValueError with what to do instead (``modules_to_save``).
@@ -131,6 +135,69 @@ def resolve_targets(model: nn.Module, target_modules=None) -> list[str]:
     return list(dict.fromkeys(target_modules))
 
 
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def resolve_modules_to_save(model: nn.Module, modules_to_save) -> list[str] | None:
+    """``modules_to_save`` checked against ``model``: None, or a list of names each matching a
+    module by :func:`matches` (peft would accept a name matching nothing and train nothing extra).
+    Returns the names in order, each once."""
+    if modules_to_save is None:
+        return None
+    if isinstance(modules_to_save, str):
+        modules_to_save = [modules_to_save]
+    named = [n for n, _ in model.named_modules() if n]
+    valid = sorted({n.rpartition(".")[2] for n in named} - {""})
+    valid = [n for n in valid if not n.isdigit()]
+    if not isinstance(modules_to_save, (list, tuple)) or not all(
+        isinstance(t, str) and t for t in modules_to_save
+    ):
+        raise ValueError(
+            f"modules_to_save must be a list of module names; got {modules_to_save!r}. "
+            f"Valid names for this model: {', '.join(valid)}"
+        )
+    for t in modules_to_save:
+        if not any(matches(n, t) for n in named):
+            raise ValueError(
+                f"modules_to_save entry {t!r} matches no module of this model, so nothing "
+                f"would train; {_did_you_mean(t, valid)}valid names: {', '.join(valid)}"
+            )
+    return list(dict.fromkeys(modules_to_save))
+
+
+def check_values(r, alpha, dropout, rank_pattern=None, alpha_pattern=None, where: str = ""):
+    """The LoRA numbers a config carries, checked as :func:`lora_config` checks its arguments (also
+    for a ready ``LoraConfig`` and an adapter_config.json a user edited): r an integer >= 1,
+    lora_alpha a number > 0, lora_dropout in [0, 1), the patterns' values likewise. ``where``: a
+    prefix for the message (the file)."""
+    from .. import checks
+
+    pre = f"{where}: " if where else ""
+    try:
+        checks.integer(r, "r (LoRA rank)", minimum=1)
+        checks.number(alpha, "lora_alpha", low=0, low_open=True)
+        if not (checks.is_number(dropout) and 0 <= dropout < 1):
+            raise ValueError(f"lora_dropout must be a number in [0, 1); got {dropout!r}")
+        for field, pattern, check in (
+            ("rank_pattern", rank_pattern, lambda v, n: checks.integer(v, n, minimum=1)),
+            ("alpha_pattern", alpha_pattern, lambda v, n: checks.number(v, n, 0, low_open=True)),
+        ):
+            if pattern is None:
+                continue
+            if not isinstance(pattern, dict):
+                raise ValueError(
+                    f"{field} must be a mapping of module names to values; got {pattern!r}"
+                )
+            for key, value in pattern.items():
+                check(value, f"{field}[{key!r}]")
+    except ValueError as exc:
+        raise ValueError(f"{pre}{exc}") from None
+
+
 def _untie_if_touched(model: MambaLM, targets: list[str]):
     """Give lm_head its own copy of a tied embedding matrix when either side gets an adapter (see
     the module docstring); the copy keeps the embedding's requires_grad."""
@@ -220,11 +287,20 @@ def apply_lora(
         )
     elif getattr(config, "use_dora", False):
         raise ValueError("use_dora=True: only plain LoRA is supported (see lora_config)")
+    else:  # a ready LoraConfig: the numbers lora_config would have checked
+        check_values(
+            config.r,
+            config.lora_alpha,
+            config.lora_dropout,
+            getattr(config, "rank_pattern", None) or None,
+            getattr(config, "alpha_pattern", None) or None,
+        )
     targets = config.target_modules
     targets = (
         [targets] if isinstance(targets, str) else None if targets is None else sorted(targets)
     )
     config.target_modules = resolve_targets(model, targets)
+    config.modules_to_save = resolve_modules_to_save(model, config.modules_to_save)
     _untie_if_touched(model, config.target_modules)
     if getattr(model, "name_or_path", None) and not config.base_model_name_or_path:
         config.base_model_name_or_path = str(model.name_or_path)

@@ -18,7 +18,9 @@ unchanged), so every chunk has one shape.
 
 Turn it on with ``ssmkit.ops.compile_scan(True)`` or ``SSMKIT_COMPILE_SCAN=1`` (the CLI reads the
 environment). It needs what inductor needs at run time -- a C++ compiler on CPU, Triton on GPU;
-without one the first call raises :class:`~ssmkit.ops.backend.BackendError` saying so. The first
+without one the first call raises :class:`~ssmkit.ops.backend.BackendError` saying so, and the
+commands (``train``, ``generate``, ``eval``, ``convert``) say it at startup (:func:`check_setting`),
+as they do for a value of SSMKIT_COMPILE_SCAN that is none of 0, 1, false, true. The first
 call for each shape compiles (tens of seconds for S6 forward + backward), so it pays off in
 training runs, not in short experiments; after torch's recompile limit (8 shapes) the functions run
 eagerly, unrolled.
@@ -47,16 +49,44 @@ def compile_scan(enabled: bool = True) -> None:
     _ENABLED = bool(enabled)
 
 
+class CompileScanError(BackendError, ValueError):
+    """SSMKIT_COMPILE_SCAN holds no valid value, or asks for the compiled scan where no C++
+    compiler works; a ValueError too, as the commands report a user's setting."""
+
+
 def enabled() -> bool:
     """Whether the torch backend of :func:`~ssmkit.ops.selective_scan` and
     :func:`~ssmkit.ops.ssd_scan` runs compiled; a value of SSMKIT_COMPILE_SCAN other than 0 / 1 /
-    false / true is an error."""
+    false / true is a :class:`CompileScanError`."""
     if _ENABLED is not None:
         return _ENABLED
-    value = os.environ.get("SSMKIT_COMPILE_SCAN", "").strip().lower()
+    raw = os.environ.get("SSMKIT_COMPILE_SCAN", "")
+    value = raw.strip().lower()
     if value not in ("", "0", "1", "false", "true"):
-        raise BackendError(f"SSMKIT_COMPILE_SCAN={value!r}: valid values are 0, 1, false, true")
+        raise CompileScanError(
+            f"SSMKIT_COMPILE_SCAN={raw.strip()!r}: valid values are 0, 1, false, true (or unset)"
+        )
     return value in ("1", "true")
+
+
+def check_setting() -> None:
+    """What a command checks at startup, before it prepares data or loads a model (not at the
+    first forward pass): SSMKIT_COMPILE_SCAN's value and, when the compiled scan is on, that
+    inductor finds a working C++ compiler (it runs ``CXX --version``; on CPU the scan is C++, and
+    Triton builds its launcher with one on GPU). :class:`CompileScanError` otherwise, one line."""
+    if not enabled():
+        return
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # InvalidCxxCompiler: none of inductor's candidates runs
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CompileScanError(
+            f"the compiled scan is on (SSMKIT_COMPILE_SCAN / compile_scan) but no C++ compiler "
+            f"works here ({first}); install one (g++, or set CXX to it), or turn the compiled "
+            "scan off with SSMKIT_COMPILE_SCAN=0"
+        ) from None
 
 
 def chunk_forward(dt, u, A2, B, C, h, keep):

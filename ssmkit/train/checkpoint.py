@@ -42,6 +42,7 @@ path names (a run, a checkpoint, its ``latest`` file) is :mod:`.resolve`'s busin
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -101,6 +102,59 @@ def _no_hf_bars():
             hf_logging.enable_progress_bar()
         if hub_was_off:
             disable_progress_bars()
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the disk full, most often); the message is one line that
+    says which step, where, and which step ``latest`` still names."""
+
+
+def _is_checkpoint_exception(exc: BaseException) -> bool:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(exc, CheckpointException)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``, the errors torch's CheckpointException wraps (per rank), and their causes."""
+    seen, todo = [], [exc]
+    while todo and len(seen) < 32:  # breadth first: the wrapped errors before their contexts
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo.extend(f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple))
+        todo.extend([e.__cause__, e.__context__])
+    return seen
+
+
+def _disk_full(exc: BaseException, root: Path) -> bool:
+    """Whether ``exc`` came from a full disk: an ENOSPC / EDQUOT among its causes, or (torch's zip
+    writer reports a short write as "unexpected pos ...") under 1 MiB left where it wrote."""
+    if any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(exc)
+    ):
+        return True
+    try:
+        return shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def _write_failure(exc: BaseException, root: Path, step: int, full: bool) -> str:
+    """One line: what failed writing checkpoint ``step`` under ``root``, and what is still there."""
+    pointer = root / LATEST
+    try:
+        kept = f"{LATEST} still points at {pointer.read_text().strip()}"
+    except OSError:
+        kept = "no earlier checkpoint was committed"
+    if full:
+        what = "the disk is full (free space, or choose another out_dir, then --resume)"
+    else:
+        cause = next((e for e in _causes(exc) if not _is_checkpoint_exception(e)), exc)
+        first = (str(cause).strip().splitlines() or [""])[0]
+        what = f"{type(cause).__name__}: {first}"
+    return f"could not write checkpoint step {step} to {root}: {what}; {kept}"
 
 
 def is_complete(folder: Path) -> bool:
@@ -179,9 +233,14 @@ def save(
         d.barrier()
         if d.is_main:
             write_manifest(tmp)
-    except Exception:  # disk full, read-only...: leave no partial checkpoint behind
+    except BaseException as exc:  # disk full, read-only, Ctrl-C...: no partial checkpoint left
+        # torch's writer raises CheckpointException, a BaseException: `except Exception` missed it
+        torch_writer = _is_checkpoint_exception(exc)
+        full = (torch_writer or isinstance(exc, (OSError, RuntimeError))) and _disk_full(exc, root)
         if d.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        if torch_writer or full:
+            raise CheckpointWriteError(_write_failure(exc, root, step, full)) from exc
         raise
     _commit_point("written")
     if d.is_main:

@@ -72,6 +72,8 @@ def sft_source(data: str) -> str | None:
                 f"data={data!r}: after 'sft:' comes a .jsonl file in trl's formats "
                 "(prompt/completion or messages), e.g. sft:data/train.jsonl"
             )
+        if Path(path).is_dir():
+            raise ValueError(f"data={data!r}: {path} is a directory, not a .jsonl file")
         if not Path(path).is_file():
             raise ValueError(f"data={data!r}: the file {path} does not exist")
         return path

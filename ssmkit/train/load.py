@@ -8,22 +8,25 @@ load weights, each step calling down, never back up.
 
 A whole model (kind "model", "checkpoint", "hub"): a checkpoint's ``model/`` is checked against
 its manifest, then :func:`ssmkit.from_pretrained` reads the config, builds the model and loads the
-weights. A LoRA run (kind "lora"): its ``adapter/`` is checked against the manifest, the base its
-trainer.json names (``config.base``) is loaded as a whole model, its :func:`fingerprint` compared
-with the one the run recorded, and the adapter put on it and merged (W + (alpha/r) B A): the model
-the run trained.
+weights. A LoRA run (kind "lora"): its ``adapter/`` and ``trainer.json`` are checked against the
+manifest, the base trainer.json names (``base_path``, the absolute location recorded at training
+time, else ``config.base`` as written) is loaded as a whole model, its :func:`fingerprint` compared
+with the one the run recorded (none recorded: refused), and the adapter put on it and merged (W +
+(alpha/r) B A): the model the run trained.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 from torch import nn
 
 from ..env import pick_device
 from ..hub import from_pretrained, parse_dtype
 from ..io import read_json
+from ..ops.compiled import check_setting as check_compile_setting
 from .manifest import verify
 from .resolve import Resolved, resolve
 
@@ -59,27 +62,67 @@ def load_base(base: str | os.PathLike) -> nn.Module:
     return _whole_model(resolve(base))
 
 
-def _merged_lora_run(where: Resolved) -> nn.Module:
-    """The base a LoRA run trained on with its adapter merged in (fp32, CPU), both checked first."""
-    from ..finetune import load_adapter, merge
+def base_location(base: str | os.PathLike) -> str | None:
+    """Where a local ``base`` is, as an absolute path (None for a hub id): what a LoRA run records
+    at training time, so it loads from any directory later."""
+    path = Path(base).expanduser()
+    return str(path.resolve()) if path.exists() else None
 
-    step = where.step_dir
-    verify(step, prefix="adapter/")
-    state = read_json(step / "trainer.json", "checkpoint state")
+
+def _recorded_base(step: Path, state: dict) -> str:
+    """The base a LoRA run's trainer.json names: the absolute ``base_path`` recorded at training
+    time (runs since issue #26), else ``config.base`` as written (relative to the directory the run
+    was trained from, which may not be this one)."""
     base = (state.get("config") or {}).get("base")
     if not base:
         raise ValueError(
             f"{step}/trainer.json names no base model (config.base): the adapter in "
-            f"{where.adapter_dir} cannot be loaded without the model it was trained "
-            "on"
+            f"{step / 'adapter'} cannot be loaded without the model it was trained on"
         )
-    model = load_base(base)
-    recorded, now = state.get("base_fingerprint"), fingerprint(model)
-    if recorded not in (None, now):
+    where = state.get("base_path")
+    if where:
+        if not Path(where).exists():
+            raise ValueError(
+                f"the base recorded in {step}/trainer.json, {where} (given as {base!r}), does "
+                "not exist: put the model the adapter was trained on back there"
+            )
+        return where
+    return base
+
+
+def _merged_lora_run(where: Resolved) -> nn.Module:
+    """The base a LoRA run trained on with its adapter merged in (fp32, CPU), both checked first:
+    adapter/ and trainer.json (which names the base and its fingerprint) against the manifest, the
+    base's fingerprint against the recorded one."""
+    from ..finetune import load_adapter, merge
+
+    step = where.step_dir
+    verify(step, prefix="adapter/")
+    verify(step, prefix="trainer.json")
+    state = read_json(step / "trainer.json", "checkpoint state")
+    base = _recorded_base(step, state)
+    recorded = state.get("base_fingerprint")
+    if not recorded:
         raise ValueError(
-            f"the base {base!r} has changed since the run in {step} trained its "
-            f"adapter on it (fingerprint {recorded}, now {now}): the adapter would "
-            "not compute what was trained"
+            f"{step}/trainer.json records no base_fingerprint, so the base {base!r} cannot be "
+            "checked to be the model the adapter was trained on (every LoRA checkpoint ssmkit "
+            "writes records it)"
+        )
+    try:
+        model = load_base(base)
+    except (ValueError, OSError) as exc:  # a run from before base_path: relative to its cwd
+        if state.get("base_path") or Path(base).expanduser().is_absolute():
+            raise
+        raise ValueError(
+            f"the base recorded in {step}/trainer.json, {base!r}, is read relative to the "
+            f"directory the run was trained in, and from {Path.cwd()} it fails: {exc}"
+        ) from None
+    now = fingerprint(model)
+    if recorded != now:
+        raise ValueError(
+            f"the base {base!r} (named in {step}/trainer.json) has changed since the run in "
+            f"{step} trained its adapter on it (fingerprint {recorded}, now {now}): the adapter "
+            "would not compute what was trained"
         )
     return merge(load_adapter(model, where.adapter_dir))
 
@@ -92,6 +135,7 @@ def load_model(path: str | os.PathLike, dtype=None, device=None) -> tuple[nn.Mod
     :class:`.manifest.CheckpointCorrupt`. A LoRA run loads as its base with the adapter merged in
     (in eval mode). dtype / device: as :func:`ssmkit.from_pretrained` takes them, checked before
     anything is read, applied after merging."""
+    check_compile_setting()  # SSMKIT_COMPILE_SCAN: now, not at the first forward pass
     dtype = parse_dtype(dtype)
     device = pick_device(str(device)) if device is not None else None
     where = resolve(path)

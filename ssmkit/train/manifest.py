@@ -37,8 +37,8 @@ def write_manifest(folder: Path) -> dict:
 
 def verify(folder: Path, prefix: str = ""):
     """Check every file listed in ``folder/manifest.json`` (present, size, sha256), or only those
-    whose path starts with ``prefix`` (``"model/"``: the weights and tokenizer); CheckpointCorrupt
-    otherwise."""
+    whose path starts with ``prefix`` (``"model/"``: the weights and tokenizer; a prefix that lists
+    nothing is refused too); CheckpointCorrupt otherwise."""
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise CheckpointCorrupt(
@@ -56,6 +56,10 @@ def verify(folder: Path, prefix: str = ""):
                 plain_name(part, f"{folder / MANIFEST}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorrupt(f"{folder / MANIFEST} is malformed: {exc}") from None
+    if prefix and not entries:  # what the caller is about to trust would go unchecked
+        raise CheckpointCorrupt(
+            f"{folder / MANIFEST} lists no {prefix}: it was edited or is foreign"
+        )
     for name, size, _ in entries:  # cheap checks first: a missing or truncated file
         path = folder / name
         if not path.is_file():

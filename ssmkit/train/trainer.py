@@ -48,6 +48,7 @@ from ..data import TokenLoader
 from ..env import reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
 from ..io import read_json, tqdm_bar, write_atomically
+from ..ops.compiled import check_setting as check_compile_setting
 from . import checkpoint
 from .config import TrainConfig
 from .data import (
@@ -59,6 +60,7 @@ from .data import (
     sft_val_loss,
 )
 from .distributed import DTYPES, gather_floats, held_mb, setup, wrap
+from .load import base_location
 from .model_setup import base_module, build_run_model, is_lora, long_context
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
@@ -90,6 +92,7 @@ class Trainer:
         name: str | None = None,
     ):
         cfg = self.config = config or TrainConfig()
+        check_compile_setting()  # SSMKIT_COMPILE_SCAN: now, not at the first step
         self.dist = d = setup(cfg.strategy, cfg.device)
         self.grad_accum = cfg.grad_accum(d.world_size)
         if d.device.type == "cpu":
@@ -130,6 +133,9 @@ class Trainer:
             if cfg.base is not None
             else cfg.model
         )
+        # a relative base is read from this directory now; recorded absolute, the run loads from
+        # any directory later (generate / eval / convert)
+        self.base_path = base_location(cfg.base) if cfg.base is not None else None
         model, self.base_fingerprint = build_run_model(cfg, vocab, model)
         self.lora = is_lora(model)  # checkpoints hold the adapter only
         inner = base_module(model)
@@ -458,7 +464,8 @@ class Trainer:
             "config": self.config.to_dict(),
             "tokenizer": loader_index(self.loader).get("tokenizer"),  # its files go into model/
             "base_fingerprint": self.base_fingerprint,
-        }  # a LoRA run's base
+            "base_path": self.base_path,
+        }  # a LoRA run's base: its fingerprint and absolute location (None: a hub id, or no base)
         self._start()
         with self.run_dir.hold():
             path = checkpoint.save(

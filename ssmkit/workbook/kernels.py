@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import tempfile
 
 from .notebooks import WorkbookError
 
@@ -34,7 +36,9 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
     (``SSMKIT_PROGRESS=text``). Without ``kernel_name`` its kernel is ipykernel on *this*
     interpreter (whatever ``python3`` spec a user has). Its shutdown interrupts a busy kernel and
     lets the interrupted cell answer before asking the kernel to exit (after a timeout, Ctrl-C,
-    SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket."""
+    SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket;
+    the kernel's own stderr goes to a temporary file, and only what it wrote before it was asked
+    to stop is shown (:func:`_replay`): the rest of that noise, still seen after timeouts."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -59,15 +63,38 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
 
         async def start_kernel(self, **kw) -> None:
             kw["env"] = {**(env or {}), **(kw.get("env") or os.environ)}
+            if "stderr" not in kw:  # the kernel's own log (not the cells': they go over ZMQ)
+                self._log = tempfile.TemporaryFile()
+                kw["stderr"] = self._log
             await super().start_kernel(**kw)
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
+            log = getattr(self, "_log", None)
+            kept = os.fstat(log.fileno()).st_size if log is not None else 0
             if self.has_kernel and not now:
                 await self.interrupt_kernel()
                 await asyncio.sleep(0.5)
             await super().shutdown_kernel(now=now, restart=restart)
+            if log is not None and not restart:
+                _replay(log, kept)
+                self._log = None
 
     return RunKernelManager
+
+
+def _replay(log, size: int) -> None:
+    """Show the first ``size`` bytes of a kernel's stderr ``log`` -- what it wrote while it ran (a
+    warning, a crash) -- on ours, then close it. What it wrote once asked to stop is dropped:
+    ipykernel tears its ZMQ sockets down while a thread still uses them and logs a
+    ``ZMQError: Socket operation on non-socket`` traceback, mostly after a cell timeout (issue
+    #26)."""
+    try:
+        text = os.pread(log.fileno(), size, 0).decode("utf-8", "replace") if size else ""
+    finally:
+        log.close()
+    if text:
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
 
 
 def end_kernels(started: list) -> None:

@@ -135,6 +135,17 @@ def strip_notebook(path: str | Path) -> bool:
     return True
 
 
+def _shown(data) -> str:
+    """``data`` for an error message, in at most ~200 characters however large or deeply shared
+    it is (``reprlib`` cuts each level before building it; ``f"{data!r:.200}"`` would build the
+    whole repr first)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 3, 4, 4, 40, 40
+    return f"a {type(data).__name__}: {short.repr(data)[:200]}"
+
+
 def load_params_file(path: str | Path) -> dict:
     """A YAML (or JSON) mapping of parameter names to plain values, read by
     :func:`ssmkit.checks.load_yaml`."""
@@ -161,6 +172,6 @@ def load_params_file(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict) or not all(isinstance(k, str) and k.isidentifier() for k in data):
         raise WorkbookError(
-            f"params file {path} must be a mapping of parameter names to values; got {data!r:.200}"
+            f"params file {path} must be a mapping of parameter names to values; got {_shown(data)}"
         )
     return data

@@ -449,3 +449,67 @@ def test_bad_inputs_give_one_line(tmp_path, capsys, monkeypatch):
         err
     )
     assert not out.exists()
+
+
+def _laughs(top_is_list: bool) -> str:
+    """A "billion laughs" YAML document: nine aliases of nine aliases ... of nine words (9**9
+    strings when expanded), as the top-level list or under a parameter's name."""
+    indent = "- " if top_is_list else "  - "
+    lines, prev = [indent + "&a [" + ",".join(["lol"] * 9) + "]"], "a"
+    for name in "bcdefghi":
+        lines.append(f"{indent}&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+        prev = name
+    return ("" if top_is_list else "x:\n") + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("top_is_list", [True, False], ids=["top-level-list", "a-parameter"])
+def test_a_params_file_of_nested_aliases_is_refused_at_once(tmp_path, capsys, top_is_list):
+    """Fault injected: a params file whose aliases expand to 9**9 values (before: the error message
+    built the whole repr, or papermill the whole value -- a hang)."""
+    nb = make_notebook(tmp_path / "01_a.ipynb", "x = 1", REPORT)
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text(_laughs(top_is_list))
+    start = time.monotonic()
+    code, err = run_main(capsys, "run", nb, "-f", laughs, "--out", tmp_path / "run")
+    assert time.monotonic() - start < 2
+    assert code == 2 and re.fullmatch(
+        r"ssmkit workbook: params file .*laughs.yaml is not valid YAML: the document expands to "
+        r"more than 100,000 values through its &anchors and \*aliases .*",
+        one_line(err).strip(),
+    ), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_params_file_that_is_no_mapping_is_shown_short(tmp_path):
+    """A long list at the top: the message shows its type and a few items, never all of them."""
+    listed = tmp_path / "list.yaml"
+    listed.write_text("".join(f"- [{i}, {i}, {i}, {i}, {i}, {i}]\n" for i in range(5000)))
+    with pytest.raises(workbook.WorkbookError) as err:
+        workbook.load_params_file(listed)
+    message = str(err.value)
+    assert "must be a mapping of parameter names to values; got a list: [[0, 0, 0, 0, ...]" in (
+        message
+    )
+    assert len(message) < 300 and "\n" not in message
+
+
+def test_a_kernel_s_log_after_a_timeout_is_dropped_and_before_it_kept(tmp_path, capfd):
+    """Fault injected: the kernel logs an error as it exits, as ipykernel's ZMQ teardown does after
+    a cell timeout (before: that traceback reached the terminal under ssmkit's clean report). What
+    the kernel logged while it ran is still shown."""
+    nb = make_notebook(
+        tmp_path / "01_hang.ipynb",
+        "x = 1",
+        "import atexit\n"
+        "from ipykernel.kernelapp import IPKernelApp\n"
+        "log = IPKernelApp.instance().log\n"
+        "log.error('KEPT: written while the kernel ran')\n"
+        "atexit.register(lambda: log.error('zmq.error.ZMQError: Socket operation on non-socket'))",
+        "import time; time.sleep(600)",
+    )
+    with pytest.raises(SystemExit):
+        workbook.main(["run", str(nb), "--out", str(tmp_path / "run"), "--cell-timeout", "1"])
+    err = capfd.readouterr().err
+    assert "KEPT: written while the kernel ran" in err
+    assert "ZMQError" not in err and "Traceback" not in err, err
+    assert err.rstrip().endswith("ssmkit workbook: 1 of 1 notebook(s) failed")

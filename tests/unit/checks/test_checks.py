@@ -34,3 +34,22 @@ def test_integer_refuses_bools_and_fractions():
     for bad in (True, 1.5, "3", None):
         with pytest.raises(ValueError, match="seed must be an integer >= 0"):
             checks.integer(bad, "seed", minimum=0)
+
+
+def test_load_yaml_refuses_documents_that_aliases_expand_past_the_limit():
+    """Fault injected: nested aliases (9**9 values when expanded) and a self-referencing one; both
+    are refused in well under a second, and a document under the limit loads with its aliases."""
+    import time
+
+    import yaml
+
+    lines, prev = ["- &a [" + ",".join(["lol"] * 9) + "]"], "a"
+    for name in "bcdefghi":
+        lines.append(f"- &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+        prev = name
+    for text in ("\n".join(lines), "x: &a [1, *a]"):
+        start = time.monotonic()
+        with pytest.raises(yaml.YAMLError, match=r"expands to more than 100,000 values"):
+            checks.load_yaml(text)
+        assert time.monotonic() - start < 1
+    assert checks.load_yaml("a: &a [1, 2]\nb: *a") == {"a": [1, 2], "b": [1, 2]}

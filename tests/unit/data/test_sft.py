@@ -133,6 +133,14 @@ BAD = [
         "every message of 'completion' must have role 'assistant'",
     ),
     (chat("see <|assistant|> here", "y"), "marker of the chat template"),
+    # valid JSON, but no text: a tokenizer fails on it naming no line (before: TextEncodeInput)
+    (
+        '{"prompt": "\\ud800 hi", "completion": "a"}',
+        r"the prompt holds a lone surrogate '\ud800' at character 0",
+    ),
+    (chat("x", "y\udc00"), r"message 1 (assistant) holds a lone surrogate '\udc00'"),
+    # json's decoder recurses per bracket (before: RecursionError, no file or line)
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "completion": "x"}', "nested too deeply"),
 ]
 
 
@@ -162,6 +170,19 @@ def test_empty_file_eos_text_and_unknown_source(tmp_path):
     with pytest.raises(ValueError, match="chat_template='chatml' is not valid; valid: ssmkit"):
         prepare_sft("sft-arith", tmp_path / "out3", chat_template="chatml")
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_directory_named_jsonl_is_called_a_directory(tmp_path):
+    """Fault injected: ``X.jsonl`` is a directory (before: "the file X.jsonl does not exist")."""
+    from ssmkit.train.data import sft_source
+
+    folder = tmp_path / "dir.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"dir\.jsonl is a directory, not a \.jsonl file"):
+        sft_source(f"sft:{folder}")
+    with pytest.raises(ValueError, match=r"dir\.jsonl is a directory, not a \.jsonl file"):
+        prepare_sft(folder, tmp_path / "out", tokenizer="byte")
+    assert not (tmp_path / "out").exists()
 
 
 def test_jsonl_val_split_is_the_sibling_file(tmp_path):

@@ -470,3 +470,53 @@ def test_the_merged_model_exports_and_reloads_equal(tmp_path, fmt):
 
             hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
             torch.testing.assert_close(hf(x).logits[..., :V], want[..., :V], rtol=0, atol=1e-4)
+
+
+# --- edited adapter configs, modules_to_save (issue #26) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ({"r": 4.5}, r"r \(LoRA rank\) must be a positive integer; got 4.5"),
+        ({"lora_alpha": "8"}, "lora_alpha must be a positive number; got '8'"),
+        ({"lora_alpha": -8}, "lora_alpha must be a positive number; got -8"),
+        ({"lora_alpha": 0}, "lora_alpha must be a positive number; got 0"),
+        ({"lora_dropout": "x"}, r"lora_dropout must be a number in \[0, 1\); got 'x'"),
+        ({"alpha_pattern": {"in_proj": -100}}, r"alpha_pattern\['in_proj'\] must be a positive"),
+        ({"rank_pattern": {"in_proj": 2.5}}, r"rank_pattern\['in_proj'\] must be a positive"),
+        ({"rank_pattern": [1]}, "rank_pattern must be a mapping of module names"),
+    ],
+)
+def test_an_edited_adapter_config_is_refused_naming_the_file_and_field(tmp_path, edit, words):
+    """Fault injected: adapter_config.json edited by hand. peft takes every one of these values
+    (before: a TypeError in the forward, or alpha <= 0 loaded as a negated or no-op update)."""
+    base = tiny("mamba1")
+    save_adapter(apply_lora(base, r=4, target_modules=["in_proj"]), tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(ValueError, match=f"^{path}: {words}") as err:
+        load_adapter(tiny("mamba1"), tmp_path / "adapter")
+    assert "\n" not in str(err.value)
+
+
+def test_a_ready_lora_config_gets_the_same_checks():
+    """apply_lora(config=...) checks r / lora_alpha as lora_config does (it used to skip them)."""
+    config = peft.LoraConfig(r=4, lora_alpha=-1, target_modules=["in_proj"])
+    with pytest.raises(ValueError, match="lora_alpha must be a positive number; got -1"):
+        apply_lora(tiny("mamba1"), config=config)
+
+
+def test_modules_to_save_that_match_nothing_are_refused_with_the_valid_names():
+    """Fault injected: a misspelt modules_to_save entry (before: accepted, nothing extra
+    trained)."""
+    with pytest.raises(
+        ValueError,
+        match=r"modules_to_save entry 'norm_ff' matches no module of this model, so nothing would "
+        r"train; did you mean 'norm_f'\? valid names: .*lm_head.*norm_f",
+    ):
+        apply_lora(tiny("mamba1"), target_modules=["in_proj"], modules_to_save=["norm_ff"])
+    with pytest.raises(ValueError, match="'nope' matches no module"):
+        apply_lora(tiny("mamba1"), target_modules=["in_proj"], modules_to_save="nope")
+    lora = apply_lora(tiny("mamba1"), target_modules=["in_proj"], modules_to_save=["norm_f"])
+    assert trainable_share(lora)["by_kind"]["modules_to_save"] == 32  # norm_f's weight

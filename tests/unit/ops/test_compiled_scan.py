@@ -247,3 +247,48 @@ def test_the_profile_script_reports_a_step_and_its_top_ops():
     assert res["model"] == "ssmkit_mamba1_noscan" and (res["batch"], res["seqlen"]) == (32, 64)
     assert res["step_ms"] > 0 and len(res["top_self_cpu_share"]) == 3
     assert "aten::mm" in out.stdout  # the projections show up in the table
+
+
+@pytest.mark.parametrize("value", ["2", "yes"])
+def test_a_bad_setting_is_one_line_at_startup_of_each_command(value, monkeypatch, capsys, tmp_path):
+    """Fault injected: SSMKIT_COMPILE_SCAN=2 / yes (before: a traceback at the first forward pass,
+    after data preparation and model loading). Checked before anything is read or written."""
+    from ssmkit.cli import main
+
+    monkeypatch.setattr(compiled, "_ENABLED", None)
+    monkeypatch.setenv("SSMKIT_COMPILE_SCAN", value)
+    expected = f"SSMKIT_COMPILE_SCAN={value!r}: valid values are 0, 1, false, true (or unset)"
+    for command in (
+        ["generate", str(tmp_path / "run"), "--prompt", "hi"],
+        ["eval", "--model", str(tmp_path / "run"), "--tasks", "ssmkit_lastword"],
+        ["convert", str(tmp_path / "run"), str(tmp_path / "out"), "--to", "hf"],
+        ["train", "--config", str(ROOT / "configs" / "cpu-tiny.yaml"), "--set",
+         f"out_dir={tmp_path / 'train'}"],
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(command)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 1, command
+        assert err == f"ssmkit {command[0]}: {expected}\n", command
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_no_compiler_is_one_line_at_startup(monkeypatch, tmp_path):
+    """Fault injected: inductor's C++ compiler candidates replaced by one that does not exist
+    (before: InductorError inside a traceback at the first forward pass)."""
+    from torch._inductor import config
+
+    from ssmkit.train.load import load_model
+
+    monkeypatch.setattr(compiled, "_ENABLED", None)
+    monkeypatch.setenv("SSMKIT_COMPILE_SCAN", "1")
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    with pytest.raises(compiled.CompileScanError) as err:
+        load_model(tmp_path / "run")
+    message = str(err.value)
+    assert message.startswith("the compiled scan is on (SSMKIT_COMPILE_SCAN / compile_scan) but")
+    assert "no C++ compiler works here" in message and "SSMKIT_COMPILE_SCAN=0" in message
+    assert isinstance(err.value, ValueError) and "\n" not in message
+    monkeypatch.setenv("SSMKIT_COMPILE_SCAN", "0")
+    with pytest.raises(ValueError, match="no such directory"):  # off: no compiler needed
+        load_model(tmp_path / "run")

@@ -378,3 +378,62 @@ def test_generate_convert_and_eval_take_a_lora_run_as_its_merged_model(
     changed.save_pretrained(base, overwrite=True)
     with pytest.raises(ValueError, match="has changed since the run"):
         load_model(str(tmp_path / "run"))
+
+
+def _edit_trainer_json(step, manifest: bool = True, **changes):
+    """trainer.json of ``step`` changed (a value None: the key removed); ``manifest``: its manifest
+    entry recomputed, as a user editing by hand would."""
+    from ssmkit.train.manifest import write_manifest
+
+    path = step / "trainer.json"
+    state = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
+    path.write_text(json.dumps(state))
+    if manifest:
+        write_manifest(step)
+
+
+def test_a_lora_run_records_its_base_absolute_and_loads_from_anywhere(
+    tmp_path, base_dir, sft_dirs, monkeypatch
+):
+    """Fault injected: the run trained with a relative base, loaded from another directory (before:
+    "'base' is neither a checkpoint directory nor a hub id"); then trainer.json edited."""
+    import shutil
+
+    from ssmkit.train.load import load_model
+    from ssmkit.train.manifest import CheckpointCorrupt
+
+    shutil.copytree(base_dir, tmp_path / "work" / "base")
+    monkeypatch.chdir(tmp_path / "work")
+    Trainer(config=run_config(tmp_path, "base", sft_dirs, max_steps=1)).fit()
+    step = resolve(tmp_path / "run").step_dir
+    state = json.loads((step / "trainer.json").read_text())
+    assert state["config"]["base"] == "base"
+    assert state["base_path"] == str((tmp_path / "work" / "base").resolve())
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "base").mkdir(parents=True)  # a different "base" here must not be taken
+    monkeypatch.chdir(elsewhere)
+    load_model(tmp_path / "run")  # the recorded absolute base
+    # trainer.json changed without its manifest: refused like adapter/ (before: not verified)
+    _edit_trainer_json(step, manifest=False, base_fingerprint=None)
+    with pytest.raises(CheckpointCorrupt, match="is corrupt: trainer.json has"):
+        load_model(tmp_path / "run")
+    # ... and with it: no fingerprint, no load (before: merged onto whatever base was named)
+    _edit_trainer_json(step)
+    with pytest.raises(ValueError, match="trainer.json records no base_fingerprint, so the base"):
+        load_model(tmp_path / "run")
+    # a run from before base_path: its relative base, read from here, says so
+    _edit_trainer_json(step, base_fingerprint=state["base_fingerprint"], base_path=None)
+    shutil.rmtree(elsewhere / "base")
+    with pytest.raises(ValueError, match=r"'base', is read relative to the directory the run"):
+        load_model(tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "work")
+    load_model(tmp_path / "run")  # from where it was trained: still loads
+    # the recorded absolute base moved away
+    _edit_trainer_json(step, base_path=str(tmp_path / "gone"))
+    with pytest.raises(ValueError, match=r"the base recorded in .*trainer.json, .*gone \(given as"):
+        load_model(tmp_path / "run")

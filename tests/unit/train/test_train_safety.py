@@ -458,3 +458,47 @@ def test_errors_of_every_rank_come_first_under_nproc(tmp_path, shards):
         any("already holds a run" in line for line in tail)
         and "ChildFailedError" not in again.stderr
     )
+
+
+@pytest.mark.parametrize("disk_full", [True, False], ids=["ENOSPC", "short-write"])
+def test_torch_s_checkpoint_exception_is_one_line_and_leaves_no_temporary(
+    tmp_path, shards, monkeypatch, capsys, disk_full
+):
+    """Fault injected: torch's DCP writer fails at step 2 with its CheckpointException, a
+    BaseException (before: a long traceback, `except Exception` cleanup skipped, .tmp-step_2 left
+    behind). Once wrapping ENOSPC; once a zip writer's short write with space to spare."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ssmkit.train import cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(small(tmp_path, shards, max_steps=2, ckpt_every=1).to_yaml())
+    real, calls = checkpoint._quiet, []
+
+    def writer(fn, *args, **kwargs):
+        calls.append(fn)
+        if fn is checkpoint.dcp.save and len(calls) == 2:  # step 2's state
+            cause = (
+                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                if disk_full
+                else RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+            )
+            raise CheckpointException(
+                "CheckpointException ranks:dict_keys([0])", {0: (cause, None)}
+            )
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_quiet", writer)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--config", str(config)])
+    err = capsys.readouterr().err
+    what = (
+        "the disk is full (free space, or choose another out_dir, then --resume)"
+        if disk_full
+        else "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704"
+    )
+    assert exit_.value.code == 1 and err == (
+        f"ssmkit train: could not write checkpoint step 2 to {tmp_path / 'run' / 'checkpoints'}: "
+        f"{what}; latest still points at step_00000001\n"
+    )
+    assert leftovers(tmp_path / "run") == []  # .tmp-step_00000002 removed at once
