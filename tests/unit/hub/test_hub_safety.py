@@ -458,3 +458,69 @@ def test_dtype_names_and_devices(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             ssmkit.from_pretrained(tmp_path, device="cuda")
+
+
+# --- 8. leftovers of a save killed by kill -9 -----------------------------------------------------
+
+
+def test_a_later_save_removes_temp_dirs_of_killed_saves_and_nothing_else(tmp_path):
+    """K-swap: a save killed mid-build left .NAME.tmp-* (116 MB each) that no later save removed.
+    A real kill -9: a child process holds a temp dir as save_pretrained does, and is killed."""
+    import signal
+    import subprocess
+    import sys
+
+    from ssmkit import io
+
+    model = tiny()
+    model.save_pretrained(tmp_path / "ckpt")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from ssmkit import io; "
+            f"t = io.TempDir({str(tmp_path)!r}, '.ckpt.tmp-'); (t.path / 'w').write_text('x'); "
+            "print(t.path, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(ssmkit.__file__).parents[1])},
+    )
+    try:
+        killed = Path(child.stdout.readline().strip())
+        old = os.stat(killed).st_mtime - 3600
+        os.utime(killed, (old, old))
+        model.save_pretrained(tmp_path / "ckpt")
+        assert killed.is_dir(), "removed while its writer was alive"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert killed.name.startswith(f".ckpt.tmp-{child.pid}-")
+    live = io.TempDir(tmp_path, ".ckpt.tmp-")  # this process's: held
+    keep = [  # not ours, the old unlocked naming, too young to judge, another target's
+        tmp_path / ".ckpt.tmp-notes",
+        tmp_path / ".ckpt.tmp-abcdefgh",
+        tmp_path / ".ckpt.tmp-1-youngone",
+        tmp_path / ".other.tmp-1-abcdefgh",
+    ]
+    for path in keep:
+        path.mkdir()
+    for path in [live.path, *keep[:2], keep[3]]:
+        os.utime(path, (old, old))
+    model.save_pretrained(tmp_path / "ckpt")
+    assert not killed.exists()
+    assert live.path.is_dir() and all(p.is_dir() for p in keep)
+    assert same_model(tmp_path / "ckpt", model)
+    live.close()
+    # an in-place save (overwrite=True into a folder with a user's file) leaves .ssmkit-save-* in it
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "NOTES.txt").write_text("mine")
+    stale = shared / f".ssmkit-save-{child.pid}-abcd_123"
+    stale.mkdir()
+    held = io.TempDir(shared, ".ssmkit-save-")
+    for path in (stale, held.path):
+        os.utime(path, (old, old))
+    model.save_pretrained(shared, overwrite=True)
+    assert not stale.exists() and held.path.is_dir() and (shared / "NOTES.txt").exists()
+    held.close()
