@@ -208,6 +208,30 @@ class _Weights:
                 f"({where}) hold {held:,}{names}: this config does not belong to these weights"
             )
 
+    def check_experts(self, raw: dict, config: Path):
+        """Jamba's ``num_experts`` against the experts the weights hold (per expert,
+        ``experts.J.``, or fused, ``experts.gate_up_proj`` of shape (E, ...)): a config declaring
+        10**6 experts would take hours to build on the meta device. Weights with no experts at all
+        may be right (no layer is a mixture-of-experts layer) unless the count is absurd."""
+        declared = raw.get("num_experts")
+        if not (checks.is_integer(declared) and declared > 1):
+            return
+        held = set()
+        for name, (_, _, shape) in self.header.items():
+            if m := _EXPERT_INDEX.search(name):
+                held.add(int(m[1]) + 1)
+            elif name.endswith(".experts.gate_up_proj") and shape:
+                held.add(shape[0])
+        most = max(held, default=0)
+        if (held and most != declared) or (not held and declared > 1024):
+            raise CheckpointError(
+                f"{config}: field 'num_experts' declares {declared:,} experts, but the weights "
+                f"hold {most:,}: this config does not belong to these weights"
+            )
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
 
 def _layers_field(raw: dict) -> str | None:
     """The config.json field that states the layer count: transformers', mamba_ssm's, or Zamba2's
@@ -397,6 +421,7 @@ def from_pretrained(
         _read_config(path, read_config, raw)
         raise exc from None
     weights.check_layers(raw, path)
+    weights.check_experts(raw, path)
     cfg = _read_config(path, read_config, raw)
     weights.check_dtypes()
 
