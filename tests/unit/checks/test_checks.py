@@ -34,3 +34,14 @@ def test_integer_refuses_bools_and_fractions():
     for bad in (True, 1.5, "3", None):
         with pytest.raises(ValueError, match="seed must be an integer >= 0"):
             checks.integer(bad, "seed", minimum=0)
+
+
+def test_unknown_key_names_the_near_miss_or_a_short_list():
+    from ssmkit.checks import unknown_key
+
+    valid = ["max_steps", "max_bad_steps", "max_tokens", *(f"key{i}" for i in range(40))]
+    assert unknown_key("max_step", valid) == "unknown key 'max_step'; did you mean 'max_steps'?"
+    far = unknown_key("zzzz", valid, "TrainConfig key")
+    assert far.startswith("unknown TrainConfig key 'zzzz'; valid: max_steps, max_bad_steps, ")
+    assert far.endswith(", ... (43 in all)") and far.count(",") == 12
+    assert unknown_key("x", ["a", "b"]) == "unknown key 'x'; valid: a, b"
