@@ -301,13 +301,22 @@ def _load_into(model: MambaLM, state: dict[str, torch.Tensor], source: str):
 
 def is_hub_id(text: str | os.PathLike) -> bool:
     """Whether ``text`` that names no local file reads as a Hugging Face hub id ``owner/name``: one
-    slash, no leading ".", "/" or "~", and no local directory ``owner`` (with a ``runs/`` here,
-    ``runs/nope`` is a mistyped local path, not a hub id)."""
+    slash, no leading ".", "/" or "~", only the characters the hub allows, and no local directory
+    ``owner`` (with a ``runs/`` here, ``runs/nope`` is a mistyped local path, not a hub id)."""
     text = str(text)
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         return False
     owner, name = text.split("/")
-    return bool(owner and name) and not Path(owner).exists()
+    return (
+        all(_HUB_NAME.fullmatch(part) and ".." not in part for part in (owner, name))
+        and len(name) <= 96
+        and not Path(owner).exists()
+    )
+
+
+# the hub's repo id rules: letters, digits, "-", "_", "."; no "-" or "." at either end. A part with
+# a space, a backslash or "*" is a mistyped path, never an id
+_HUB_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 
 
 def _resolve(path_or_id: str | os.PathLike) -> Path:
