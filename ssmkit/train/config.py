@@ -310,7 +310,8 @@ class TrainConfig:
         try:
             d = checks.load_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
-            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+            why = " ".join(str(exc).split())  # YAML's message spans lines (a caret under it)
+            raise ValueError(f"config file {path} is not valid YAML: {why}") from None
         if not isinstance(d, dict):
             raise ValueError(
                 f"{path} must hold a mapping of TrainConfig keys; got {type(d).__name__}"
