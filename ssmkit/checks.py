@@ -258,3 +258,19 @@ def parse_value(text_value: str):
         return load_yaml(text_value)
     except yaml.YAMLError:
         return text_value  # not YAML (e.g. "a: b: c"): the text itself
+
+
+def unknown_key(key: str, valid, what: str = "key") -> str:
+    """The message for a ``key`` not among ``valid``: the closest valid names when there are some
+    (``unknown key 'max_step'; did you mean 'max_steps'?``), else the valid names, at most 12 of
+    them (a list of 40 hides the one meant)."""
+    import difflib
+
+    valid = list(valid)
+    score = {v: difflib.SequenceMatcher(None, key, v).ratio() for v in valid}
+    best = max(score.values(), default=0.0)
+    close = sorted((v for v in valid if score[v] >= max(0.6, best - 0.05)), key=score.get)[::-1]
+    if close:
+        return f"unknown {what} {key!r}; did you mean {' or '.join(map(repr, close))}?"
+    shown = ", ".join(valid[:12]) + (f", ... ({len(valid)} in all)" if len(valid) > 12 else "")
+    return f"unknown {what} {key!r}; valid: {shown}"

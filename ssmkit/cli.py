@@ -13,7 +13,9 @@ parser: env, generate, eval, convert and data prepare here; train, plan, demo an
 run, strip and build in their own modules, whose ``main`` builds its parser from the same function
 (``python -m ssmkit.train``, what torchrun starts on each rank; ``python -m ssmkit.demo``;
 ``python -m ssmkit.workbook``). A run function takes the parsed options and returns the exit
-status (0 or None: success); a user's mistake is one line on stderr.
+status (0 or None: success); a user's mistake is one line on stderr. What a command does not catch
+:func:`main` prints as one line too, never a traceback, unless ``ssmkit --debug CMD ...`` asks for
+it.
 """
 
 from __future__ import annotations
@@ -475,6 +477,26 @@ def _fail(command: str, message: str) -> int:
     return 1
 
 
+# what a command raises for a bad input (a file, a value, the disk, a missing extra): its message is
+# the line the user sees; anything else is reported as a probable bug, still in one line
+USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError)
+
+
+def _one_line(command: str, exc: BaseException) -> str:
+    """The one line ``ssmkit COMMAND`` prints for an error no command caught (``--debug``: the
+    traceback instead)."""
+    from .io import describe_os_error
+
+    text = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+    text = " ".join(text.split()) or type(exc).__name__
+    if isinstance(exc, USER_ERRORS):
+        return text
+    return (
+        f"{type(exc).__name__}: {text} (unexpected: probably a bug in ssmkit; "
+        f"`ssmkit --debug {command} ...` prints the traceback)"
+    )
+
+
 # --- dispatch -------------------------------------------------------------------------------------
 
 
@@ -494,6 +516,12 @@ def _listing(group: str = "") -> argparse.ArgumentParser:
         description=None if group else "train state-space language models",
         epilog=f"ssmkit {prefix}COMMAND --help shows a command's options",
     )
+    if not group:
+        parser.add_argument(
+            "--debug",
+            action="store_true",
+            help="on an error, print Python's traceback (by default: one line, the error)",
+        )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, title="commands")
     for name, command in COMMANDS.items():
         if name.startswith(prefix):
@@ -515,15 +543,31 @@ def _command(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv=None) -> None:
-    """``ssmkit ARGS``: the command ARGS names, with its options parsed; exits with the command's
-    status when it is not 0 (2: bad options, as argparse)."""
+    """``ssmkit [--debug] ARGS``: the command ARGS names, with its options parsed; exits with the
+    command's status when it is not 0 (2: bad options, as argparse). An error no command caught is
+    one line on stderr, status 1 (an interrupt: 130); ``--debug`` lets it raise, traceback and
+    all."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    name, rest = _command(argv)
+    debug = bool(argv) and argv[0] == "--debug"
+    name, rest = _command(argv[1:] if debug else argv)
     command = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=f"ssmkit {name}", description=command.help)
     if command.options:
         _load(command.options)(parser)
-    status = _load(command.run)(parser.parse_args(rest))
+    args = parser.parse_args(rest)
+    try:
+        status = _load(command.run)(args)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"ssmkit {name}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if debug:
+            raise
+        sys.exit(_fail(name, _one_line(name, exc)))
     if status:
         sys.exit(status)
 

@@ -8,6 +8,8 @@ one has a test that injects the fault):
   old file or the new one, never half of one (:func:`write_atomically`);
 * a directory is built under a temporary name and renamed into place (:func:`build_dir_atomically`);
   new files and directories follow the user's umask (``tempfile.mkdtemp`` alone makes them 0700);
+  a temporary directory held by a live process is locked (:class:`TempDir`), so the leftover of a
+  killed one is told apart and removed by the next writer (:func:`remove_stale_temp_dirs`);
 * a name read from a file ssmkit did not just write (a shard in ``index.json``, the ``latest``
   pointer of a checkpoint, a weight file in a hub index) is a plain file name, never a path
   (:func:`plain_name`); a source and a target of a copy never overlap (:func:`overlapping`);
@@ -104,6 +106,74 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(tmp, 0o777 & ~umask())
     return tmp
+
+
+class TempDir:
+    """A temporary directory under ``parent`` named ``{prefix}{pid}-{8 random characters}``, held
+    under an exclusive ``flock`` on the directory itself for as long as this object lives (it
+    follows the directory through renames; the operating system drops it when the process dies).
+
+    So a later writer tells a leftover of a killed process from one still being written:
+    :func:`remove_stale_temp_dirs` removes only directories of exactly this name pattern whose lock
+    it can take. ``close()`` drops the lock (the directory, wherever it now is, stays)."""
+
+    def __init__(self, parent: str | os.PathLike, prefix: str):
+        self.path = make_temp_dir(parent, f"{prefix}{os.getpid()}-")
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __del__(self):
+        self.close()
+
+
+STALE_AFTER = 60.0  # seconds: younger temp dirs are never removed (their creator may not hold the
+# lock yet: mkdtemp and flock are two steps)
+
+
+def remove_stale_temp_dirs(parent: str | os.PathLike, prefix: str) -> list[Path]:
+    """Remove the leftovers of :class:`TempDir` s ``(parent, prefix)`` whose process was killed: the
+    directories of exactly that name pattern (``prefix``, a pid, ``-``, 8 random characters), not
+    links, owned by this user, older than :data:`STALE_AFTER` seconds, whose lock nobody holds.
+    Anything else (another name, a live writer's directory, a directory of ssmkit versions that did
+    not lock) is left alone. Returns what was removed; errors removing one are ignored."""
+    pattern = re.compile(re.escape(prefix) + r"\d+-[a-z0-9_]{8}")
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not pattern.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if (
+                not entry.is_dir(follow_symlinks=False)
+                or st.st_uid != os.getuid()
+                or time.time() - st.st_mtime < STALE_AFTER
+            ):
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its writer is alive
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def build_dir_atomically(target: str | os.PathLike, write) -> Path:

@@ -167,7 +167,9 @@ def save_pretrained(
     save does not bring stay. A directory holding anything else is refused, naming those files,
     unless ``overwrite=True``: then only our files are replaced in it, one rename each, and the rest
     stay untouched. The other format's weight file is removed either way, so it cannot shadow the
-    new one.
+    new one. Temporary directories that earlier saves here left when they were killed
+    (``.NAME.tmp-*`` beside it, ``.ssmkit-save-*`` in it) are removed first, those no live process
+    holds only.
     """
     if format is None:
         format = natural_format(model.config)
@@ -208,10 +210,16 @@ def save_pretrained(
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     in_place = bool(foreign)
-    tmp = io.make_temp_dir(
+    # the leftovers of saves here that were killed (kill -9, power loss) before their cleanup ran;
+    # only our own names, and only those no live process holds (io.TempDir's lock)
+    io.remove_stale_temp_dirs(directory.parent, f".{directory.name}.tmp-")
+    if directory.is_dir():
+        io.remove_stale_temp_dirs(directory, ".ssmkit-save-")
+    held = io.TempDir(
         directory if in_place else directory.parent,
         ".ssmkit-save-" if in_place else f".{directory.name}.tmp-",
     )
+    tmp = held.path
     try:
         io.write_json(tmp / "config.json", config)
         weights = tmp / WEIGHT_FILES[format]
@@ -239,6 +247,7 @@ def save_pretrained(
     finally:
         # the leftover (old checkpoint, or nothing) or the failed build
         shutil.rmtree(tmp, ignore_errors=True)
+        held.close()
     return given
 
 

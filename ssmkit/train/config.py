@@ -276,13 +276,11 @@ class TrainConfig:
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid))
         if unknown:
-            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys: {', '.join(valid)}")
+            raise ValueError(checks.unknown_key(unknown[0], valid, "TrainConfig key"))
         for key, value in _parse_overrides(overrides).items():
             top, _, sub = key.partition(".")
             if top not in valid:
-                raise ValueError(
-                    f"unknown key {key!r} in overrides; valid keys: {', '.join(valid)}"
-                )
+                raise ValueError(checks.unknown_key(top, valid, "key") + f" (in --set {key}=...)")
             if sub:
                 if top not in SUB_KEYS:
                     raise ValueError(
@@ -312,7 +310,8 @@ class TrainConfig:
         try:
             d = checks.load_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
-            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+            why = " ".join(str(exc).split())  # YAML's message spans lines (a caret under it)
+            raise ValueError(f"config file {path} is not valid YAML: {why}") from None
         if not isinstance(d, dict):
             raise ValueError(
                 f"{path} must hold a mapping of TrainConfig keys; got {type(d).__name__}"

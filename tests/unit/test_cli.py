@@ -84,7 +84,7 @@ def test_help_lists_every_command_with_its_line_and_imports_none_of_them():
         env={**os.environ, **WIDE},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: ssmkit [-h] COMMAND ...")
+    assert done.stdout.startswith("usage: ssmkit [-h] [--debug] COMMAND ...")
     listed = words(done.stdout)
     for name, command in COMMANDS.items():
         assert f" {name} {words(command.help)} " in listed, name

@@ -53,3 +53,14 @@ def test_load_yaml_refuses_documents_that_aliases_expand_past_the_limit():
             checks.load_yaml(text)
         assert time.monotonic() - start < 1
     assert checks.load_yaml("a: &a [1, 2]\nb: *a") == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_unknown_key_names_the_near_miss_or_a_short_list():
+    from ssmkit.checks import unknown_key
+
+    valid = ["max_steps", "max_bad_steps", "max_tokens", *(f"key{i}" for i in range(40))]
+    assert unknown_key("max_step", valid) == "unknown key 'max_step'; did you mean 'max_steps'?"
+    far = unknown_key("zzzz", valid, "TrainConfig key")
+    assert far.startswith("unknown TrainConfig key 'zzzz'; valid: max_steps, max_bad_steps, ")
+    assert far.endswith(", ... (43 in all)") and far.count(",") == 12
+    assert unknown_key("x", ["a", "b"]) == "unknown key 'x'; valid: a, b"

@@ -10,8 +10,10 @@ comparing logits with the model that was saved.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -458,3 +460,198 @@ def test_dtype_names_and_devices(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             ssmkit.from_pretrained(tmp_path, device="cuda")
+
+
+# --- 8. a config.json that does not belong to its weights (checked before anything is built) ------
+
+
+def edit_config(folder: Path, **change):
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+
+
+@functools.cache
+def warm():
+    """Load a model once, so the 2 s below time the checks, not the first imports (the first
+    model built imports parts of torch: seconds on a busy machine)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tiny().save_pretrained(folder)
+        ssmkit.from_pretrained(folder)
+
+
+def refused_quickly(folder, match: str) -> str:
+    """from_pretrained(folder) raises a one-line CheckpointError matching ``match`` within 2 s."""
+    import time
+
+    warm()
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=match) as info:
+        ssmkit.from_pretrained(folder)
+    assert time.monotonic() - start < 2, "refused, but only after building or allocating"
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+JAMBA_HUGE = {  # the red-team's configs (H31, H32): both hung at the first build
+    "experts": {
+        "model_type": "jamba",
+        "hidden_size": 32,
+        "num_hidden_layers": 1_000_000_000,
+        "vocab_size": 300,
+        "num_experts": 16,
+    },
+    "dense": {
+        "model_type": "jamba",
+        "hidden_size": 32,
+        "num_hidden_layers": 200_000_000,
+        "vocab_size": 300,
+        "num_experts": 1,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(JAMBA_HUGE))
+def test_a_config_declaring_huge_layer_counts_is_refused_at_once(tmp_path, case):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(JAMBA_HUGE[case]))
+    (tmp_path / "model.safetensors").touch()  # empty: the header cannot be read
+    refused_quickly(tmp_path, r"model.safetensors: .*corrupt or truncated")
+    save_file({}, str(tmp_path / "model.safetensors"))  # a valid file holding no tensor
+    message = refused_quickly(tmp_path, "'num_hidden_layers' declares .* layers, but the weights")
+    assert "hold 0" in message and "model.layers.N" in message, message
+
+
+@pytest.mark.parametrize("fmt,field", [("hf", "num_hidden_layers"), ("mamba_ssm", "n_layer")])
+def test_a_layer_count_the_weights_do_not_hold_is_refused_naming_the_field(tmp_path, fmt, field):
+    tiny().save_pretrained(tmp_path, format=fmt)
+    edit_config(tmp_path, **{field: 100_000_000})
+    message = refused_quickly(tmp_path, f"'{field}' declares 100,000,000 layers")
+    assert str(tmp_path / "config.json") in message and "hold 2" in message, message
+
+
+def test_a_config_wider_than_its_weights_is_refused_before_allocating(tmp_path, capsys):
+    """H29/H30: 2e6 wide would allocate 64 TB before the shapes were compared."""
+    tiny().save_pretrained(tmp_path / "h")
+    edit_config(tmp_path / "h", hidden_size=2_000_000, intermediate_size=4_000_000)
+    refused_quickly(
+        tmp_path / "h",
+        r"weight backbone.embedding.weight has shape \(56, 16\), the config implies \(56, 2000000",
+    )
+    code, out, err = run_cli(
+        "convert", str(tmp_path / "h"), str(tmp_path / "out"), "--to", "mamba_ssm", capsys=capsys
+    )
+    assert code == 1 and err.startswith("ssmkit convert: ") and len(err.splitlines()) == 1, err
+    assert "the config implies" in err and not (tmp_path / "out").exists()
+
+
+def resaved(folder: Path, name: str, change):
+    """Rewrite ``folder``'s model.safetensors with tensor ``name`` replaced by ``change(it)``."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state[name] = change(state[name])
+    save_file(state, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+def test_a_non_float_weight_is_refused_naming_it(tmp_path, dtype):
+    """H14: an int8 tensor was cast to float on load, without a word."""
+    tiny().save_pretrained(tmp_path)
+    name = "backbone.layers.1.mixer.in_proj.weight"
+    resaved(tmp_path, name, lambda t: t.to(dtype))
+    message = refused_quickly(tmp_path, f"weight {name} has dtype {str(dtype)[6:]};")
+    assert "model.safetensors" in message
+
+
+def test_a_non_float_weight_in_a_torch_file_is_refused(tmp_path):
+    tiny().save_pretrained(tmp_path, format="mamba_ssm")
+    state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    state["backbone.norm_f.weight"] = state["backbone.norm_f.weight"].to(torch.int64)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    refused_quickly(tmp_path, r"pytorch_model.bin: weight backbone.norm_f.weight has dtype int64")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_naming_it(tmp_path, bad):
+    """H15: a NaN in in_proj.weight loaded, and the model gave NaN logits."""
+    tiny().save_pretrained(tmp_path)
+    name = "backbone.layers.0.mixer.in_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t.view(-1)[7] = bad
+        return t
+
+    resaved(tmp_path, name, poison)
+    message = refused_quickly(tmp_path, f"weight {name} holds 1 NaN or infinite value of")
+    assert "model.safetensors" in message
+
+
+# --- 9. leftovers of a save killed by kill -9 -----------------------------------------------------
+
+
+def test_a_later_save_removes_temp_dirs_of_killed_saves_and_nothing_else(tmp_path):
+    """K-swap: a save killed mid-build left .NAME.tmp-* (116 MB each) that no later save removed.
+    A real kill -9: a child process holds a temp dir as save_pretrained does, and is killed."""
+    import signal
+    import subprocess
+    import sys
+
+    from ssmkit import io
+
+    model = tiny()
+    model.save_pretrained(tmp_path / "ckpt")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from ssmkit import io; "
+            f"t = io.TempDir({str(tmp_path)!r}, '.ckpt.tmp-'); (t.path / 'w').write_text('x'); "
+            "print(t.path, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(ssmkit.__file__).parents[1])},
+    )
+    try:
+        killed = Path(child.stdout.readline().strip())
+        old = os.stat(killed).st_mtime - 3600
+        os.utime(killed, (old, old))
+        model.save_pretrained(tmp_path / "ckpt")
+        assert killed.is_dir(), "removed while its writer was alive"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert killed.name.startswith(f".ckpt.tmp-{child.pid}-")
+    live = io.TempDir(tmp_path, ".ckpt.tmp-")  # this process's: held
+    keep = [  # not ours, the old unlocked naming, too young to judge, another target's
+        tmp_path / ".ckpt.tmp-notes",
+        tmp_path / ".ckpt.tmp-abcdefgh",
+        tmp_path / ".ckpt.tmp-1-youngone",
+        tmp_path / ".other.tmp-1-abcdefgh",
+    ]
+    for path in keep:
+        path.mkdir()
+    for path in [live.path, *keep[:2], keep[3]]:
+        os.utime(path, (old, old))
+    model.save_pretrained(tmp_path / "ckpt")
+    assert not killed.exists()
+    assert live.path.is_dir() and all(p.is_dir() for p in keep)
+    assert same_model(tmp_path / "ckpt", model)
+    live.close()
+    # an in-place save (overwrite=True into a folder with a user's file) leaves .ssmkit-save-* in it
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "NOTES.txt").write_text("mine")
+    stale = shared / f".ssmkit-save-{child.pid}-abcd_123"
+    stale.mkdir()
+    held = io.TempDir(shared, ".ssmkit-save-")
+    for path in (stale, held.path):
+        os.utime(path, (old, old))
+    model.save_pretrained(shared, overwrite=True)
+    assert not stale.exists() and held.path.is_dir() and (shared / "NOTES.txt").exists()
+    held.close()

@@ -176,3 +176,17 @@ def test_expert_config_errors_name_the_field(tmp_path):
     (tmp_path / "j" / "config.json").write_text(json.dumps({**cfg, "num_experts": 1}))
     with pytest.raises(CheckpointError, match=r"unexpected weights .*mlp\.experts"):
         ssmkit.from_pretrained(tmp_path / "j")  # dense config, expert weights
+
+
+def test_a_config_declaring_more_experts_than_the_weights_hold_is_refused_at_once(tmp_path):
+    """A valid layer count but 10**6 experts: building them even on the meta device took hours."""
+    import time
+
+    ssmkit.build_model(jamba_like(), seed=0).save_pretrained(tmp_path / "j")
+    ssmkit.from_pretrained(tmp_path / "j")  # imports warm: the 2 s below time the check
+    cfg = json.loads((tmp_path / "j" / "config.json").read_text())
+    (tmp_path / "j" / "config.json").write_text(json.dumps({**cfg, "num_experts": 1_000_000}))
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="'num_experts' declares 1,000,000 experts, but the"):
+        ssmkit.from_pretrained(tmp_path / "j")
+    assert time.monotonic() - start < 2

@@ -90,6 +90,11 @@ def test_a_lora_run_a_hub_id_and_what_is_neither(run, monkeypatch):
         ("~/a", False),
         ("a/", False),
         ("nope", False),
+        ("EleutherAI/gpt-neox-20b", True),
+        ("my runs/x", False),  # characters no hub id has: a mistyped path
+        ("runz/no*pe", False),
+        ("runz/nope.", False),
+        ("-a/b", False),
     ],
 )
 def test_is_hub_id(run, monkeypatch, text, hub):

@@ -83,11 +83,17 @@ def test_bad_configs(kw, message):
 
 def test_unknown_keys_list_the_valid_ones(tmp_path):
     with pytest.raises(
-        ValueError, match=r"unknown TrainConfig keys \['learning_rate'\].*valid keys: model"
+        ValueError, match=r"unknown TrainConfig key 'learning_rate'; valid: model, .* \(4\d in all"
     ):
         TrainConfig.from_dict({"learning_rate": 1e-3, "max_steps": 1})
     with pytest.raises(ValueError, match="unknown key 'nope'"):
         TrainConfig.from_dict({"max_steps": 1}, overrides=["nope=1"])
+    # a near miss names the key meant, not the ~40 valid ones
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_dict({"max_steps": 1}, overrides=["max_step=50"])
+    assert str(info.value) == (
+        "unknown key 'max_step'; did you mean 'max_steps'? (in --set max_step=...)"
+    )
     with pytest.raises(ValueError, match="does not exist"):
         TrainConfig.from_yaml(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("lr: [1e-3\n")
