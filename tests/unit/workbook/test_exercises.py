@@ -6,6 +6,7 @@ notebooks have exercises so far)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections import Counter
@@ -20,6 +21,17 @@ ALL = exercises()
 MASTERS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "papers").glob("*.ipynb"))
 PAPERS = sorted((ROOT / "papers").glob("[0-9][0-9]_*.ipynb"))
 CHECK = re.compile(r"""\bcheck\(\s*["']([^"']+)["']""")
+
+
+def needs_context(id) -> bool:
+    """Whether exercise ``id``'s judge needs more than its answers (a model an earlier cell built):
+    such a wrong answer is tried in the notebook's own test, with that context."""
+    params = inspect.signature(ALL[id].judge).parameters.values()
+    return any(p.default is p.empty and p.name not in ALL[id].wrong for p in params)
+
+
+ALONE = sorted(i for i in ALL if not needs_context(i))
+WITH_CONTEXT = sorted(i for i in ALL if needs_context(i))
 
 
 def used_ids() -> dict[str, list[str]]:
@@ -57,12 +69,20 @@ def toy():
     ex._REGISTRY.pop("99.1")
 
 
-@pytest.mark.parametrize("id", sorted(ALL), ids=sorted(ALL))
+@pytest.mark.parametrize("id", ALONE, ids=ALONE)
 def test_every_exercise_refuses_its_wrong_answer_with_a_hint(id):
     e = ALL[id]
     hint = e.judge(**e.wrong)  # called directly: a judge that crashes on it does not pass here
     assert isinstance(hint, str) and hint.strip(), f"{id} accepted its wrong answer"
     assert verdict(id, **e.wrong) == ("wrong", hint)
+
+
+@pytest.mark.parametrize("id", WITH_CONTEXT, ids=WITH_CONTEXT)
+def test_an_exercise_that_needs_context_is_tried_with_it_elsewhere(id):
+    """Its wrong answer is refused in tests/unit/workbook/test_exercises_notebooks.py, with the
+    model it needs (``refuses_wrong(id, context...)``)."""
+    tests = (ROOT / "tests/unit/workbook/test_exercises_notebooks.py").read_text(encoding="utf-8")
+    assert f'refuses_wrong("{id}", ' in tests, f"{id}: no test tries its wrong answer in context"
 
 
 @pytest.mark.parametrize("id", sorted(ALL), ids=sorted(ALL))
