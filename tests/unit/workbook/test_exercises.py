@@ -170,3 +170,12 @@ def test_masters_and_exercises_match_one_to_one():
     for id, (where,) in used.items():  # pNN.K in papers/NN_*, NN.K in notebooks/NN_*
         folder, number = ("papers", id[1:3]) if id.startswith("p") else ("notebooks", id[:2])
         assert where.startswith(f"{folder}/{number}_"), f"{id} is checked in {where}"
+
+
+def test_the_instructors_guide_lists_every_exercise():
+    """docs/workshop.md's exercise table names each exercise once, with its notebook."""
+    guide = (ROOT / "docs/workshop.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(p?\d\d\.\d+)` \| `([^`]+)` \|", guide, re.M))
+    assert set(rows) == set(ALL), set(rows) ^ set(ALL)
+    for id, notebook in rows.items():
+        assert notebook + ".ipynb" in used_ids()[id], (id, notebook)
