@@ -37,6 +37,7 @@ from ..params import (
     check_run_config,
     check_tokenizer,
 )
+from ..progress import step_line
 
 __all__ = [
     "PARAMETERS",
@@ -136,7 +137,6 @@ def finetune_config(p: dict, base: str, method: str, **extra):
         eval_every=max(1, steps // 2),
         device=p["device"],
         seed=p["seed"],
-        progress=False,
         out_dir=str(p["out_dir"] / method),
         overwrite=True,
     )
@@ -273,14 +273,17 @@ def compare_finetuning(
 
     models = {"base": from_pretrained(base)}
     histories = {"base": None}
-    for name, cfg in configs.items():
+    steps = len(configs) * 2 + 1  # each run trains, then every model (the base too) is measured
+    for i, (name, cfg) in enumerate(configs.items(), 1):
+        step_line(i, steps, f"fine-tuning {name}: {cfg.total_steps()} steps")
         trainer = Trainer(config=cfg, name=name)
         histories[name] = trainer.fit()
         models[name] = trainer.model
     device = next(iter(configs.values())).device if configs else "cpu"
     batch = next(iter(SFTLoader(val_dir, seq_len=128, batch_size=8, seed=0)))
     rows = []
-    for name, model in models.items():
+    for i, (name, model) in enumerate(models.items(), len(configs) + 1):
+        step_line(i, steps, f"measuring {name}: held-out loss, {exact_n} greedy answers")
         counts = parameter_counts(model)
         row = {
             "model": name,

@@ -153,14 +153,22 @@ def test_state_mb_counts_gradients_and_adamw_moments_of_what_trains():
 
 
 @pytest.mark.slow
-def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path, base_dir):
+def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path, base_dir, capsys):
     p = params(tmp_path, sft_steps=3, overrides={"micro_batch": 4})
     val_dir = ft.sft_split(p, "val")
     configs = {
         name: ft.finetune_config(p, base_dir, method)
         for name, method in (("LoRA", "lora"), ("full", "full"))
     }
+    capsys.readouterr()
     rows, models = ft.compare_finetuning(base_dir, configs, val_dir, exact_n=2)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert said == [  # a line as each part starts: the cell never sits silent (issue #25)
+        "[1/5] fine-tuning LoRA: 3 steps",
+        "[2/5] fine-tuning full: 3 steps",
+        *(f"[{i}/5] measuring {m}: held-out loss, 2 greedy answers" for i, m in
+          ((3, "base"), (4, "LoRA"), (5, "full"))),
+    ]  # fmt: skip
     by = {r["model"]: r for r in rows}
     assert list(by) == ["base", "LoRA", "full"] and by["base"]["trainable"] == 0
     base_params = parameter_counts(models["base"])["total"]
