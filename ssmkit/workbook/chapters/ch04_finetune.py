@@ -20,6 +20,7 @@ packed with ``seq_idx`` so the scan restarts at each sample (:mod:`ssmkit.data.s
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from ... import checks
@@ -192,7 +193,15 @@ def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
             lora_dropout=PLAN_LORA["dropout"],
         )
         try:
-            model = peft.get_peft_model(hf, config)
+            with warnings.catch_warnings():
+                # peft reads hf.is_gradient_checkpointing, an alias transformers 5 deprecates with
+                # a FutureWarning: not the learner's to fix, and a pink box in notebook 04
+                warnings.filterwarnings(
+                    "ignore",
+                    message="`is_gradient_checkpointing` is deprecated",
+                    category=FutureWarning,
+                )
+                model = peft.get_peft_model(hf, config)
             trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
             rows.append(
                 {

@@ -9,6 +9,7 @@ state (12 bytes per trainable fp32 parameter) and a fine-tuning comparison on a 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,10 @@ def test_the_plan_snippet_is_refused_by_peft_on_transformers_and_works_without_o
     torch.manual_seed(0)
     model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=257, d_state=8))
     base = ssmkit.hub.save_pretrained(model, tmp_path / "base", format="hf")
-    refused, accepted = ft.plan_snippet_on_transformers(str(base), tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        refused, accepted = ft.plan_snippet_on_transformers(str(base), tmp_path)
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)]  # no pink box (#25)
     assert refused["model"] == "MambaForCausalLM" and "out_proj" in refused["target_modules"]
     assert refused["result"].startswith("ValueError") and "out_proj" in refused["result"]
     hf_linear = {"in_proj": (32, 128), "x_proj": (64, 2 + 16)}  # (in, out) of each layer's targets
