@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..data import TokenLoader
-from ..env import reuse_freed_memory
+from ..env import release_freed_memory, reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
 from ..io import Stopped, read_json, tqdm_bar, write_atomically
 from . import checkpoint
@@ -265,6 +265,8 @@ class Trainer:
                 raise
             finally:
                 bar.close()
+                if d.device.type == "cpu":  # the steps' freed activations back to the OS
+                    release_freed_memory()  # (kept in the process while training: ssmkit.env)
         for cb in self.callbacks:
             getattr(cb, "on_end", lambda t: None)(self)
         if self._wandb is not None and self.step == total:
