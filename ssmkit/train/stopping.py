@@ -74,7 +74,9 @@ def stopped(trainer, total: int, at_step_end: bool, signum: int = signal.SIGINT)
     else:
         where = f"stopped at once near step {trainer.step} of {total}"
         then = "this Trainer may be mid-step: resume() a new one from the checkpoint"
-    return Stopped(f"train {trainer.name}: {where}; {kept}; {then}", signum)
+    exc = Stopped(f"train {trainer.name}: {where}; {kept}; {then}", signum)
+    exc.where, exc.checkpoint = where, path  # for a command line's own wording
+    return exc
 
 
 def _short(path: Path) -> str:

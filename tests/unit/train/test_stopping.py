@@ -8,10 +8,14 @@ losses exactly.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from helpers import losses, small
+from helpers import ROOT, losses, small
 
 from ssmkit.io import Stopped
 from ssmkit.train import Trainer
@@ -62,3 +66,26 @@ def test_ipython_shows_a_stop_as_one_line(capsys):
     shown = [line for line in (out.out + out.err).splitlines() if line.strip()]
     assert shown == ["Stopped: train tiny: stopped at step 3"]
     assert shell.run_cell("1 + 1").result == 2  # the kernel goes on
+
+
+def test_ssmkit_train_stopped_by_ctrl_c_says_one_line_and_exits_130(tmp_path, shards):
+    config = tmp_path / "c.yaml"
+    config.write_text(small(tmp_path, shards, max_steps=100_000, ckpt_every=2).to_yaml())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ssmkit.cli", "train", "--config", str(config)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "SSMKIT_PROGRESS": "off"},
+    )  # fmt: skip
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err
+    (line,) = err.splitlines()
+    assert re.fullmatch(
+        r"ssmkit train: stopped at step \d+ of 100000; last checkpoint \S+step_\d+ "
+        r"\(--resume goes on from it\)",
+        line,
+    ), line
