@@ -427,7 +427,7 @@ def run_data_prepare(args) -> int:
     mistakes (bad source, corrupt file, busy directory, full disk, the offline GPT-2 files missing)
     are one line, status 1."""
     from .data import prepare
-    from .io import describe_os_error
+    from .io import Stopped, describe_os_error
 
     try:
         index = prepare(
@@ -446,6 +446,9 @@ def run_data_prepare(args) -> int:
             describe_os_error(exc) if isinstance(exc, OSError) else " ".join(str(exc).split("\n"))
         )
         return _fail("data prepare", message)
+    except Stopped as exc:  # Ctrl-C, SIGTERM: what was kept, in one line
+        _fail("data prepare", str(exc))
+        return 128 + exc.signum
     empty = (
         f" ({index['empty_documents']:,} blank ones skipped)"
         if index.get("empty_documents")

@@ -16,6 +16,10 @@ one has a test that injects the fault):
 * two processes never write into one directory at once (:class:`DirLock`: an exclusive lock that the
   operating system drops when its holder dies, so a stale lock is taken over by itself).
 
+Stopping (Ctrl-C, Jupyter's stop button, SIGTERM) says one line: :class:`Stopped` (a
+KeyboardInterrupt whose traceback IPython shows as that line); :func:`sigterm_interrupts` makes
+SIGTERM stop a block as Ctrl-C does.
+
 Progress bars of every layer (:func:`tqdm_bar`) take the form ``$SSMKIT_PROGRESS`` asks for: the
 widget in JupyterLab, plain text lines in a log or a headless notebook, or none.
 """
@@ -29,9 +33,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -374,6 +380,77 @@ class DirLock:
                 os.close(self._fd)  # closing the last descriptor drops the lock
             except OSError:
                 pass
+
+
+# --- stopping -------------------------------------------------------------------------------------
+
+
+class Stopped(KeyboardInterrupt):
+    """The user stopped the work (Ctrl-C, Jupyter's stop button, SIGTERM); ``str(exc)`` says in one
+    line where it stopped and what was kept ("stopped at step 40; last checkpoint ..."). Still a
+    KeyboardInterrupt, so whatever stops on Ctrl-C stops on it; IPython and Jupyter show that line
+    alone instead of a traceback (``_render_traceback_``). ``signum``: the signal (a command exits
+    128 + signum: 130, 143)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = int(signum)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by :func:`sigterm_interrupts`'s handler."""
+
+    signum = int(signal.SIGTERM)
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated("SIGTERM")
+
+
+class sigterm_interrupts:
+    """For the block, SIGTERM raises a KeyboardInterrupt (``signum`` 15) as Ctrl-C does, so the
+    block cleans up and says one line instead of dying mid-write. Only in the main thread and where
+    SIGTERM has its default action (a handler someone installed stays theirs)."""
+
+    def __enter__(self):
+        self.previous = None
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        ):
+            self.previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+class children_ignore_sigint:
+    """Processes started in the block ignore SIGINT from their first instruction (an ignored
+    signal stays ignored across exec, and Python keeps it so): Ctrl-C, and Jupyter's stop button,
+    which signals the kernel's whole process group, are the parent's to handle; it ends its workers,
+    which print nothing (not even while they import). Main thread only; elsewhere a no-op, and
+    :func:`ignore_sigint` as the workers' initializer does it a little later."""
+
+    def __enter__(self):
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def ignore_sigint() -> None:
+    """A worker process's initializer: SIGINT is the parent's to handle (see
+    :class:`children_ignore_sigint`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # --- progress bars --------------------------------------------------------------------------------

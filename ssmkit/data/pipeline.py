@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .. import checks
-from ..io import DirLock
+from ..io import DirLock, Stopped, read_json, sigterm_interrupts
 from .mds import write_mds
-from .shards import DTYPES, check_count, write_shards
+from .shards import DTYPES, INDEX, PROGRESS, check_count, write_shards
 from .sources import Document, check_source
 
 
@@ -60,18 +60,43 @@ def prepare(
             f"source must be a name, a path or an iterable of Document; got {type(source).__name__}"
         )
     out = Path(out_dir)
-    with DirLock(out, "data prepare", wait=lock_wait):
-        index = write_shards(
-            source,
-            tokenizer,
-            out,
-            split=split,
-            max_tokens=max_tokens,
-            shard_tokens=shard_tokens,
-            workers=workers,
-            dtype=dtype,
-            progress=progress,
-        )
-        if mds_seq_len is not None:
-            write_mds(out, out / "mds", mds_seq_len, progress=progress)
+    try:
+        with sigterm_interrupts(), DirLock(out, "data prepare", wait=lock_wait):
+            index = write_shards(
+                source,
+                tokenizer,
+                out,
+                split=split,
+                max_tokens=max_tokens,
+                shard_tokens=shard_tokens,
+                workers=workers,
+                dtype=dtype,
+                progress=progress,
+            )
+            if mds_seq_len is not None:
+                write_mds(out, out / "mds", mds_seq_len, progress=progress)
+    except KeyboardInterrupt as exc:  # Ctrl-C, Jupyter's stop button, SIGTERM: one line
+        if isinstance(exc, Stopped):
+            raise
+        raise Stopped(_stopped_at(out), getattr(exc, "signum", 2)) from None
     return index
+
+
+def _stopped_at(out: Path) -> str:
+    """What a stopped :func:`prepare` kept in ``out``, in one line."""
+    if (out / INDEX).exists():
+        return (
+            f"stopped while writing the MDS copy; the token shards in {out} are complete "
+            "(the same call writes the MDS copy)"
+        )
+    try:
+        shards = read_json(out / PROGRESS, "progress file")["shards"]
+    except (ValueError, OSError, KeyError, TypeError):
+        shards = []
+    if not shards:
+        return "stopped while preparing data; nothing written"
+    tokens = sum(s.get("tokens", 0) for s in shards)
+    return (
+        f"stopped while preparing data; {len(shards)} shard(s) ({tokens:,} tokens) kept in {out} "
+        "(the same call goes on from there)"
+    )

@@ -41,7 +41,16 @@ from pathlib import Path
 import numpy as np
 
 from .. import checks
-from ..io import cache_dir, plain_name, read_json, tqdm_bar, write_atomically, write_json
+from ..io import (
+    cache_dir,
+    children_ignore_sigint,
+    ignore_sigint,
+    plain_name,
+    read_json,
+    tqdm_bar,
+    write_atomically,
+    write_json,
+)
 from .sources import Document, load_source, source_fingerprint
 from .tokenizers import get_tokenizer, tokenizer_for
 
@@ -236,6 +245,11 @@ def _init_worker(name):
     _TOKENIZER = get_tokenizer(name)
 
 
+def _init_pool_worker(name):
+    ignore_sigint()  # Ctrl-C is the parent's: it ends the pool, the workers print nothing
+    _init_worker(name)
+
+
 def _encode(texts: list[str]) -> list[list[int]]:
     """A batch at once: fast tokenizers encode a list in parallel (Rust threads). Blank texts give
     []."""
@@ -269,9 +283,11 @@ def _token_lists(
         for texts in batches:
             yield from _encode(texts)
         return
-    with get_context("spawn").Pool(
-        workers, initializer=_init_worker, initargs=(tokenizer,)
-    ) as pool:
+    with children_ignore_sigint():  # Ctrl-C is ours: the workers print nothing
+        pool = get_context("spawn").Pool(
+            workers, initializer=_init_pool_worker, initargs=(tokenizer,)
+        )
+    with pool:
         for encoded in pool.imap(_encode, batches):
             yield from encoded
 

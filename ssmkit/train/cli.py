@@ -109,6 +109,7 @@ def run(args) -> int:
         resume = ["--resume"] if args.resume else []
         return _launch(args.nproc, ["--config", args.config, *sets, *resume])
 
+    from ..io import Stopped
     from .config import TrainConfig
     from .distributed import teardown
     from .trainer import Trainer, TrainingError
@@ -127,6 +128,11 @@ def run(args) -> int:
 
         teardown()
         _fail(1, describe_os_error(exc) if isinstance(exc, OSError) else str(exc))
+    except Stopped as exc:  # Ctrl-C: where it stopped and the last checkpoint, in one line
+        teardown()
+        ckpt = getattr(exc, "checkpoint", None)
+        kept = f"last checkpoint {ckpt} (--resume goes on from it)" if ckpt else "no checkpoint"
+        _fail(128 + exc.signum, f"{exc.where}; {kept}" if hasattr(exc, "where") else str(exc))
     evals = [r for r in history if r["kind"] == "eval"]
     last = (
         f", val loss {evals[-1]['val_loss']:.4f} (ppl {evals[-1]['val_ppl']:.2f})" if evals else ""

@@ -21,6 +21,7 @@ wandb; with fp16 ``grad_scale`` and ``scaler_skipped``, under torchrun every ran
 ``rank_peak_mem_mb`` and ``rank_state_mb``); every ``eval_every`` steps the validation loss; every
 ``ckpt_every`` steps a checkpoint. Losses, perplexity, FLOPs/MFU and peak memory come from
 :mod:`ssmkit.eval`.
+Ctrl-C (Jupyter's stop button) stops at the end of the step in one line: :mod:`.stopping`.
 Callbacks are objects with any of ``on_log(trainer, record)``, ``on_eval(trainer, record)``,
 ``on_end(trainer)``.
 
@@ -45,9 +46,9 @@ import torch
 from torch import nn
 
 from ..data import TokenLoader
-from ..env import reuse_freed_memory
+from ..env import release_freed_memory, reuse_freed_memory
 from ..eval import flops_per_token, lm_loss, mfu, peak_flops, peak_memory_mb, perplexity
-from ..io import read_json, tqdm_bar, write_atomically
+from ..io import Stopped, read_json, tqdm_bar, write_atomically
 from ..ops.compiled import check_setting as check_compile_setting
 from . import checkpoint
 from .config import TrainConfig
@@ -64,6 +65,7 @@ from .load import base_location
 from .model_setup import base_module, build_run_model, is_lora, long_context
 from .optim import build_optimizer, lr_at
 from .rundir import RunDir
+from .stopping import StopAtStepEnd, stopped
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -169,6 +171,7 @@ class Trainer:
         self.run_dir = RunDir(self.out_dir, d)  # claimed by resume() or the first fit()
         self._started = False  # out_dir is claimed for this run
         self._committed = False  # this run has a checkpoint on disk
+        self._stop = StopAtStepEnd(enabled=False)  # fit()'s: Ctrl-C asked to stop
 
     # --- pieces of a step -----------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -250,10 +253,16 @@ class Trainer:
             desc=f"train {self.name}",
             dynamic_ncols=True,
         )
-        with self.run_dir.hold():  # no other run writes out_dir meanwhile
+        # Ctrl-C: stop at the step's end, in one line (.stopping)
+        self._stop = StopAtStepEnd(enabled=d.world_size == 1)
+        with self.run_dir.hold(), self._stop:  # no other run writes out_dir meanwhile
             self.run_dir.check_owner()
             try:
                 self._loop(bar, stop, total)
+            except KeyboardInterrupt as exc:
+                if isinstance(exc, Stopped):  # at a step's end: said already
+                    raise
+                raise stopped(self, total, False, getattr(exc, "signum", 2)) from None
             except Exception:  # a failed replacement gives back the old run
                 if not self._committed:
                     self.run_dir.restore_previous(
@@ -262,6 +271,8 @@ class Trainer:
                 raise
             finally:
                 bar.close()
+                if d.device.type == "cpu":  # the steps' freed activations back to the OS
+                    release_freed_memory()  # (kept in the process while training: ssmkit.env)
         for cb in self.callbacks:
             getattr(cb, "on_end", lambda t: None)(self)
         if self._wandb is not None and self.step == total:
@@ -330,9 +341,13 @@ class Trainer:
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step != stop:
                 self.save_checkpoint()
             t0 += time.perf_counter() - pause
+            if self._stop.requested and self.step != stop:  # Ctrl-C during this step
+                raise stopped(self, total, True)
         if self.val_loader is not None:
             self.evaluate()
         self.save_checkpoint()
+        if self._stop.requested:  # Ctrl-C during the last step or the final checkpoint
+            raise stopped(self, total, True)
 
     def _skip(self, loss: float):
         self.optimizer.zero_grad(set_to_none=True)

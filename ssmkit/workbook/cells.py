@@ -166,6 +166,8 @@ def markdown_table(rows: list[dict], floats: str = ".4g") -> str:
     def cell(v) -> str:
         if isinstance(v, float):
             return format(v, floats)
+        if v is None:  # not measured or not applicable: a dash, not Python's "None"
+            return "—"
         return f"{v:,}" if isinstance(v, int) else str(v)
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]

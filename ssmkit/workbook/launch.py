@@ -13,10 +13,11 @@ prints (its text progress bar included, ``SSMKIT_PROGRESS=text``) and a line per
 Stopping: interrupting the cell (Jupyter's stop button, Ctrl-C: KeyboardInterrupt in the kernel)
 stops every rank: SIGINT to the launcher's process group (torchrun passes it on to its workers,
 which run in sessions of their own), then, after ``grace`` seconds, SIGTERM to the launcher's group
-and to every process descended from it, then SIGKILL to what is left; then the KeyboardInterrupt
-goes on. A run that fails raises :class:`LaunchError` holding its last error lines (each rank's
-one-line message, collected by the launcher). A config that cannot load fails before anything starts
-(ValueError).
+and to every process descended from it, then SIGKILL to what is left; then
+:class:`~ssmkit.io.Stopped` (a KeyboardInterrupt) says in one line where the run stopped and its
+last checkpoint. A run that fails raises :class:`LaunchError` holding its last error lines (each
+rank's one-line message, collected by the launcher). A config that cannot load fails before
+anything starts (ValueError).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from .. import checks
 from ..eval import summarize_run
-from ..io import write_atomically
+from ..io import Stopped, write_atomically
 
 __all__ = ["LaunchError", "Launch", "launch_train", "process_tree", "train_command"]
 
@@ -295,8 +296,6 @@ class Launch:
                 pass
             _signal(live, sig)
         self.proc.poll()
-        if self.show:
-            print(f"stopped the run ({len(found)} processes)", flush=True)
         return found
 
     def error_lines(self) -> list[str]:
@@ -345,6 +344,21 @@ def read_history(out_dir) -> list[dict]:
     return records
 
 
+def _stopped_line(run_dir: Path, launch: Launch) -> str:
+    """Where a launched run stopped by hand was: its last logged step and last checkpoint."""
+    from ..train.checkpoint import latest
+
+    steps = [r["step"] for r in read_history(run_dir) if r.get("kind") == "train"]
+    where = f"at step {steps[-1]}" if steps else "before its first logged step"
+    ckpt = latest(run_dir / "checkpoints")
+    kept = (
+        f"last checkpoint {ckpt} (resume=True goes on from it)"
+        if ckpt is not None
+        else "no checkpoint yet"
+    )
+    return f"stopped the run {where} ({len(launch.seen)} processes, all ended); {kept}"
+
+
 def launch_train(
     config,
     *,
@@ -369,8 +383,9 @@ def launch_train(
     Returns :func:`ssmkit.eval.summarize_run` of the run's records plus ``history`` (the records of
     metrics.jsonl), ``out_dir``, ``nproc``, ``seconds`` (wall time, launch included) and
     ``command``. Raises ValueError for a config that does not load (nothing is started),
-    :class:`LaunchError` when the run fails, and KeyboardInterrupt (after stopping every rank) when
-    the cell is interrupted."""
+    :class:`LaunchError` when the run fails, and :class:`~ssmkit.io.Stopped` (a KeyboardInterrupt,
+    one line: the last step and checkpoint) after stopping every rank when the cell is
+    interrupted."""
     from ..train import TrainConfig
 
     nproc = checks.integer(nproc, "nproc", minimum=1)
@@ -411,7 +426,12 @@ def launch_train(
             **(env or {}),
         },
     )
-    code = launch.start().wait()
+    try:
+        code = launch.start().wait()
+    except KeyboardInterrupt as exc:  # every process of the run is gone: say where it stopped
+        if isinstance(exc, Stopped):
+            raise
+        raise Stopped(_stopped_line(run_dir, launch), getattr(exc, "signum", 2)) from None
     if code != 0:
         lines = launch.error_lines()
         raise LaunchError(

@@ -20,11 +20,26 @@ import time
 
 from .cells import format_duration
 
-__all__ = ["FIRST_NOTICE", "NOTICE_EVERY", "SLOW_FACTOR", "CellLines", "cell_label", "slow_warning"]
+__all__ = [
+    "FIRST_NOTICE",
+    "NOTICE_EVERY",
+    "SLOW_FACTOR",
+    "CellLines",
+    "cell_label",
+    "slow_warning",
+    "step_line",
+]
 
 FIRST_NOTICE = 60.0  # s: a cell running this long gets a "running for" line
 NOTICE_EVERY = 300.0  # s: and another one this often
 SLOW_FACTOR = 3.0  # a CPU run this many times slower than the stated CPU time is flagged
+
+
+def step_line(i: int, n: int, text: str) -> None:
+    """``[i/n] text``, printed at once: each model a chapter function trains or measures in turn
+    says so as it starts, so a cell that runs several of them (04's LoRA-vs-full comparison:
+    minutes on a CPU) never sits silent."""
+    print(f"[{i}/{n}] {text}", flush=True)
 
 
 def cell_label(source: str, tags=(), width: int = 48) -> str:

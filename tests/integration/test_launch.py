@@ -10,6 +10,7 @@ starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -102,9 +103,14 @@ def test_interrupting_the_cell_stops_every_rank(shards, tmp_path, sigint_raises)
     thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as info:
         launch_train(cfg, nproc=2, show=False, grace=5)
     thread.join()
+    line = (
+        r"stopped the run (at step \d+|before its first logged step) \(\d+ processes, all ended\); "
+    )
+    assert re.match(line, str(info.value)), str(info.value)  # one line, not a traceback
+    assert info.value._render_traceback_() == [f"Stopped: {info.value}"]
     assert len(seen) >= 3, "the ranks never started"
     assert not [p for p in seen if _alive(p)], "a process of the run outlived the interrupt"
     assert children() <= before

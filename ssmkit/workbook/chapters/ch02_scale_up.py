@@ -52,6 +52,7 @@ from ..params import (
     check_run_config,
     check_tokenizer,
 )
+from ..progress import step_line
 
 __all__ = [
     "PAPER_SSD_CLAIM",
@@ -638,36 +639,37 @@ def mixer_throughput(
             f"{', '.join(SSM_MIXERS)}"
         )
     rows = []
-    for seq_len in seq_lens:
-        for d_state in d_states:
-            steps_of, params = {}, {}
-            for mixer in mixers:
-                extra = {"headdim": headdim, "chunk_size": chunk_size} if mixer != "mamba1" else {}
-                torch.manual_seed(seed)
-                model = build_model(
-                    ModelConfig(
-                        d_model=d_model,
-                        n_layer=n_layer,
-                        vocab_size=vocab_size,
-                        mixer=mixer,
-                        d_state=d_state,
-                        **extra,
-                    )
-                ).to(device)
-                steps_of[mixer] = make_train_step(model, seq_len, batch, seed=seed)
-                params[mixer] = model.num_parameters()
-            seconds = time_round_robin(steps_of, steps=steps, warmup=warmup, device=device)
-            rate = {m: batch * seq_len / statistics.median(s) for m, s in seconds.items()}
-            row = {"seq_len": seq_len, "d_state": d_state}
-            row.update({f"{m}_tok_s": round(rate[m]) for m in mixers})
-            for key, top, bottom in (
-                ("ratio", "mamba2", "mamba1"),
-                ("mamba3_ratio", "mamba3", "mamba2"),
-            ):
-                if top in rate and bottom in rate:
-                    row[key] = round(rate[top] / rate[bottom], 2)
-            row.update({f"{m}_params": params[m] for m in mixers})
-            rows.append(row)
+    cases = [(seq_len, d_state) for seq_len in seq_lens for d_state in d_states]
+    for i, (seq_len, d_state) in enumerate(cases, 1):
+        step_line(i, len(cases), f"timing {', '.join(mixers)} at seq_len {seq_len}, N {d_state}")
+        steps_of, params = {}, {}
+        for mixer in mixers:
+            extra = {"headdim": headdim, "chunk_size": chunk_size} if mixer != "mamba1" else {}
+            torch.manual_seed(seed)
+            model = build_model(
+                ModelConfig(
+                    d_model=d_model,
+                    n_layer=n_layer,
+                    vocab_size=vocab_size,
+                    mixer=mixer,
+                    d_state=d_state,
+                    **extra,
+                )
+            ).to(device)
+            steps_of[mixer] = make_train_step(model, seq_len, batch, seed=seed)
+            params[mixer] = model.num_parameters()
+        seconds = time_round_robin(steps_of, steps=steps, warmup=warmup, device=device)
+        rate = {m: batch * seq_len / statistics.median(s) for m, s in seconds.items()}
+        row = {"seq_len": seq_len, "d_state": d_state}
+        row.update({f"{m}_tok_s": round(rate[m]) for m in mixers})
+        for key, top, bottom in (
+            ("ratio", "mamba2", "mamba1"),
+            ("mamba3_ratio", "mamba3", "mamba2"),
+        ):
+            if top in rate and bottom in rate:
+                row[key] = round(rate[top] / rate[bottom], 2)
+        row.update({f"{m}_params": params[m] for m in mixers})
+        rows.append(row)
     return rows
 
 
@@ -698,7 +700,8 @@ def evaluate_models(
 
     names = {"offline": list(OFFLINE_TASKS), "plan": list(PLAN_TASKS)}.get(tasks, tasks)
     rows, results = [], {}
-    for name, model in models.items():
+    for i, (name, model) in enumerate(models.items(), 1):
+        step_line(i, len(models), f"lm-eval on {name}: {', '.join(map(str, names))}")
         where = None if out_dir is None else Path(out_dir) / name.replace(" ", "_")
         with _quiet(quiet):
             res = run_lm_eval(

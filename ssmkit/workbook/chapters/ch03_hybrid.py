@@ -41,6 +41,7 @@ from ..params import (
     check_run_config,
     check_tokenizer,
 )
+from ..progress import step_line
 
 __all__ = [
     "PARAMETERS",
@@ -293,8 +294,9 @@ def ratio_sweep(
     shape = {k: v for k, v in (("d_model", width), ("n_layer", depth)) if v is not None}
     lr = cfg.lr if lr is None else lr
     rows = []
-    for every in attn_every:
+    for i, every in enumerate(attn_every, 1):
         label = f"attn_every_{every}" + (f"_{mixer}" if mixer else "")
+        step_line(i, len(attn_every), f"training {label}")
         run = hybrid_config(cfg, every, mixer=mixer, **shape, **model_overrides)
         ssm = [m for m in _mixers(run) if m in SSM_MIXERS]
         row = {

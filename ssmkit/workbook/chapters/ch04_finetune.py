@@ -20,6 +20,7 @@ packed with ``seq_idx`` so the scan restarts at each sample (:mod:`ssmkit.data.s
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from ... import checks
@@ -37,6 +38,7 @@ from ..params import (
     check_run_config,
     check_tokenizer,
 )
+from ..progress import step_line
 
 __all__ = [
     "PARAMETERS",
@@ -136,7 +138,6 @@ def finetune_config(p: dict, base: str, method: str, **extra):
         eval_every=max(1, steps // 2),
         device=p["device"],
         seed=p["seed"],
-        progress=False,
         out_dir=str(p["out_dir"] / method),
         overwrite=True,
     )
@@ -192,7 +193,15 @@ def plan_snippet_on_transformers(base: str, out_dir: str | Path) -> list[dict]:
             lora_dropout=PLAN_LORA["dropout"],
         )
         try:
-            model = peft.get_peft_model(hf, config)
+            with warnings.catch_warnings():
+                # peft reads hf.is_gradient_checkpointing, an alias transformers 5 deprecates with
+                # a FutureWarning: not the learner's to fix, and a pink box in notebook 04
+                warnings.filterwarnings(
+                    "ignore",
+                    message="`is_gradient_checkpointing` is deprecated",
+                    category=FutureWarning,
+                )
+                model = peft.get_peft_model(hf, config)
             trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
             rows.append(
                 {
@@ -273,14 +282,17 @@ def compare_finetuning(
 
     models = {"base": from_pretrained(base)}
     histories = {"base": None}
-    for name, cfg in configs.items():
+    steps = len(configs) * 2 + 1  # each run trains, then every model (the base too) is measured
+    for i, (name, cfg) in enumerate(configs.items(), 1):
+        step_line(i, steps, f"fine-tuning {name}: {cfg.total_steps()} steps")
         trainer = Trainer(config=cfg, name=name)
         histories[name] = trainer.fit()
         models[name] = trainer.model
     device = next(iter(configs.values())).device if configs else "cpu"
     batch = next(iter(SFTLoader(val_dir, seq_len=128, batch_size=8, seed=0)))
     rows = []
-    for name, model in models.items():
+    for i, (name, model) in enumerate(models.items(), len(configs) + 1):
+        step_line(i, steps, f"measuring {name}: held-out loss, {exact_n} greedy answers")
         counts = parameter_counts(model)
         row = {
             "model": name,

@@ -441,6 +441,26 @@ def test_cpu_training_reuses_freed_memory():
     assert reuse_freed_memory() is expected
 
 
+def test_memory_kept_for_reuse_goes_back_when_training_ends():
+    """Under reuse_freed_memory a freed 256 MiB tensor stays in the process (what a notebook's
+    kernel held after training, issue #25) until release_freed_memory, which fit() calls on a
+    CPU."""
+    import platform
+
+    from ssmkit.env import _rss_mb, release_freed_memory, reuse_freed_memory
+
+    if not (reuse_freed_memory() and platform.libc_ver()[0] == "glibc" and _rss_mb()):
+        pytest.skip("glibc and /proc needed")
+    base = _rss_mb()
+    x = torch.ones(64, 1024, 1024)
+    (x * 2).sum()
+    del x
+    held = _rss_mb() - base
+    assert held > 200  # kept for reuse
+    assert release_freed_memory() > 0.8 * held
+    assert _rss_mb() - base < 0.2 * held
+
+
 @pytest.mark.slow
 def test_torch_compile_gives_the_eager_losses(tmp_path, shards, monkeypatch):
     """compile=True runs the steps through torch.compile's wrapper, with the eager losses. Compiled

@@ -73,5 +73,5 @@ def test_write_metrics_and_format_duration(tmp_path):
         "| a | b |",
         "|---|---|",
         "| 1.235 | 12,345 |",
-        "| None |  |",
+        "| — |  |",
     ]

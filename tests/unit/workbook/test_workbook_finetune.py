@@ -9,6 +9,7 @@ state (12 bytes per trainable fp32 parameter) and a fine-tuning comparison on a 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,10 @@ def test_the_plan_snippet_is_refused_by_peft_on_transformers_and_works_without_o
     torch.manual_seed(0)
     model = ssmkit.build_model(ssmkit.ModelConfig(d_model=32, n_layer=2, vocab_size=257, d_state=8))
     base = ssmkit.hub.save_pretrained(model, tmp_path / "base", format="hf")
-    refused, accepted = ft.plan_snippet_on_transformers(str(base), tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        refused, accepted = ft.plan_snippet_on_transformers(str(base), tmp_path)
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)]  # no pink box (#25)
     assert refused["model"] == "MambaForCausalLM" and "out_proj" in refused["target_modules"]
     assert refused["result"].startswith("ValueError") and "out_proj" in refused["result"]
     hf_linear = {"in_proj": (32, 128), "x_proj": (64, 2 + 16)}  # (in, out) of each layer's targets
@@ -153,14 +157,22 @@ def test_state_mb_counts_gradients_and_adamw_moments_of_what_trains():
 
 
 @pytest.mark.slow
-def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path, base_dir):
+def test_compare_finetuning_trains_both_and_measures_them_the_same_way(tmp_path, base_dir, capsys):
     p = params(tmp_path, sft_steps=3, overrides={"micro_batch": 4})
     val_dir = ft.sft_split(p, "val")
     configs = {
         name: ft.finetune_config(p, base_dir, method)
         for name, method in (("LoRA", "lora"), ("full", "full"))
     }
+    capsys.readouterr()
     rows, models = ft.compare_finetuning(base_dir, configs, val_dir, exact_n=2)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert said == [  # a line as each part starts: the cell never sits silent (issue #25)
+        "[1/5] fine-tuning LoRA: 3 steps",
+        "[2/5] fine-tuning full: 3 steps",
+        *(f"[{i}/5] measuring {m}: held-out loss, 2 greedy answers" for i, m in
+          ((3, "base"), (4, "LoRA"), (5, "full"))),
+    ]  # fmt: skip
     by = {r["model"]: r for r in rows}
     assert list(by) == ["base", "LoRA", "full"] and by["base"]["trainable"] == 0
     base_params = parameter_counts(models["base"])["total"]
