@@ -13,9 +13,10 @@ them.
 
 The layers, low to high (each imports only lower ones; tests/unit/test_layers.py keeps it so):
 ``io``, ``checks`` < ``data``, ``ops`` < ``env`` < ``models`` < ``hub`` < ``eval``, ``finetune`` <
-``plots`` < ``train`` < ``workbook``, ``demo`` < ``cli``. All are attributes of this package: the
-light ones are imported with it, the heavy ones (``eval``, ``finetune``, ``plots``, ``train``,
-``workbook``, ``demo``, ``cli``: peft, matplotlib, papermill, torch.distributed) on first use, so
+``plots`` < ``train`` < ``workbook``, ``demo`` < ``papers`` < ``exercises`` < ``cli``. All but
+``papers`` are attributes of this package: the light ones are imported with it, the heavy ones
+(``eval``, ``exercises``, ``finetune``, ``plots``, ``train``, ``workbook``, ``demo``, ``cli``: peft,
+matplotlib, papermill, torch.distributed) on first use, so
 ``import ssmkit`` stays quick and ``ssmkit.train.Trainer`` still works.
 """
 
@@ -35,7 +36,7 @@ from .models import InferenceCache, LMOutput, MambaLM, ModelConfig, build_model,
 __version__ = "0.1.0"
 
 # Subpackages imported on first attribute access (PEP 562), not by `import ssmkit`.
-_LAZY = ("cli", "demo", "eval", "finetune", "plots", "train", "workbook")
+_LAZY = ("cli", "demo", "eval", "exercises", "finetune", "plots", "train", "workbook")
 
 # `from ssmkit import *` takes the eager names only (the lazy ones would import heavy dependencies).
 __all__ = [

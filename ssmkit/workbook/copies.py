@@ -8,7 +8,7 @@ master, written with plain JSON (no nbgrader, no grading server).
     ssmkit workbook build --for student|solution|instructor OUT [NOTEBOOK ...]
 
 A master marks an exercise the way nbgrader does. A code cell tagged ``solution`` holds the setup,
-then the answer between two marker lines, then its check (:mod:`ssmkit.workbook.exercises`; not
+then the answer between two marker lines, then its check (:mod:`ssmkit.exercises`; not
 an ``assert`` on the answer, which a student copy's ``...`` would crash)::
 
     a, b = torch.tensor([-1.0]), torch.tensor([1.0])      # setup: kept in every copy

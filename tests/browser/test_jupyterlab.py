@@ -111,6 +111,9 @@ def jupyter_home(base: Path) -> dict:
     kernel = dirs["data"] / "kernels" / "python3"
     kernel.mkdir(parents=True)
     env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # a learner's kernel: an unanswered exercise prints "not done yet" (the suite's strict mode
+    # would raise it)
+    env["SSMKIT_EXERCISES"] = "lenient"
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python 3 (ipykernel)",

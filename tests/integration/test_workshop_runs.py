@@ -19,8 +19,8 @@ pytest.importorskip("papermill")
 from helpers import ROOT  # noqa: E402
 
 from ssmkit import workbook  # noqa: E402
+from ssmkit.exercises import STRICT_ENV  # noqa: E402
 from ssmkit.workbook.copies import build_copy  # noqa: E402
-from ssmkit.workbook.exercises import STRICT_ENV  # noqa: E402
 
 CASES = [ROOT / "papers" / "01_s4.ipynb", ROOT / "notebooks" / "00_setup.ipynb"]
 CHECK = re.compile(r"""^check\(\s*["']([^"']+)["']""", re.M)

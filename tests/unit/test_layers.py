@@ -43,8 +43,9 @@ LAYERS = {
     "workbook": 8,    # what notebook cells call; the papermill runner
     "demo": 8,        # the no-training demo (`ssmkit demo`)
     "papers": 9,      # the companion notes' claims and what each note calls (uses workbook.params)
-    "cli": 10,        # `ssmkit ...`: may call every layer
-    "__main__": 11,   # `python -m ssmkit` -> cli
+    "exercises": 10,  # the judges of the notebooks' and notes' exercises: may use what each calls
+    "cli": 11,        # `ssmkit ...`: may call every layer
+    "__main__": 12,   # `python -m ssmkit` -> cli
 }
 # fmt: on
 # ssmkit/__init__.py is the facade: the public API, re-exporting from every layer (the heavy ones

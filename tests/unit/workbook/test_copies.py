@@ -17,8 +17,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from ssmkit import cli
-from ssmkit.workbook import WorkbookError, build_copies, build_copy, exercises
+from ssmkit import cli, exercises
+from ssmkit.workbook import WorkbookError, build_copies, build_copy
 from ssmkit.workbook.copies import PLACEHOLDER, RECORD, YOUR_TURN
 
 ANSWER = "answer = 6 * 7  # the secret"
@@ -48,7 +48,7 @@ def master_cells() -> list:
         new_markdown_cell("# A note\nSome prose."),
         new_code_cell("base = 6", metadata={"tags": ["parameters"]}),
         new_code_cell(
-            "from ssmkit.workbook.exercises import check\n\nfactor = 7\n### BEGIN SOLUTION\n"
+            "from ssmkit.exercises import check\n\nfactor = 7\n### BEGIN SOLUTION\n"
             f"{ANSWER}\n### END SOLUTION\n{CHECK}",
             metadata={"tags": ["solution"]},
             outputs=[new_output("stream", name="stdout", text="42\n")],

@@ -1,4 +1,4 @@
-"""ssmkit.workbook.exercises: every declared exercise refuses its declared wrong answer with a hint;
+"""ssmkit.exercises: every declared exercise refuses its declared wrong answer with a hint;
 an unanswered one (``...``, or the student copy's "your turn" error) is "not done yet"; strict mode
 raises; the printed line never claims more than the public checks; and the exercises and the
 masters' ``check("...")`` calls match one to one (notebooks/ and papers/ as they are, whichever
@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 from helpers import ROOT
 
-from ssmkit.workbook import exercises as ex
-from ssmkit.workbook.exercises import ExerciseError, check, exercises, verdict
+from ssmkit import exercises as ex
+from ssmkit.exercises import ExerciseError, check, exercises, verdict
 
 ALL = exercises()
 MASTERS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "papers").glob("*.ipynb"))

@@ -1,4 +1,4 @@
-"""The exercises of notebooks/00-04 (ssmkit.workbook.exercises.nbNN_*): each judge accepts the right
+"""The exercises of notebooks/00-04 (ssmkit.exercises.nbNN_*): each judge accepts the right
 answer, computed here by a second path (a model's own tensors, the Trainer's schedule, the
 planner's terms, peft's merge), and refuses its declared ``wrong`` answer with a hint."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ssmkit
-from ssmkit.workbook import exercises
+from ssmkit import exercises
 from ssmkit.workbook.cells import train_config
 
 

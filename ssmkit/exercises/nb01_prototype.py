@@ -15,7 +15,7 @@ from . import close, exercise
 
 @exercise("01.1", "the parameters of one Mamba block", ("block_params",), wrong={"block_params": 0})
 def _(block_params, d_model=64):
-    from ...models import ModelConfig, build_model
+    from ..models import ModelConfig, build_model
 
     cfg = ModelConfig(d_model=d_model, n_layer=1, vocab_size=8)  # a Mamba-1 block, the defaults
     block = build_model(cfg).backbone.layers[0]
@@ -40,8 +40,8 @@ def _schedule_step(cfg) -> int:
 
 @exercise("01.2", "the learning rate after warmup", ("lr_at_step",), wrong={"lr_at_step": 3e-3})
 def _(lr_at_step, config="mamba-130m", step=None):
-    from ...train import lr_at
-    from ..cells import train_config
+    from ..train import lr_at
+    from ..workbook.cells import train_config
 
     cfg = train_config(config)
     step = _schedule_step(cfg) if step is None else step
@@ -63,7 +63,7 @@ def _(lr_at_step, config="mamba-130m", step=None):
     wrong={"passes_per_step": 1, "tokens_read": 0},
 )
 def _(passes_per_step, tokens_read, cfg=None):
-    from ..cells import train_config
+    from ..workbook.cells import train_config
 
     cfg = train_config("cpu-tiny") if cfg is None else cfg
     if passes_per_step != cfg.grad_accum():

@@ -18,7 +18,7 @@ from . import close, exercise
     wrong={"attn_layers": [0, 8, 16], "attn_share": 3 / 24},
 )
 def _(attn_layers, attn_share, n_layer=24, attn_every=8):
-    from ...models import ModelConfig
+    from ..models import ModelConfig
 
     cfg = ModelConfig(
         d_model=64,
@@ -48,7 +48,7 @@ def cache_bytes(seq_len: int) -> tuple[int, int]:
     model's own cache."""
     import torch
 
-    from ...models import KVState, ModelConfig, build_model
+    from ..models import KVState, ModelConfig, build_model
 
     model = build_model(ModelConfig(**HYBRID), seed=0).eval()
     cache = model.allocate_cache(1)

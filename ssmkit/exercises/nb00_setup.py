@@ -22,8 +22,8 @@ DAY = 86_400  # seconds
     wrong={"logits_per_position": 50257, "uniform_loss": math.log(50257)},
 )
 def _(logits_per_position, uniform_loss, preset="mamba-130m", tokenizer="gpt2"):
-    from ...data import vocab_size
-    from ...models import ModelConfig
+    from ..data import vocab_size
+    from ..models import ModelConfig
 
     cfg = ModelConfig.preset(preset, vocab_size=vocab_size(tokenizer))
     if logits_per_position == cfg.vocab_size != cfg.padded_vocab_size:
@@ -47,7 +47,7 @@ def _(logits_per_position, uniform_loss, preset="mamba-130m", tokenizer="gpt2"):
 
 @exercise("00.2", "tokens in a day of an A100", ("tokens_per_day",), wrong={"tokens_per_day": 1e9})
 def _(tokens_per_day, config="cpu-tiny"):
-    from ..chapters.ch00_setup import run_config_info
+    from ..workbook.chapters.ch00_setup import run_config_info
 
     flops = run_config_info(config, max_tokens=1)["train_flops"]  # per token: 6N
     want = A100_FLOPS * DAY / flops

@@ -17,7 +17,7 @@ from . import close, exercise
 def _state_bytes(preset: str, strategy: str, n_gpus: int) -> tuple[int, int]:
     """(bytes of weights + gradients + AdamW moments per rank, parameters) as the planner has them
     (bf16 autocast: fp32 master weights)."""
-    from ...train import plan_memory
+    from ..train import plan_memory
 
     # the state does not depend on the micro-batch: 02's plans (2048 tokens, micro-batch 8)
     plan = plan_memory(
@@ -58,7 +58,7 @@ def _(ddp_bytes, fsdp_bytes, preset="mamba-1.4b", n_gpus=8):
     wrong={"accum_per_rank": 32, "optimizer_steps": 49591},
 )
 def _(accum_per_rank, optimizer_steps, config="mamba-1.4b", n_gpus=8):
-    from ..cells import train_config
+    from ..workbook.cells import train_config
 
     cfg = train_config(config)
     if accum_per_rank == cfg.grad_accum(1) != cfg.grad_accum(n_gpus):

@@ -13,7 +13,7 @@ from . import exercise
 
 @exercise("04.1", "what LoRA trains", ("lora_params",), wrong={"lora_params": 0})
 def _(lora_params, lora_model):
-    from ...finetune import trainable_share
+    from ..finetune import trainable_share
 
     want = trainable_share(lora_model)["trainable"]
     full = sum(

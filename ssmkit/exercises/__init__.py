@@ -1,6 +1,6 @@
 """Exercises that check themselves: a learner's answer in, one line out.
 
-    from ssmkit.workbook.exercises import check
+    from ssmkit.exercises import check
     check("p01.1", zoh=zoh, bilinear=bilinear)
     # p01.1 ZOH and bilinear by hand: public checks passed
     # p01.1 ZOH and bilinear by hand: not yet - bilinear: Ā is off; ...   (a hint, never the answer)
