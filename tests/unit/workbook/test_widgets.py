@@ -145,6 +145,22 @@ def test_auto_mode_is_static_outside_a_kernel_and_under_the_env(monkeypatch):
         widgets.widget_mode()
 
 
+def test_in_a_kernel_papermill_and_headless_runs_are_static(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from ssmkit.workbook import params
+
+    monkeypatch.delenv(widgets.WIDGETS_ENV, raising=False)
+    monkeypatch.delenv("SSMKIT_PROGRESS", raising=False)
+    monkeypatch.setattr(widgets, "_in_kernel", lambda: True)
+    monkeypatch.setattr(params, "injected_parameters", lambda: None)
+    assert widgets.widget_mode() == ("live", "a Jupyter kernel")  # JupyterLab
+    monkeypatch.setenv("SSMKIT_PROGRESS", "text")  # ssmkit workbook run's kernels
+    assert widgets.widget_mode()[0] == "static"
+    monkeypatch.delenv("SSMKIT_PROGRESS")
+    monkeypatch.setattr(params, "injected_parameters", lambda: {"seed": 1})  # papermill -p
+    assert widgets.widget_mode() == ("static", "a papermill run")
+
+
 def test_live_path_builds_sliders_whose_change_redraws():
     ipywidgets = pytest.importorskip("ipywidgets")
     from matplotlib.figure import Figure
