@@ -19,6 +19,8 @@ Modules, in the order a reader meets them:
 * :mod:`~ssmkit.workbook.cells`: what the cells of every notebook share (:func:`train_config`,
   :func:`pick_device`, :func:`sample_text`, :func:`markdown_table`, :func:`format_duration`,
   :func:`write_metrics`);
+* :mod:`~ssmkit.workbook.widgets`: sliders for the ideas a notebook teaches (:func:`explore`: live
+  in JupyterLab, a static figure under papermill), with the pure functions behind each picture;
 * :mod:`~ssmkit.workbook.launch`: :func:`launch_train`, ``ssmkit train --nproc N`` started from a
   cell, its output streamed live, its summary returned; interrupting the cell stops every rank;
 * :mod:`~ssmkit.workbook.notebooks`: notebooks and params files on disk (:func:`find_notebooks`,
