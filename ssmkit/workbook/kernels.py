@@ -1,6 +1,7 @@
 """The Jupyter kernels a run starts: ipykernel on this interpreter by default, checked by name
 otherwise, and shut down so that none outlives its notebook (after a timeout, Ctrl-C or SIGTERM
-too).
+too). While a kernel runs, its peak RSS (with its children's) is sampled
+(:class:`~ssmkit.workbook.memory.PeakRSS`); :func:`end_kernels` returns it.
 
 jupyter_client, ipykernel and zmq are imported only here, and only when a notebook runs.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from .memory import PeakRSS
 from .notebooks import WorkbookError
 
 __all__ = ["check_kernel", "end_kernels", "kernel_manager_class"]
@@ -34,7 +36,8 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
     (``SSMKIT_PROGRESS=text``). Without ``kernel_name`` its kernel is ipykernel on *this*
     interpreter (whatever ``python3`` spec a user has). Its shutdown interrupts a busy kernel and
     lets the interrupted cell answer before asking the kernel to exit (after a timeout, Ctrl-C,
-    SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket."""
+    SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket.
+    Each kernel's memory is sampled from its start to its shutdown (``peak_rss``: bytes or None)."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -43,6 +46,7 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             started.append(self)
+            self.sampler, self.peak_rss = None, None
             # jupyter_client >= 8.7: CurveZMQ
             if not kernel_name and "transport_encryption" in self.trait_names():
                 import zmq
@@ -60,8 +64,16 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
         async def start_kernel(self, **kw) -> None:
             kw["env"] = {**(env or {}), **(kw.get("env") or os.environ)}
             await super().start_kernel(**kw)
+            pid = getattr(self.provisioner, "pid", None)  # a local kernel's process
+            self.sampler = PeakRSS(pid).start() if pid else None
+
+        def stop_sampling(self) -> None:
+            if self.sampler is not None:
+                peak, self.sampler = self.sampler.stop(), None
+                self.peak_rss = max(peak, self.peak_rss or 0) if peak is not None else self.peak_rss
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
+            self.stop_sampling()
             if self.has_kernel and not now:
                 await self.interrupt_kernel()
                 await asyncio.sleep(0.5)
@@ -70,11 +82,12 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
     return RunKernelManager
 
 
-def end_kernels(started: list) -> None:
+def end_kernels(started: list) -> int | None:
     """Kill the kernels of ``started`` still alive (a signal cut nbclient's own shutdown short);
-    empties the list."""
+    empties the list. Returns the largest peak RSS of those kernels in bytes (None: unmeasured)."""
     from jupyter_core.utils import run_sync
 
+    peaks = []
     while started:
         km = started.pop()
         try:
@@ -82,3 +95,7 @@ def end_kernels(started: list) -> None:
                 run_sync(km.shutdown_kernel)(now=True)
         except Exception:  # already gone
             pass
+        km.stop_sampling()
+        if km.peak_rss is not None:
+            peaks.append(km.peak_rss)
+    return max(peaks, default=None)

@@ -6,7 +6,9 @@ Each executed copy lands in ``out/``; each notebook that declares ``out_dir`` ge
 ``out/<stem>/`` (unless given) for its figures and ``metrics.json``. The summary
 (:func:`~ssmkit.workbook.rundir.write_summary`) lists each notebook's status (ok, failed,
 interrupted, not run), wall time and key metrics, read from a ``metrics.json`` the notebook wrote
-in this run, never a stale one. A failing notebook is reported with its cell and error; the others
+in this run, never a stale one, and its peak memory: the largest resident set size of its kernel and
+the kernel's children, sampled (:mod:`~ssmkit.workbook.memory`; ``peak_rss_mb``, MiB). A failing
+notebook is reported with its cell and error; the others
 still run.
 
 Parameters (:func:`~ssmkit.workbook.params.route_parameters`). ``parameters`` are explicit: a key
@@ -181,6 +183,7 @@ def run_workbook(
             "executed": None,
             "parameters": values[p],
             "seconds": None,
+            "peak_rss_mb": None,
             "cpu_seconds": _stated_cpu_seconds(p),
             "metrics_file": None,
             "metrics": {},
@@ -227,9 +230,15 @@ def run_workbook(
                     finally:
                         if lines:
                             lines.stop()
-                        end_kernels(kernels)
+                        peak = end_kernels(kernels)
+                        entry["peak_rss_mb"] = round(peak / 2**20, 1) if peak is not None else None
                     error = f": {entry['error']}" if "error" in entry else ""
-                    print(f"      {entry['status']} in {entry['seconds']} s{error}", flush=True)
+                    rss = entry["peak_rss_mb"]
+                    memory = f", peak RSS {rss:,.0f} MiB" if rss is not None else ""
+                    print(
+                        f"      {entry['status']} in {entry['seconds']} s{memory}{error}",
+                        flush=True,
+                    )
                     entry["warning"] = (
                         entry["cpu_seconds"]
                         and slow_warning(
