@@ -17,7 +17,8 @@ run silently with the default). ``shared`` (a params file) is a recipe: each not
 it declares, and a notebook that declares ``overrides`` (it trains) gets the TrainConfig keys it
 does not declare in its ``overrides`` (a recipe's ``micro_batch``, ``lr``, ...); the keys a notebook
 does not take are listed in the summary; a key that is neither a parameter of a notebook of the
-workbook (the run's, and the ``NN_*.ipynb`` beside them) nor a TrainConfig key is an error.
+workbook (the run's, the ``NN_*.ipynb`` beside them, and those of the checkout's notebooks/ and
+papers/: one file such as params/workshop.yaml serves both) nor a TrainConfig key is an error.
 ``parameters`` win over ``shared``. A relative ``out_dir`` starts at the checkout's notebooks/
 folder (:func:`~ssmkit.workbook.params.resolve_out_dir`), as in the notebooks' own check. Notebooks
 run with their own folder as working directory, as in JupyterLab, on a kernel of the Python that
@@ -56,7 +57,7 @@ from .notebooks import (
     find_notebooks,
     read_notebook,
 )
-from .params import resolve_out_dir, route_parameters, workbook_parameters
+from .params import resolve_out_dir, route_parameters, workbook_folders, workbook_parameters
 from .progress import CellLines, slow_warning
 from .rundir import claim, previous_outputs, write_summary
 from .signals import Interrupted, StopOnSignals
@@ -155,7 +156,9 @@ def run_workbook(
         declared,
         parameters,
         shared,
-        workbook_parameters({p.parent for p in paths}) if shared else set(),
+        workbook_parameters({p.parent for p in paths} | set(workbook_folders()))
+        if shared
+        else set(),
     )
     timeout = (
         default_cell_timeout()

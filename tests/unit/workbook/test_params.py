@@ -195,14 +195,15 @@ def test_what_papermill_injected_is_compared_with_the_declared(monkeypatch, caps
         "overrides from papermill's parameters: micro_batch=8, lr=0.003" in capsys.readouterr().out
     )
     # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the
-    # parameters of the workbook's other notebooks (evals: 01's) are noted as not used
+    # parameters of the workbook's other notebooks and paper notes (evals: 01's, s4_steps:
+    # papers/01_s4's, as params/workshop.yaml holds both) are noted as not used
     seed_only = Parameters(Param("seed", 0, checks.integer, "seed", minimum=0))
-    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\n"
+    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\ns4_steps = 9\n"
     monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))
     assert seed_only.check({"seed": 1}) == {"seed": 1}
     assert (
         "not used by this notebook (parameters of other notebooks, or TrainConfig keys for "
-        "those that train): micro_batch=8, evals=2" in capsys.readouterr().out
+        "those that train): micro_batch=8, evals=2, s4_steps=9" in capsys.readouterr().out
     )
     # no injected cell (JupyterLab), or a cell that only looks like one: nothing to compare
     for history in [
