@@ -20,7 +20,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-__all__ = ["PeakRSS", "tree_rss"]
+__all__ = ["BINDER_MIB", "PeakRSS", "tree_rss"]
+
+BINDER_MIB = (
+    2048  # a free Binder session's memory: params/workshop.yaml keeps every notebook under it
+)
 
 INTERVAL = 0.2  # s between samples: ~1% of a core (a /proc scan), and a 200 MB step lasts longer
 
