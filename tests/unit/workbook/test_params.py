@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -287,3 +288,29 @@ def test_the_rule_states_its_threshold_once():
     assert params._hub_params("state-spaces/mamba-2.8b-hf") == 2_800_000_000
     assert params._hub_params("state-spaces/mamba-130m-hf") == 130_000_000
     assert params._hub_params("/ckpt/my-run") is None
+
+
+def test_the_workshop_profile_reaches_every_notebook_and_states_each_budget():
+    """params/workshop.yaml routes to a run of notebooks/ alone, of papers/ alone and of both (no
+    key refused), shrinks the micro-batch of every notebook that trains, and its budget table names
+    every notebook of notebooks/ (papers/ as one row) with a time and a peak RSS <= 2048 MiB."""
+    from ssmkit.workbook.memory import BINDER_MIB
+    from ssmkit.workbook.params import route_parameters, workbook_parameters
+
+    path = ROOT / "params" / "workshop.yaml"
+    shared = workbook.load_params_file(path)
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    papers = sorted((ROOT / "papers").glob("[0-9][0-9]_*.ipynb"))
+    for run in (notebooks, papers, notebooks + papers):
+        declared = {p: workbook.declared_parameters(p) for p in run}
+        values, _ = route_parameters(declared, {}, shared, workbook_parameters())
+        for p in run:
+            if "overrides" in declared[p]:
+                assert values[p]["overrides"]["micro_batch"] == shared["micro_batch"] < 8, p.name
+    rows = {
+        m[1]: (int(m[2]), int(m[3]))
+        for m in re.finditer(r"^# \| (\S+) +\| (\d+) s +\| (\d+) MiB", path.read_text(), re.M)
+    }
+    assert set(rows) == {p.stem for p in notebooks}, rows
+    assert all(0 < rss <= BINDER_MIB and seconds > 0 for seconds, rss in rows.values()), rows
+    assert re.search(r"^# \| papers/.*\| 2048 MiB", path.read_text(), re.M)
