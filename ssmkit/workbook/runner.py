@@ -17,8 +17,9 @@ run silently with the default). ``shared`` (a params file) is a recipe: each not
 it declares, and a notebook that declares ``overrides`` (it trains) gets the TrainConfig keys it
 does not declare in its ``overrides`` (a recipe's ``micro_batch``, ``lr``, ...); the keys a notebook
 does not take are listed in the summary; a key that is neither a parameter of a notebook of the
-workbook (the run's, the ``NN_*.ipynb`` beside them, and those of the checkout's notebooks/ and
-papers/: one file such as params/workshop.yaml serves both) nor a TrainConfig key is an error.
+workbook (the run's, the ``NN_*.ipynb`` beside them, and, for a run of the checkout's notebooks or
+notes, those of both notebooks/ and papers/: params/workshop.yaml serves both) nor a TrainConfig
+key is an error.
 ``parameters`` win over ``shared``. A relative ``out_dir`` starts at the checkout's notebooks/
 folder (:func:`~ssmkit.workbook.params.resolve_out_dir`), as in the notebooks' own check. Notebooks
 run with their own folder as working directory, as in JupyterLab, on a kernel of the Python that
@@ -103,6 +104,14 @@ def _checked_paths(notebooks) -> list[Path]:
     return paths
 
 
+def _folders(paths: list[Path]) -> set[Path]:
+    """The folders whose notebooks' parameters a params file may hold: the run's, and, for a run of
+    the checkout's workbook, both its notebooks/ and papers/ (:func:`workbook_folders`)."""
+    folders = {p.parent.resolve() for p in paths}
+    checkout = {f.resolve() for f in workbook_folders()}
+    return folders | checkout if folders & checkout else folders
+
+
 def _lock(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> DirLock:
     """Take ``out``'s lock and claim the names this run writes; any failure is one
     :class:`WorkbookError`."""
@@ -156,9 +165,7 @@ def run_workbook(
         declared,
         parameters,
         shared,
-        workbook_parameters({p.parent for p in paths} | set(workbook_folders()))
-        if shared
-        else set(),
+        workbook_parameters(_folders(paths)) if shared else set(),
     )
     timeout = (
         default_cell_timeout()

@@ -296,6 +296,7 @@ def test_the_workshop_profile_reaches_every_notebook_and_states_each_budget():
     every notebook of notebooks/ (papers/ as one row) with a time and a peak RSS <= 2048 MiB."""
     from ssmkit.workbook.memory import BINDER_MIB
     from ssmkit.workbook.params import route_parameters, workbook_parameters
+    from ssmkit.workbook.runner import _folders  # the folders run_workbook reads the names of
 
     path = ROOT / "params" / "workshop.yaml"
     shared = workbook.load_params_file(path)
@@ -303,7 +304,7 @@ def test_the_workshop_profile_reaches_every_notebook_and_states_each_budget():
     papers = sorted((ROOT / "papers").glob("[0-9][0-9]_*.ipynb"))
     for run in (notebooks, papers, notebooks + papers):
         declared = {p: workbook.declared_parameters(p) for p in run}
-        values, _ = route_parameters(declared, {}, shared, workbook_parameters())
+        values, _ = route_parameters(declared, {}, shared, workbook_parameters(_folders(run)))
         for p in run:
             if "overrides" in declared[p]:
                 assert values[p]["overrides"]["micro_batch"] == shared["micro_batch"] < 8, p.name
