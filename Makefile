@@ -19,7 +19,7 @@ OVERWRITE ?=
 # `make test` runs the suite on this many worker processes (pytest-xdist): one per core
 JOBS   ?= 2
 
-.PHONY: run papers test lint lab strip demo bench gpu-check env clean
+.PHONY: run papers workshop workshop-bundle test lint lab strip demo bench gpu-check env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ run: $(STAMP)            ## run every notebooks/NN_*.ipynb headless on CPU defau
 papers: $(STAMP)         ## run every papers/NN_*.ipynb (the companion notes) headless on CPU defaults into runs/papers-<timestamp>/
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run papers/[0-9][0-9]_*.ipynb --out runs/papers-$(RUN) $(if $(OVERWRITE),--overwrite); \
 	status=$$?; $(PY) -m ssmkit.papers --report runs/papers-$(RUN); exit $$status
+
+workshop: $(STAMP)       ## notebooks and paper notes on params/workshop.yaml (each <= 2 GB peak RSS: Binder-sized) into runs/workshop-<timestamp>/
+	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.cli workbook run notebooks/[0-9][0-9]_*.ipynb papers/[0-9][0-9]_*.ipynb -f params/workshop.yaml --out runs/workshop-$(RUN) $(if $(OVERWRITE),--overwrite)
+
+workshop-bundle: $(STAMP) ## dist/workshop-bundle/: a wheelhouse (downloaded: needs the network once), the source and install.sh for a room without one
+	$(PY) scripts/workshop_bundle.py --out dist/workshop-bundle
 
 test: lint               ## lint, then the whole test suite (CPU, offline), notebooks included; slowest 15 last
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(JOBS) --dist worksteal

@@ -31,7 +31,8 @@ Modules, in the order a reader meets them:
   :mod:`~ssmkit.workbook.progress`: its line per cell and the slow-run warning;
 * :mod:`~ssmkit.workbook.rundir`: the run directory's record and :func:`write_summary`;
 * :mod:`~ssmkit.workbook.signals` (SIGINT / SIGTERM -> :class:`Interrupted`) and
-  :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends);
+  :mod:`~ssmkit.workbook.kernels` (the Jupyter kernels a run starts and ends, their peak memory
+  sampled by :mod:`~ssmkit.workbook.memory`);
 * :mod:`~ssmkit.workbook.cli`: :func:`main`, ``ssmkit workbook run|strip|build``.
 
 papermill, matplotlib and the Jupyter machinery are imported only when a notebook is run; the

@@ -1,6 +1,7 @@
 """The Jupyter kernels a run starts: ipykernel on this interpreter by default, checked by name
 otherwise, and shut down so that none outlives its notebook (after a timeout, Ctrl-C or SIGTERM
-too).
+too). While a kernel runs, its peak RSS (with its children's) is sampled
+(:class:`~ssmkit.workbook.memory.PeakRSS`); :func:`end_kernels` returns it.
 
 jupyter_client, ipykernel and zmq are imported only here, and only when a notebook runs.
 """
@@ -12,6 +13,7 @@ import os
 import sys
 import tempfile
 
+from .memory import PeakRSS
 from .notebooks import WorkbookError
 
 __all__ = ["check_kernel", "end_kernels", "kernel_manager_class"]
@@ -38,7 +40,8 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
     lets the interrupted cell answer before asking the kernel to exit (after a timeout, Ctrl-C,
     SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket;
     the kernel's own stderr goes to a temporary file, and only what it wrote before it was asked
-    to stop is shown (:func:`_replay`): the rest of that noise, still seen after timeouts."""
+    to stop is shown (:func:`_replay`): the rest of that noise, still seen after timeouts. Each
+    kernel's memory is sampled from its start to its shutdown (``peak_rss``: bytes or None)."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -47,6 +50,7 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             started.append(self)
+            self.sampler, self.peak_rss = None, None
             # jupyter_client >= 8.7: CurveZMQ
             if not kernel_name and "transport_encryption" in self.trait_names():
                 import zmq
@@ -67,8 +71,16 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
                 self._log = tempfile.TemporaryFile()
                 kw["stderr"] = self._log
             await super().start_kernel(**kw)
+            pid = getattr(self.provisioner, "pid", None)  # a local kernel's process
+            self.sampler = PeakRSS(pid).start() if pid else None
+
+        def stop_sampling(self) -> None:
+            if self.sampler is not None:
+                peak, self.sampler = self.sampler.stop(), None
+                self.peak_rss = max(peak, self.peak_rss or 0) if peak is not None else self.peak_rss
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
+            self.stop_sampling()
             log = getattr(self, "_log", None)
             kept = os.fstat(log.fileno()).st_size if log is not None else 0
             if self.has_kernel and not now:
@@ -97,11 +109,12 @@ def _replay(log, size: int) -> None:
         sys.stderr.flush()
 
 
-def end_kernels(started: list) -> None:
+def end_kernels(started: list) -> int | None:
     """Kill the kernels of ``started`` still alive (a signal cut nbclient's own shutdown short);
-    empties the list."""
+    empties the list. Returns the largest peak RSS of those kernels in bytes (None: unmeasured)."""
     from jupyter_core.utils import run_sync
 
+    peaks = []
     while started:
         km = started.pop()
         try:
@@ -109,3 +122,7 @@ def end_kernels(started: list) -> None:
                 run_sync(km.shutdown_kernel)(now=True)
         except Exception:  # already gone
             pass
+        km.stop_sampling()
+        if km.peak_rss is not None:
+            peaks.append(km.peak_rss)
+    return max(peaks, default=None)

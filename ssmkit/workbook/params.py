@@ -30,9 +30,9 @@ Rules, the same under ``ssmkit workbook run``, plain ``papermill`` and JupyterLa
 * under plain papermill, a name papermill injected that the notebook does not declare stops the run
   (papermill only warns "Passed unknown parameter" and goes on with the defaults), except
   TrainConfig keys, which join ``overrides`` (so ``-f params/gpu-a100.yaml`` works with papermill
-  and with ``ssmkit workbook run`` alike), and parameters of the workbook's other notebooks (a
-  workbook-wide file such as ``params/cpu.yaml``), which are noted as not used
-  (:func:`injected_parameters`);
+  and with ``ssmkit workbook run`` alike), and parameters of the workbook's other notebooks and
+  paper notes (a workbook-wide file such as ``params/cpu.yaml`` or ``params/workshop.yaml``), which
+  are noted as not used (:func:`injected_parameters`, :func:`workbook_folders`);
 * a notebook that trains declares ``allow_cpu``: when ``device`` resolved to cpu and the training
   its values ask for would take more than :data:`CPU_HOURS` on a CPU (:func:`check_cpu_sized`), the
   check stops it (a GPU recipe on a CPU-only machine), unless ``allow_cpu`` is True;
@@ -83,6 +83,7 @@ __all__ = [
     "resolve_out_dir",
     "route_parameters",
     "train_keys",
+    "workbook_folders",
     "workbook_parameters",
 ]
 
@@ -478,11 +479,17 @@ def check_overrides(value, name: str = "overrides", parameters=()) -> dict:
     return dict(value)
 
 
+def workbook_folders() -> list[Path]:
+    """The workbook's folders: :func:`notebooks_dir` and the checkout's ``papers/`` (the companion
+    notes), so that one params file (``params/workshop.yaml``) holds the keys of both."""
+    return [notebooks_dir(), PROJECT_ROOT / "papers"]
+
+
 def workbook_parameters(folders=None) -> set[str]:
     """The names the workbook's notebooks declare: every ``NN_*.ipynb`` in ``folders`` (default:
-    :func:`notebooks_dir`); an unreadable notebook adds none."""
+    :func:`workbook_folders`); an unreadable notebook adds none."""
     names = set()
-    for folder in folders or [notebooks_dir()]:
+    for folder in folders or workbook_folders():
         for path in sorted(Path(folder).glob("[0-9][0-9]_*.ipynb")):
             try:
                 names |= set(declared_parameters(path))

@@ -121,10 +121,10 @@ def _link(path: str, out: Path) -> str:
 def write_summary(summary: dict, out: str | Path) -> Path:
     """``out/summary.md`` and ``out/summary.json``; returns the .md path.
 
-    summary.md: a table of the notebooks (status, time, stated CPU time), a warning for each CPU run
-    that took far longer than stated, then per notebook its metrics as a table (name, value, unit:
-    :func:`unit`) and links to the figures it wrote, a section per failed or interrupted notebook,
-    and the parameters.
+    summary.md: a table of the notebooks (status, time, stated CPU time, peak RSS: the kernel's and
+    its children's, sampled), a warning for each CPU run that took far longer than stated, then per
+    notebook its metrics as a table (name, value, unit: :func:`unit`) and links to the figures it
+    wrote, a section per failed or interrupted notebook, and the parameters.
     """
     out = Path(out)
     counts = Counter(e["status"] for e in summary["notebooks"])
@@ -137,13 +137,15 @@ def write_summary(summary: dict, out: str | Path) -> Path:
         "",
         f"Started {summary['started']}, finished {summary.get('finished', '?')}; {tally}.{stopped}",
         "",
-        "| notebook | status | time (s) | stated CPU time (s) |",
-        "|---|---|---|---|",
+        "| notebook | status | time (s) | stated CPU time (s) | peak RSS (MiB) |",
+        "|---|---|---|---|---|",
     ]
     for e in summary["notebooks"]:
         stated = f"~{e['cpu_seconds']:g}" if e.get("cpu_seconds") else "–"
+        rss = e.get("peak_rss_mb")
         rows.append(
-            f"| {Path(e['notebook']).name} | {e['status']} | {_fmt(e['seconds'])} | {stated} |"
+            f"| {Path(e['notebook']).name} | {e['status']} | {_fmt(e['seconds'])} | {stated} "
+            f"| {'–' if rss is None else f'{rss:,.0f}'} |"
         )
     warnings = [e["warning"] for e in summary["notebooks"] if e.get("warning")]
     if warnings:

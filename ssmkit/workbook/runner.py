@@ -6,7 +6,9 @@ Each executed copy lands in ``out/``; each notebook that declares ``out_dir`` ge
 ``out/<stem>/`` (unless given) for its figures and ``metrics.json``. The summary
 (:func:`~ssmkit.workbook.rundir.write_summary`) lists each notebook's status (ok, failed,
 interrupted, not run), wall time and key metrics, read from a ``metrics.json`` the notebook wrote
-in this run, never a stale one. A failing notebook is reported with its cell and error; the others
+in this run, never a stale one, and its peak memory: the largest resident set size of its kernel and
+the kernel's children, sampled (:mod:`~ssmkit.workbook.memory`; ``peak_rss_mb``, MiB). A failing
+notebook is reported with its cell and error; the others
 still run.
 
 Parameters (:func:`~ssmkit.workbook.params.route_parameters`). ``parameters`` are explicit: a key
@@ -15,7 +17,9 @@ run silently with the default). ``shared`` (a params file) is a recipe: each not
 it declares, and a notebook that declares ``overrides`` (it trains) gets the TrainConfig keys it
 does not declare in its ``overrides`` (a recipe's ``micro_batch``, ``lr``, ...); the keys a notebook
 does not take are listed in the summary; a key that is neither a parameter of a notebook of the
-workbook (the run's, and the ``NN_*.ipynb`` beside them) nor a TrainConfig key is an error.
+workbook (the run's, the ``NN_*.ipynb`` beside them, and, for a run of the checkout's notebooks or
+notes, those of both notebooks/ and papers/: params/workshop.yaml serves both) nor a TrainConfig
+key is an error.
 ``parameters`` win over ``shared``. A relative ``out_dir`` starts at the checkout's notebooks/
 folder (:func:`~ssmkit.workbook.params.resolve_out_dir`), as in the notebooks' own check. Notebooks
 run with their own folder as working directory, as in JupyterLab, on a kernel of the Python that
@@ -54,7 +58,7 @@ from .notebooks import (
     find_notebooks,
     read_notebook,
 )
-from .params import resolve_out_dir, route_parameters, workbook_parameters
+from .params import resolve_out_dir, route_parameters, workbook_folders, workbook_parameters
 from .progress import CellLines, slow_warning
 from .rundir import claim, previous_outputs, write_summary
 from .signals import Interrupted, StopOnSignals
@@ -98,6 +102,14 @@ def _checked_paths(notebooks) -> list[Path]:
     if len(set(stems)) != len(stems):
         raise WorkbookError(f"two notebooks share a name: {', '.join(stems)}")
     return paths
+
+
+def _folders(paths: list[Path]) -> set[Path]:
+    """The folders whose notebooks' parameters a params file may hold: the run's, and, for a run of
+    the checkout's workbook, both its notebooks/ and papers/ (:func:`workbook_folders`)."""
+    folders = {p.parent.resolve() for p in paths}
+    checkout = {f.resolve() for f in workbook_folders()}
+    return folders | checkout if folders & checkout else folders
 
 
 def _lock(out: Path, files: list[str], dirs: list[str], overwrite: bool) -> DirLock:
@@ -153,7 +165,7 @@ def run_workbook(
         declared,
         parameters,
         shared,
-        workbook_parameters({p.parent for p in paths}) if shared else set(),
+        workbook_parameters(_folders(paths)) if shared else set(),
     )
     timeout = (
         default_cell_timeout()
@@ -181,6 +193,7 @@ def run_workbook(
             "executed": None,
             "parameters": values[p],
             "seconds": None,
+            "peak_rss_mb": None,
             "cpu_seconds": _stated_cpu_seconds(p),
             "metrics_file": None,
             "metrics": {},
@@ -227,9 +240,15 @@ def run_workbook(
                     finally:
                         if lines:
                             lines.stop()
-                        end_kernels(kernels)
+                        peak = end_kernels(kernels)
+                        entry["peak_rss_mb"] = round(peak / 2**20, 1) if peak is not None else None
                     error = f": {entry['error']}" if "error" in entry else ""
-                    print(f"      {entry['status']} in {entry['seconds']} s{error}", flush=True)
+                    rss = entry["peak_rss_mb"]
+                    memory = f", peak RSS {rss:,.0f} MiB" if rss is not None else ""
+                    print(
+                        f"      {entry['status']} in {entry['seconds']} s{memory}{error}",
+                        flush=True,
+                    )
                     entry["warning"] = (
                         entry["cpu_seconds"]
                         and slow_warning(

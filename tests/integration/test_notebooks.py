@@ -11,8 +11,8 @@ ssmkit's public API (and the notebook's chapter) only; no functions or classes d
 (they belong in the library); short cells. Execution: each notebook under papermill on CPU with
 params/ci.yaml (the keys it declares; a notebook that trains gets the file's TrainConfig keys
 through its ``overrides``, and they reach the run's config.yaml), failing on any cell error, writing
-out_dir/metrics.json; and a bad ``device`` stops it in the first cell after the parameters with
-ssmkit's error.
+out_dir/metrics.json, its peak RSS within a Binder session's 2 GB; and a bad ``device`` stops it
+in the first cell after the parameters with ssmkit's error.
 
 New notebooks are picked up automatically; params/ci.yaml holds their small CI parameters.
 """
@@ -31,6 +31,7 @@ pytest.importorskip("papermill")
 from helpers import ROOT  # noqa: E402
 
 from ssmkit import workbook  # noqa: E402
+from ssmkit.workbook.memory import BINDER_MIB  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
@@ -194,6 +195,10 @@ def test_runs_under_papermill(path, tmp_path):
     assert entry["metrics_file"], "the notebook must write out_dir/metrics.json"
     assert entry["metrics_file"].startswith(str((tmp_path / "run").resolve())), (
         "metrics.json outside out_dir"
+    )
+    assert entry["peak_rss_mb"] is not None and entry["peak_rss_mb"] <= BINDER_MIB, (
+        f"{path.name}: peak RSS {entry['peak_rss_mb']} MiB with CI parameters; the workshop "
+        f"budget is {BINDER_MIB} MiB (a free Binder session)"
     )
     declared = workbook.declared_parameters(path)
     if "overrides" in declared:  # it trains: ci.yaml's TrainConfig keys reach every run it trains

@@ -19,6 +19,7 @@ from helpers import ROOT  # noqa: E402
 from ssmkit import workbook  # noqa: E402
 from ssmkit.papers import index, note_names, note_of  # noqa: E402
 from ssmkit.workbook.chapters import parameters_cell  # noqa: E402
+from ssmkit.workbook.memory import BINDER_MIB  # noqa: E402
 
 NOTES = sorted((ROOT / "papers").glob("[0-9][0-9]_*.ipynb"))
 IDS = [p.stem for p in NOTES]
@@ -102,6 +103,9 @@ def test_runs_under_papermill_with_every_claim_checked(path, tmp_path):
     assert entry["status"] == "ok", (
         f"{path.name} failed at cell {entry.get('cell')}:\n{entry.get('source')}\n"
         f"{entry.get('error')}"
+    )
+    assert entry["peak_rss_mb"] is not None and entry["peak_rss_mb"] <= BINDER_MIB, (
+        f"{path.name}: peak RSS {entry['peak_rss_mb']} MiB, over a Binder session's {BINDER_MIB}"
     )
     records = json.loads((tmp_path / "run" / path.stem / "claims.json").read_text())
     assert [r["id"] for r in records] == [c.id for c in note_of(path).CLAIMS]

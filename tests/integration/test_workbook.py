@@ -330,6 +330,40 @@ def test_summary_units_figures_slow_warning_and_kernel_env(tmp_path, monkeypatch
     )  # relative to summary.md
 
 
+MIB = 2**20
+
+
+def test_peak_rss_of_the_kernel_and_its_children(tmp_path, capsys):
+    """Each notebook's peak RSS is recorded (summary.json, summary.md's column, the terminal line):
+    200 MiB allocated and freed again in the kernel (between two samples: the kernel's high-water
+    mark catches it) and 200 MiB held by a child process for 1.5 s each show as 200 MiB more than a
+    notebook that allocates nothing, within 40 MiB (allocator slack, an imported module)."""
+    spend = "import subprocess, sys, time\nb = b'1' * (200 * 2**20)\ndel b"
+    child = (
+        "import subprocess, sys\nsubprocess.run([sys.executable, '-c', "
+        "'import time; b = bytes(1) * (200 * 2**20); time.sleep(1.5)'], check=True)"
+    )
+    paths = [
+        make_notebook(tmp_path / "nb" / f"{name}.ipynb", "x = 1", cell)
+        for name, cell in [
+            ("01_idle", "import subprocess, sys, time"),
+            ("02_spend", spend),
+            ("03_child", child),
+        ]
+    ]
+    summary = workbook.run_workbook(paths, out=tmp_path / "run", quiet=True)
+    assert [e["status"] for e in summary["notebooks"]] == ["ok"] * 3, summary
+    recorded = json.loads((tmp_path / "run" / "summary.json").read_text())
+    idle, spend, child = (e["peak_rss_mb"] for e in recorded["notebooks"])
+    assert 20 < idle < 400, idle  # a Python with IPython loaded
+    assert abs(spend - idle - 200) < 40, (idle, spend)
+    assert abs(child - idle - 200) < 40 + 15, (idle, child)  # + the child interpreter itself
+    md = (tmp_path / "run" / "summary.md").read_text()
+    assert "| peak RSS (MiB) |" in md
+    assert re.search(rf"\| 02_spend.ipynb \| ok \| [\d.]+ \| – \| {spend:,.0f} \|", md), md
+    assert f"peak RSS {spend:,.0f} MiB" in capsys.readouterr().out
+
+
 def test_cell_lines_name_each_cell_and_a_long_one_while_it_runs():
     import io
     import time

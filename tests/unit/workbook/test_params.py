@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -195,14 +196,15 @@ def test_what_papermill_injected_is_compared_with_the_declared(monkeypatch, caps
         "overrides from papermill's parameters: micro_batch=8, lr=0.003" in capsys.readouterr().out
     )
     # a notebook that does not train, given a workbook-wide file: TrainConfig keys and the
-    # parameters of the workbook's other notebooks (evals: 01's) are noted as not used
+    # parameters of the workbook's other notebooks and paper notes (evals: 01's, s4_steps:
+    # papers/01_s4's, as params/workshop.yaml holds both) are noted as not used
     seed_only = Parameters(Param("seed", 0, checks.integer, "seed", minimum=0))
-    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\n"
+    injected = "# Parameters\nseed = 1\nmicro_batch = 8\nevals = 2\ns4_steps = 9\n"
     monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell("seed = 0", injected))
     assert seed_only.check({"seed": 1}) == {"seed": 1}
     assert (
         "not used by this notebook (parameters of other notebooks, or TrainConfig keys for "
-        "those that train): micro_batch=8, evals=2" in capsys.readouterr().out
+        "those that train): micro_batch=8, evals=2, s4_steps=9" in capsys.readouterr().out
     )
     # no injected cell (JupyterLab), or a cell that only looks like one: nothing to compare
     for history in [
@@ -286,3 +288,30 @@ def test_the_rule_states_its_threshold_once():
     assert params._hub_params("state-spaces/mamba-2.8b-hf") == 2_800_000_000
     assert params._hub_params("state-spaces/mamba-130m-hf") == 130_000_000
     assert params._hub_params("/ckpt/my-run") is None
+
+
+def test_the_workshop_profile_reaches_every_notebook_and_states_each_budget():
+    """params/workshop.yaml routes to a run of notebooks/ alone, of papers/ alone and of both (no
+    key refused), shrinks the micro-batch of every notebook that trains, and its budget table names
+    every notebook of notebooks/ (papers/ as one row) with a time and a peak RSS <= 2048 MiB."""
+    from ssmkit.workbook.memory import BINDER_MIB
+    from ssmkit.workbook.params import route_parameters, workbook_parameters
+    from ssmkit.workbook.runner import _folders  # the folders run_workbook reads the names of
+
+    path = ROOT / "params" / "workshop.yaml"
+    shared = workbook.load_params_file(path)
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    papers = sorted((ROOT / "papers").glob("[0-9][0-9]_*.ipynb"))
+    for run in (notebooks, papers, notebooks + papers):
+        declared = {p: workbook.declared_parameters(p) for p in run}
+        values, _ = route_parameters(declared, {}, shared, workbook_parameters(_folders(run)))
+        for p in run:
+            if "overrides" in declared[p]:
+                assert values[p]["overrides"]["micro_batch"] == shared["micro_batch"] < 8, p.name
+    rows = {
+        m[1]: (int(m[2]), int(m[3]))
+        for m in re.finditer(r"^# \| (\S+) +\| (\d+) s +\| (\d+) MiB", path.read_text(), re.M)
+    }
+    assert set(rows) == {p.stem for p in notebooks}, rows
+    assert all(0 < rss <= BINDER_MIB and seconds > 0 for seconds, rss in rows.values()), rows
+    assert re.search(r"^# \| papers/.*\| 2048 MiB", path.read_text(), re.M)
