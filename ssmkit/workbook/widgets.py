@@ -30,14 +30,14 @@ checked in this order, and "live" otherwise:
 1. ``$SSMKIT_WIDGETS`` is "static" (or "live", which forces sliders); unset or "auto": go on;
 2. not in a Jupyter kernel (a terminal, plain Python, pytest);
 3. ipywidgets is not installed;
-4. papermill injected parameters into this kernel (a plain ``papermill -p ...`` run; see
-   :func:`ssmkit.workbook.params.injected_parameters`);
-5. ``$SSMKIT_PROGRESS`` is "text": the mark of a headless kernel that ``ssmkit workbook run`` /
-   ``make run`` start (:data:`ssmkit.workbook.runner.KERNEL_ENV`), which a notebook's parameter
-   check also sets under papermill.
+4. the cell being run came from a client that cannot answer ``input()``: every execute request
+   says whether it may (``allow_stdin``); JupyterLab, Notebook and VS Code send True, nbclient --
+   under papermill, nbconvert and ``ssmkit workbook run`` -- sends False. Unlike a parameters
+   cell papermill injected, this holds for a parameterized notebook opened in JupyterLab (live)
+   and for a papermill run without parameters (static).
 
-A plain papermill run *without* parameters is the one headless case these signals miss; set
-``SSMKIT_WIDGETS=static`` there. Static: the figure is drawn for a few slider values side by side
+A frontend that runs cells without stdin and still renders widgets (Voila) needs
+``SSMKIT_WIDGETS=live``. Static: the figure is drawn for a few slider values side by side
 (the first slider at its low end, its start and its high end, the others at their start; or the
 values ``static=`` lists), with one printed line saying so. Live: an ``ipywidgets.interactive``
 whose own output area draws the starting figure at once (saved with the widget state), displayed
@@ -77,6 +77,14 @@ __all__ = [
 # --- live or static -------------------------------------------------------------------------------
 
 
+def _frontend_present() -> bool:
+    """Whether the cell being run came from a frontend (its execute request allows stdin)."""
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    return bool(getattr(kernel, "_allow_stdin", False))
+
+
 def widget_mode() -> tuple[str, str]:
     """("live" | "static", why): whether sliders can move here (the module docstring's rule)."""
     asked = os.environ.get(WIDGETS_ENV, "").strip().lower() or "auto"
@@ -93,12 +101,8 @@ def widget_mode() -> tuple[str, str]:
         import ipywidgets  # noqa: F401
     except ImportError:
         return "static", "ipywidgets is not installed"
-    from .params import injected_parameters
-
-    if injected_parameters() is not None:
-        return "static", "a papermill run"
-    if os.environ.get("SSMKIT_PROGRESS", "").strip().lower() == "text":
-        return "static", "a headless kernel (SSMKIT_PROGRESS=text)"
+    if not _frontend_present():
+        return "static", "a headless run (no frontend: papermill, nbclient)"
     return "live", "a Jupyter kernel"
 
 

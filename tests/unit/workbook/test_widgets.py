@@ -145,20 +145,20 @@ def test_auto_mode_is_static_outside_a_kernel_and_under_the_env(monkeypatch):
         widgets.widget_mode()
 
 
-def test_in_a_kernel_papermill_and_headless_runs_are_static(monkeypatch):
+def test_in_a_kernel_only_a_frontends_request_is_live(monkeypatch):
+    """The mode follows the execute request: JupyterLab's allows stdin (live), nbclient's --
+    papermill, ssmkit workbook run -- does not (static), parameters injected or not."""
     pytest.importorskip("ipywidgets")
-    from ssmkit.workbook import params
-
     monkeypatch.delenv(widgets.WIDGETS_ENV, raising=False)
-    monkeypatch.delenv("SSMKIT_PROGRESS", raising=False)
     monkeypatch.setattr(widgets, "_in_kernel", lambda: True)
-    monkeypatch.setattr(params, "injected_parameters", lambda: None)
+    kernel = type("Kernel", (), {"_allow_stdin": True})()
+    shell = type("Shell", (), {"kernel": kernel})()
+    monkeypatch.setattr("IPython.get_ipython", lambda: shell)
     assert widgets.widget_mode() == ("live", "a Jupyter kernel")  # JupyterLab
-    monkeypatch.setenv("SSMKIT_PROGRESS", "text")  # ssmkit workbook run's kernels
+    kernel._allow_stdin = False  # nbclient: papermill, ssmkit workbook run
+    assert widgets.widget_mode() == ("static", "a headless run (no frontend: papermill, nbclient)")
+    monkeypatch.setattr("IPython.get_ipython", lambda: None)
     assert widgets.widget_mode()[0] == "static"
-    monkeypatch.delenv("SSMKIT_PROGRESS")
-    monkeypatch.setattr(params, "injected_parameters", lambda: {"seed": 1})  # papermill -p
-    assert widgets.widget_mode() == ("static", "a papermill run")
 
 
 def test_live_path_builds_sliders_whose_change_redraws():
