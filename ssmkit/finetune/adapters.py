@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..hub.load import check_finite
 from ..io import read_json, write_atomically
 from ..models import ModelConfig
 from .lora import _peft, apply_lora, check_values
@@ -132,6 +133,14 @@ def read_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Te
         raise ValueError(
             f"{directory / ADAPTER_WEIGHTS} cannot be read ({type(exc).__name__}: {exc})"
         ) from None
+    for name, tensor in tensors.items():  # LoRA's A and B are floats, and finite
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(
+                f"{directory / ADAPTER_WEIGHTS}: {name} has dtype "
+                f"{str(tensor.dtype).removeprefix('torch.')}; a LoRA adapter's tensors are "
+                "floating point (float32, bfloat16, float16)"
+            )
+        check_finite(name, tensor, directory / ADAPTER_WEIGHTS)
     return config, tensors
 
 

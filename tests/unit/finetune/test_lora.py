@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -497,6 +498,35 @@ def test_an_edited_adapter_config_is_refused_naming_the_file_and_field(tmp_path,
     path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
     with pytest.raises(ValueError, match=f"^{path}: {words}") as err:
         load_adapter(tiny("mamba1"), tmp_path / "adapter")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        ("int64", r"has dtype int64; a LoRA adapter's tensors are floating point"),
+        ("int8", r"has dtype int8; a LoRA adapter's tensors are floating point"),
+        ("nan", r"holds 1 NaN or infinite value of \d+"),
+        ("inf", r"holds 1 NaN or infinite value of \d+"),
+    ],
+)
+def test_an_adapter_with_integer_or_non_finite_tensors_is_refused(tmp_path, fault, words):
+    """Fault injected: one tensor of adapter_model.safetensors rewritten as integers (before: cast
+    to float without a word) or with a NaN / inf (before: NaN logits)."""
+    from safetensors.torch import load_file, save_file
+
+    save_adapter(apply_lora(tiny("mamba1"), r=4, target_modules=["in_proj"]), tmp_path / "a")
+    path = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    if fault in ("int64", "int8"):
+        tensors[name] = tensors[name].round().to(getattr(torch, fault))
+    else:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float(fault)
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match=f"^{path}: (weight )?{re.escape(name)} {words}") as err:
+        load_adapter(tiny("mamba1"), tmp_path / "a")
     assert "\n" not in str(err.value)
 
 
