@@ -38,7 +38,7 @@ from torch import nn
 from ..hub.load import check_finite
 from ..io import read_json, write_atomically
 from ..models import ModelConfig
-from .lora import _peft, apply_lora, check_values
+from .lora import _peft, apply_lora, check_config_values
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -163,14 +163,7 @@ def load_adapter(
         raise ValueError(f"{Path(directory) / ADAPTER_CONFIG}: {exc}") from None
     # peft takes any value here (r 4.5, lora_alpha "8" or -8) and fails later, or silently
     # computes another update: the checks lora_config makes, naming the file
-    check_values(
-        config.r,
-        config.lora_alpha,
-        config.lora_dropout,
-        getattr(config, "rank_pattern", None) or None,
-        getattr(config, "alpha_pattern", None) or None,
-        where=str(Path(directory) / ADAPTER_CONFIG),
-    )
+    check_config_values(config, where=str(Path(directory) / ADAPTER_CONFIG))
     config.inference_mode = not trainable
     lora = apply_lora(model, config=config, adapter_name=adapter_name)
     expected = {k: tuple(v.shape) for k, v in adapter_state(lora, adapter_name).items()}

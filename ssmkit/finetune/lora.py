@@ -198,6 +198,18 @@ def check_values(r, alpha, dropout, rank_pattern=None, alpha_pattern=None, where
         raise ValueError(f"{pre}{exc}") from None
 
 
+def check_config_values(config, where: str = "") -> None:
+    """:func:`check_values` on a ready ``LoraConfig`` (its rank and alpha patterns too)."""
+    check_values(
+        config.r,
+        config.lora_alpha,
+        config.lora_dropout,
+        getattr(config, "rank_pattern", None) or None,
+        getattr(config, "alpha_pattern", None) or None,
+        where=where,
+    )
+
+
 def _untie_if_touched(model: MambaLM, targets: list[str]):
     """Give lm_head its own copy of a tied embedding matrix when either side gets an adapter (see
     the module docstring); the copy keeps the embedding's requires_grad."""
@@ -288,13 +300,7 @@ def apply_lora(
     elif getattr(config, "use_dora", False):
         raise ValueError("use_dora=True: only plain LoRA is supported (see lora_config)")
     else:  # a ready LoraConfig: the numbers lora_config would have checked
-        check_values(
-            config.r,
-            config.lora_alpha,
-            config.lora_dropout,
-            getattr(config, "rank_pattern", None) or None,
-            getattr(config, "alpha_pattern", None) or None,
-        )
+        check_config_values(config)
     targets = config.target_modules
     targets = (
         [targets] if isinstance(targets, str) else None if targets is None else sorted(targets)
