@@ -42,7 +42,7 @@ def _(attn_layers, attn_share, n_layer=24, attn_every=8):
 HYBRID = dict(d_model=64, n_layer=4, vocab_size=256, attn_every=4, attn_offset=2)
 
 
-def cache_bytes(seq_len: int) -> tuple[int, int]:
+def _cache_split(seq_len: int) -> tuple[int, int]:
     """(bytes of the SSM layers' states, bytes of the attention layers' keys and values) that the
     exercise's hybrid holds after a prefill of ``seq_len`` tokens, batch 1, fp32: measured on the
     model's own cache."""
@@ -68,7 +68,7 @@ def cache_bytes(seq_len: int) -> tuple[int, int]:
     wrong={"ssm_bytes": 3 * 128 * 16 * 4, "kv_bytes": 1024 * 64 * 4},
 )
 def _(ssm_bytes, kv_bytes, seq_len=1024):
-    ssm, kv = cache_bytes(seq_len)
+    ssm, kv = _cache_split(seq_len)
     if ssm_bytes * (16 + 4) == ssm * 16:
         return "ssm_bytes: the state h, yes; each Mamba layer also keeps its conv's last inputs"
     if ssm_bytes != ssm:
