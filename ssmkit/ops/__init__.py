@@ -55,7 +55,13 @@ from .lti import (
 from .mamba3 import mamba3_chunked, mamba3_quadratic, mamba3_scan, mamba3_step
 from .mamba3_ref import Mamba3States, a_activation, heavy_tail, mamba3_reference, rope_angles
 from .norm import rms_norm, rms_norm_gated
-from .packing import cu_seqlens, positions_in_sample, seq_idx_from_position_ids
+from .packing import (
+    cu_seqlens,
+    positions_in_sample,
+    sample_numbers,
+    sample_spans,
+    seq_idx_from_position_ids,
+)
 from .s6 import selective_scan, selective_scan_reference, selective_scan_torch
 from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
@@ -109,5 +115,7 @@ __all__ = [
     "vandermonde",
     "cu_seqlens",
     "positions_in_sample",
+    "sample_numbers",
+    "sample_spans",
     "seq_idx_from_position_ids",
 ]

@@ -26,6 +26,13 @@ supported: give padding a sample index of its own (and labels -100). The kernels
 int32; any integer dtype is accepted here. Glossary: ``reset`` (batch, seqlen) bool, the state is
 zeroed before position t; ``segment`` (batch, seqlen), the number of resets up to t: segment 0
 continues the initial state, positions of one segment are one sample.
+
+Per-sample states (mamba_ssm's varlen ``initial_states`` / ``return_varlen_states``, causal-conv1d's
+``initial_states`` / ``return_final_states``): the samples of a packed batch are numbered 0..n-1 in
+row-major order, a new number at every row start and every change of ``seq_idx`` (the order of
+:func:`cu_seqlens`); :func:`sample_spans` gives each one's row and positions and
+:func:`sample_numbers` each position's number. An op given one state per sample starts every sample
+from its own state and can return every sample's final state.
 """
 
 from __future__ import annotations
@@ -88,6 +95,36 @@ def cu_seqlens(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
+def sample_numbers(seq_idx: torch.Tensor) -> torch.Tensor:
+    """(batch, seqlen) int64: the number of the packed sample each position belongs to, counted
+    over the whole batch in row-major order (0..n-1; a row start always begins a new sample), the
+    numbering of :func:`cu_seqlens` and of per-sample states."""
+    first = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0), value=True)
+    return first.reshape(-1).long().cumsum(0).reshape(seq_idx.shape) - 1
+
+
+def sample_spans(seq_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each packed sample lies: ``(row, start, end)``, three (n_samples,) int64 tensors in the
+    numbering of :func:`sample_numbers`; sample i is ``seq_idx[row[i], start[i]:end[i]]`` (end
+    exclusive). Reads the values (a GPU sync)."""
+    L = seq_idx.shape[1]
+    cu = cu_seqlens(seq_idx).long()
+    begin, stop = cu[:-1], cu[1:]
+    return begin // L, begin % L, (stop - 1) % L + 1
+
+
+def check_sample_states(states, n_samples: int, shape: tuple, name: str = "initial_sample_states"):
+    """``states`` must be a tensor (n_samples, *shape): one state per packed sample; a ValueError
+    names what it got."""
+    want = (n_samples, *shape)
+    if not isinstance(states, torch.Tensor) or tuple(states.shape) != want:
+        got = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
+        raise ValueError(
+            f"{name} must be one state per packed sample, {want} (n_samples={n_samples} "
+            f"from seq_idx, row-major); got {got}"
+        )
+
+
 def seq_idx_from_position_ids(position_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """seq_idx (batch, seqlen) int32 from position ids that restart at ``start`` for every packed
     sample (as transformers' ``DataCollatorWithFlattening`` writes them, ``position_ids_start`` 0 by
@@ -115,10 +152,13 @@ def seq_idx_from_position_ids(position_ids: torch.Tensor, start: int = 0) -> tor
 
 
 __all__ = [
+    "check_sample_states",
     "check_seq_idx",
     "cu_seqlens",
     "positions_in_sample",
     "resets",
+    "sample_numbers",
+    "sample_spans",
     "segments",
     "seq_idx_from_position_ids",
 ]

@@ -124,6 +124,18 @@ def test_resets_segments_positions_and_cu_seqlens():
     assert cu.dtype == torch.int32 and cu.tolist() == starts + [B_ * L_]
 
 
+def test_sample_numbers_and_spans_follow_cu_seqlens():
+    spans = [(r, s, e) for r in range(B_) for s, e in pieces(SEQ[r])]
+    row, start, end = ops.sample_spans(SEQ)
+    assert list(zip(row.tolist(), start.tolist(), end.tolist())) == spans
+    numbers = ops.sample_numbers(SEQ)
+    for i, (r, s, e) in enumerate(spans):
+        assert numbers[r, s:e].eq(i).all()
+    assert int(numbers.max()) + 1 == len(spans) == len(ops.cu_seqlens(SEQ)) - 1
+    with pytest.raises(ValueError, match=r"one state per packed sample, \(5, 3\).*got \(4, 3\)"):
+        packing.check_sample_states(torch.zeros(4, 3), 5, (3,))
+
+
 def test_seq_idx_from_position_ids_matches_transformers_collator():
     from transformers import DataCollatorWithFlattening
 
