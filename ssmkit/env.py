@@ -123,18 +123,18 @@ def release_freed_memory() -> float | None:
     import gc
 
     gc.collect()
-    before = _rss_mb()
+    before = rss_mb()
     if before is None or not _mallopt() or _LIBC is None:
         return None
     try:
         _LIBC.malloc_trim(0)
     except AttributeError:  # not glibc
         return None
-    after = _rss_mb()
+    after = rss_mb()
     return None if after is None else round(before - after, 1)
 
 
-def _rss_mb() -> float | None:
+def rss_mb() -> float | None:
     """This process's resident set in MiB (``/proc/self/statm``); None elsewhere."""
     import os
 

@@ -178,16 +178,80 @@ class Backbone(nn.Module):
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``h Wᵀ + b`` against ``targets``, ``chunk`` rows at a time, with the
+    gradients computed in the forward pass (the fused linear + cross-entropy of Liger-Kernel and
+    Apple's cut-cross-entropy, here in plain torch).
+
+    For one chunk, z = h Wᵀ + b and ℓ = Σ_rows (logsumexp z − z[target]); its gradient w.r.t. the
+    logits is G = softmax(z) − onehot(target) (zero on ignored rows), so ∂ℓ/∂h = G W and
+    ∂ℓ/∂W = Gᵀ h are two matmuls while the chunk's logits are at hand. Only those
+    gradients, (N, d) and (V, d), are kept for the backward, which scales them by the incoming
+    gradient: no (N, V) logits ever, and no recomputation (checkpointing the chunks would run the
+    head's matmul twice, the dominant cost of a small model with a 50K vocabulary). Logits are
+    made in the matmul dtype (autocast's where active) and reduced in fp32, as the plain loss."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, chunk):
+        grad_h = torch.empty_like(h) if h.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        grad_b = (
+            torch.zeros_like(bias, dtype=torch.float32)
+            if bias is not None and bias.requires_grad
+            else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, h.shape[0], chunk):
+            hc, tc = h[lo : lo + chunk], targets[lo : lo + chunk]
+            logits = F.linear(hc, weight, bias)
+            mm_dtype = logits.dtype
+            logits = logits.float()
+            keep = tc != -100
+            safe = tc.masked_fill(~keep, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None])[:, 0]
+            total += ((lse - picked) * keep).sum()
+            if grad_h is None and grad_w is None and grad_b is None:
+                continue
+            dz = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
+            dz[torch.arange(len(tc), device=dz.device), safe] -= 1.0
+            dz.mul_(keep[:, None])
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+            dzm = dz.to(mm_dtype)
+            if grad_h is not None:
+                grad_h[lo : lo + chunk] = (dzm @ weight.to(mm_dtype)).to(h.dtype)
+            if grad_w is not None:
+                grad_w += (dzm.t() @ hc.to(mm_dtype)).float()
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = h.dtype, weight.dtype, None if bias is None else bias.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = [
+            None if g is None else (g * grad_out).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        ]
+        return *grads, None, None
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, chunk_size: int
 ) -> torch.Tensor:
     """Mean cross-entropy of ``lm_head(hidden)`` against targets, ``chunk_size`` positions at a
     time.
 
-    hidden: (batch, seqlen, d_model); targets: (batch, seqlen), -100 = no loss. Each chunk's logits
-    (chunk_size x V) are made, reduced to a summed loss and freed; the backward pass recomputes them
-    (activation checkpointing), so peak memory holds one chunk's logits instead of all L x V."""
+    hidden: (batch, seqlen, d_model); targets: (batch, seqlen), -100 = no loss. Peak memory holds
+    one chunk's logits (chunk_size x V) instead of all L x V. A plain ``nn.Linear`` head takes the
+    fused path (:class:`_LinearCrossEntropy`: gradients made in the forward, no recomputation);
+    any other head (a LoRA-wrapped one) recomputes each chunk's logits in the backward (activation
+    checkpointing)."""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    count = (t != -100).sum()
+    if type(lm_head) is nn.Linear:
+        total = _LinearCrossEntropy.apply(h, lm_head.weight, lm_head.bias, t, chunk_size)
+        return total / count
 
     def summed(h_chunk, t_chunk):
         return F.cross_entropy(
@@ -199,7 +263,7 @@ def chunked_cross_entropy(
         total = total + checkpoint(
             summed, h[lo : lo + chunk_size], t[lo : lo + chunk_size], use_reentrant=False
         )
-    return total / (t != -100).sum()
+    return total / count
 
 
 def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):

@@ -52,16 +52,27 @@ def _freeze_embedding(model: nn.Module):
     weight.requires_grad_(False)
 
 
-def long_context(model: nn.Module, cfg: TrainConfig):
-    """Switch on activation checkpointing and the chunked loss, which only ssmkit models have."""
+def long_context(model: nn.Module, cfg: TrainConfig) -> int:
+    """Switch on activation checkpointing and the chunked loss, which only ssmkit models have.
+    Returns the loss chunk size in effect: ``cfg.loss_chunk_size``, or 0 for another model (a
+    transformers baseline trained with an ssmkit run config computes its loss whole, and a line
+    says so); activation checkpointing on another model is refused."""
     backbone = getattr(model, "backbone", None)
     if not hasattr(backbone, "gradient_checkpointing") or not hasattr(model, "loss_chunk_size"):
-        raise ValueError(
-            f"activation_checkpointing / loss_chunk_size need an ssmkit model; "
-            f"{type(model).__name__} has neither (set them to false / 0)"
+        if cfg.activation_checkpointing:
+            raise ValueError(
+                f"activation_checkpointing needs an ssmkit model; {type(model).__name__} has "
+                "none (set it to false)"
+            )
+        print(
+            f"loss_chunk_size {cfg.loss_chunk_size}: {type(model).__name__} computes its loss "
+            "over all positions at once (the chunked loss is ssmkit's models')",
+            flush=True,
         )
+        return 0
     backbone.gradient_checkpointing = cfg.activation_checkpointing
     model.loss_chunk_size = cfg.loss_chunk_size
+    return cfg.loss_chunk_size
 
 
 def lora_kwargs(lora: dict) -> dict:

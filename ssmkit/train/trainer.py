@@ -152,8 +152,9 @@ class Trainer:
         self.model = model.to(d.device)  # fp32 master weights (but bf16-pure)
         # a mixture of experts trains its router with the load-balancing loss: the model's own loss
         self.moe = bool(getattr(inner.config, "moe_layers", None))
+        self.loss_chunk = cfg.loss_chunk_size
         if cfg.activation_checkpointing or cfg.loss_chunk_size:
-            long_context(inner, cfg)
+            self.loss_chunk = long_context(inner, cfg)
         self.module = wrap(self.model, cfg.strategy, cfg.precision, d)
         if cfg.compile:
             self.module = torch.compile(self.module)
@@ -211,11 +212,9 @@ class Trainer:
         loss included (:mod:`ssmkit.models.moe`); that aux loss is the second value (else None)."""
         if len(batch) == 2:
             if not self.moe:
-                return lm_loss(self.module, *batch, self.config.loss_chunk_size), None
+                return lm_loss(self.module, *batch, self.loss_chunk), None
             x, y = batch
-            out = self.module(
-                x, labels=y, shift_labels=False, loss_chunk_size=self.config.loss_chunk_size
-            )
+            out = self.module(x, labels=y, shift_labels=False, loss_chunk_size=self.loss_chunk)
         else:
             x, y, seq_idx = batch
             out = self.module(x, labels=y, shift_labels=False, seq_idx=seq_idx)

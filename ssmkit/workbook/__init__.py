@@ -51,6 +51,7 @@ from .cells import (
 from .cli import main
 from .copies import build_copies, build_copy
 from .launch import LaunchError, launch_train
+from .memory import free_memory
 from .notebooks import (
     PROJECT_ROOT,
     WorkbookError,
@@ -67,6 +68,7 @@ from .signals import Interrupted
 __all__ = [
     # what every notebook's cells share
     "format_duration",
+    "free_memory",
     "markdown_table",
     "pick_device",
     "run_config_names",

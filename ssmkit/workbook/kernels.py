@@ -41,7 +41,8 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
     SIGTERM) instead of racing it, which made the kernel print ZMQ errors about a closed socket;
     the kernel's own stderr goes to a temporary file, and only what it wrote before it was asked
     to stop is shown (:func:`_replay`): the rest of that noise, still seen after timeouts. Each
-    kernel's memory is sampled from its start to its shutdown (``peak_rss``: bytes or None)."""
+    kernel's memory is sampled from its start to its shutdown (``peak_rss``: bytes or None; and
+    ``held_rss``, what it held when asked to shut down, after its last cell)."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec
@@ -50,7 +51,7 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             started.append(self)
-            self.sampler, self.peak_rss = None, None
+            self.sampler, self.peak_rss, self.held_rss = None, None, None
             # jupyter_client >= 8.7: CurveZMQ
             if not kernel_name and "transport_encryption" in self.trait_names():
                 import zmq
@@ -76,8 +77,10 @@ def kernel_manager_class(kernel_name: str | None, started: list, env: dict | Non
 
         def stop_sampling(self) -> None:
             if self.sampler is not None:
-                peak, self.sampler = self.sampler.stop(), None
+                peak, held = self.sampler.stop(), self.sampler.held
+                self.sampler = None
                 self.peak_rss = max(peak, self.peak_rss or 0) if peak is not None else self.peak_rss
+                self.held_rss = held if held is not None else self.held_rss
 
         async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
             self.stop_sampling()
@@ -109,12 +112,13 @@ def _replay(log, size: int) -> None:
         sys.stderr.flush()
 
 
-def end_kernels(started: list) -> int | None:
+def end_kernels(started: list) -> tuple[int | None, int | None]:
     """Kill the kernels of ``started`` still alive (a signal cut nbclient's own shutdown short);
-    empties the list. Returns the largest peak RSS of those kernels in bytes (None: unmeasured)."""
+    empties the list. Returns ``(peak, held)`` in bytes (None: unmeasured): the largest peak RSS of
+    those kernels, and the most any of them still held after its last cell."""
     from jupyter_core.utils import run_sync
 
-    peaks = []
+    peaks, held = [], []
     while started:
         km = started.pop()
         try:
@@ -125,4 +129,6 @@ def end_kernels(started: list) -> int | None:
         km.stop_sampling()
         if km.peak_rss is not None:
             peaks.append(km.peak_rss)
-    return max(peaks, default=None)
+        if km.held_rss is not None:
+            held.append(km.held_rss)
+    return max(peaks, default=None), max(held, default=None)

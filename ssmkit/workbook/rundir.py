@@ -122,9 +122,10 @@ def write_summary(summary: dict, out: str | Path) -> Path:
     """``out/summary.md`` and ``out/summary.json``; returns the .md path.
 
     summary.md: a table of the notebooks (status, time, stated CPU time, peak RSS: the kernel's and
-    its children's, sampled), a warning for each CPU run that took far longer than stated, then per
-    notebook its metrics as a table (name, value, unit: :func:`unit`) and links to the figures it
-    wrote, a section per failed or interrupted notebook, and the parameters.
+    its children's, sampled; and what the kernel still held after its last cell), a warning for
+    each CPU run that took far longer than stated, then per notebook its metrics as a table (name,
+    value, unit: :func:`unit`) and links to the figures it wrote, a section per failed or
+    interrupted notebook, and the parameters.
     """
     out = Path(out)
     counts = Counter(e["status"] for e in summary["notebooks"])
@@ -137,15 +138,17 @@ def write_summary(summary: dict, out: str | Path) -> Path:
         "",
         f"Started {summary['started']}, finished {summary.get('finished', '?')}; {tally}.{stopped}",
         "",
-        "| notebook | status | time (s) | stated CPU time (s) | peak RSS (MiB) |",
-        "|---|---|---|---|---|",
+        "| notebook | status | time (s) | stated CPU time (s) | peak RSS (MiB) | held at the end "
+        "(MiB) |",
+        "|---|---|---|---|---|---|",
     ]
     for e in summary["notebooks"]:
         stated = f"~{e['cpu_seconds']:g}" if e.get("cpu_seconds") else "–"
-        rss = e.get("peak_rss_mb")
+        rss, held = (e.get(k) for k in ("peak_rss_mb", "held_rss_mb"))
+        mib = ["–" if v is None else f"{v:,.0f}" for v in (rss, held)]
         rows.append(
             f"| {Path(e['notebook']).name} | {e['status']} | {_fmt(e['seconds'])} | {stated} "
-            f"| {'–' if rss is None else f'{rss:,.0f}'} |"
+            f"| {mib[0]} | {mib[1]} |"
         )
     warnings = [e["warning"] for e in summary["notebooks"] if e.get("warning")]
     if warnings:

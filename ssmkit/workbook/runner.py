@@ -194,6 +194,7 @@ def run_workbook(
             "parameters": values[p],
             "seconds": None,
             "peak_rss_mb": None,
+            "held_rss_mb": None,
             "cpu_seconds": _stated_cpu_seconds(p),
             "metrics_file": None,
             "metrics": {},
@@ -240,11 +241,14 @@ def run_workbook(
                     finally:
                         if lines:
                             lines.stop()
-                        peak = end_kernels(kernels)
+                        peak, held = end_kernels(kernels)
                         entry["peak_rss_mb"] = round(peak / 2**20, 1) if peak is not None else None
+                        entry["held_rss_mb"] = round(held / 2**20, 1) if held is not None else None
                     error = f": {entry['error']}" if "error" in entry else ""
                     rss = entry["peak_rss_mb"]
                     memory = f", peak RSS {rss:,.0f} MiB" if rss is not None else ""
+                    if entry["held_rss_mb"] is not None:
+                        memory += f" (held at the end {entry['held_rss_mb']:,.0f} MiB)"
                     print(
                         f"      {entry['status']} in {entry['seconds']} s{memory}{error}",
                         flush=True,

@@ -337,7 +337,9 @@ def test_peak_rss_of_the_kernel_and_its_children(tmp_path, capsys):
     """Each notebook's peak RSS is recorded (summary.json, summary.md's column, the terminal line):
     200 MiB allocated and freed again in the kernel (between two samples: the kernel's high-water
     mark catches it) and 200 MiB held by a child process for 1.5 s each show as 200 MiB more than a
-    notebook that allocates nothing, within 40 MiB (allocator slack, an imported module)."""
+    notebook that allocates nothing, within 40 MiB (allocator slack, an imported module). What the
+    kernel still holds after its last cell is recorded too: 200 MiB more for a notebook that keeps
+    its allocation, nothing more for one that freed it."""
     spend = "import subprocess, sys, time\nb = b'1' * (200 * 2**20)\ndel b"
     child = (
         "import subprocess, sys\nsubprocess.run([sys.executable, '-c', "
@@ -349,18 +351,26 @@ def test_peak_rss_of_the_kernel_and_its_children(tmp_path, capsys):
             ("01_idle", "import subprocess, sys, time"),
             ("02_spend", spend),
             ("03_child", child),
+            ("04_hold", "b = b'1' * (200 * 2**20)"),
         ]
     ]
     summary = workbook.run_workbook(paths, out=tmp_path / "run", quiet=True)
-    assert [e["status"] for e in summary["notebooks"]] == ["ok"] * 3, summary
+    assert [e["status"] for e in summary["notebooks"]] == ["ok"] * 4, summary
     recorded = json.loads((tmp_path / "run" / "summary.json").read_text())
-    idle, spend, child = (e["peak_rss_mb"] for e in recorded["notebooks"])
+    idle, spend, child, hold = (e["peak_rss_mb"] for e in recorded["notebooks"])
+    held = {Path(e["notebook"]).stem: e["held_rss_mb"] for e in recorded["notebooks"]}
+    assert abs(held["04_hold"] - held["01_idle"] - 200) < 40, held  # kept after its last cell
+    assert held["02_spend"] - held["01_idle"] < 40, held  # freed before the end
+    assert abs(hold - spend) < 40, (hold, spend)
     assert 20 < idle < 400, idle  # a Python with IPython loaded
     assert abs(spend - idle - 200) < 40, (idle, spend)
     assert abs(child - idle - 200) < 40 + 15, (idle, child)  # + the child interpreter itself
     md = (tmp_path / "run" / "summary.md").read_text()
-    assert "| peak RSS (MiB) |" in md
-    assert re.search(rf"\| 02_spend.ipynb \| ok \| [\d.]+ \| – \| {spend:,.0f} \|", md), md
+    assert "| peak RSS (MiB) | held at the end (MiB) |" in md
+    assert re.search(
+        rf"\| 02_spend.ipynb \| ok \| [\d.]+ \| – \| {spend:,.0f} \| {held['02_spend']:,.0f} \|",
+        md,
+    ), md
     assert f"peak RSS {spend:,.0f} MiB" in capsys.readouterr().out
 
 

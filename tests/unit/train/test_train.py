@@ -386,7 +386,9 @@ def test_mixed_precision_on_cpu(tmp_path, shards, precision):
     assert trainer_dtypes == {torch.float32}  # fp32 master weights
 
 
-def test_matched_transformer_baseline_trains(tmp_path, shards):
+def test_matched_transformer_baseline_trains(tmp_path, shards, capsys):
+    """The Llama baseline trains with a run config meant for ssmkit models (loss_chunk_size set, as
+    configs/cpu-tiny.yaml has it): its loss is computed whole, and one line says so."""
     from transformers import LlamaForCausalLM
 
     mamba = ssmkit.build_model(
@@ -398,7 +400,10 @@ def test_matched_transformer_baseline_trains(tmp_path, shards):
     assert (
         llama.config.vocab_size == mamba.config.padded_vocab_size and llama.config.hidden_size == 64
     )
-    trainer = Trainer(llama, small(tmp_path, shards, max_steps=4, eval_every=4))
+    trainer = Trainer(llama, small(tmp_path, shards, max_steps=4, eval_every=4, loss_chunk_size=64))
+    assert (
+        "LlamaForCausalLM computes its loss over all positions at once" in capsys.readouterr().out
+    )
     history = trainer.fit()
     evals = [r["val_loss"] for r in history if r["kind"] == "eval"]
     assert evals[-1] < evals[0]
@@ -447,18 +452,18 @@ def test_memory_kept_for_reuse_goes_back_when_training_ends():
     CPU."""
     import platform
 
-    from ssmkit.env import _rss_mb, release_freed_memory, reuse_freed_memory
+    from ssmkit.env import release_freed_memory, reuse_freed_memory, rss_mb
 
-    if not (reuse_freed_memory() and platform.libc_ver()[0] == "glibc" and _rss_mb()):
+    if not (reuse_freed_memory() and platform.libc_ver()[0] == "glibc" and rss_mb()):
         pytest.skip("glibc and /proc needed")
-    base = _rss_mb()
+    base = rss_mb()
     x = torch.ones(64, 1024, 1024)
     (x * 2).sum()
     del x
-    held = _rss_mb() - base
+    held = rss_mb() - base
     assert held > 200  # kept for reuse
     assert release_freed_memory() > 0.8 * held
-    assert _rss_mb() - base < 0.2 * held
+    assert rss_mb() - base < 0.2 * held
 
 
 @pytest.mark.slow
