@@ -21,7 +21,14 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import (
+    check_packed,
+    conv_with_state,
+    init_dt_bias,
+    packed_samples,
+    store_sample_states,
+    zero_padding,
+)
 from .norms import RMSNorm
 from .ssm_config import Mamba1Config
 
@@ -110,9 +117,11 @@ class Mamba1(nn.Module):
         continues from it and leaves the new conv and SSM state there. mask: (batch, seqlen), 0 at
         left padding, which then leaves the conv and SSM states as if the row started later.
         seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every
-        sample."""
-        check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        sample; with a (fresh) state of one row per sample, each sample's final conv and SSM
+        states go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
+        packed = state is not None and seq_idx is not None
+        if state is not None and hidden.shape[1] == 1 and mask is None and not packed:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels,
@@ -138,11 +147,15 @@ class Mamba1(nn.Module):
             z=z.transpose(1, 2),
             delta_bias=lora_aware.bias(self.dt_proj).float(),
             delta_softplus=True,
-            initial_state=None if state is None else state.ssm,
-            return_final_state=state is not None,
+            initial_state=None if state is None or packed else state.ssm,
+            return_final_state=state is not None and not packed,
             seq_idx=seq_idx,
+            **({"return_sample_states": True} if packed else {}),
         )
-        if state is not None:
+        if packed:
+            out, finals = out
+            store_sample_states(state.ssm, finals, packed_samples(seq_idx)[0])
+        elif state is not None:
             out, h = out
             state.ssm.copy_(h)
         return self.out_proj(out.transpose(1, 2))

@@ -20,7 +20,14 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import (
+    check_packed,
+    conv_with_state,
+    init_dt_bias,
+    packed_samples,
+    store_sample_states,
+    zero_padding,
+)
 from .norms import RMSNormGated
 from .ssm_config import Mamba2Config
 
@@ -95,9 +102,11 @@ class Mamba2(nn.Module):
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if
         given. mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or
         SSM state. seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at
-        every sample."""
-        check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        every sample; with a (fresh) state of one row per sample, each sample's final conv and SSM
+        states go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
+        packed = state is not None and seq_idx is not None
+        if state is not None and hidden.shape[1] == 1 and mask is None and not packed:
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (nheads,)
         z, xBC, dt = torch.split(
@@ -128,12 +137,16 @@ class Mamba2(nn.Module):
             rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
             self.chunk_size,
             D=self.D,
-            initial_states=None if state is None else state.ssm,
-            return_final_states=state is not None,
+            initial_states=None if state is None or packed else state.ssm,
+            return_final_states=state is not None and not packed,
             seq_idx=seq_idx,
+            **({"return_sample_states": True} if packed else {}),
             **dt_args,
         )
-        if state is not None:
+        if packed:
+            out, finals = out
+            store_sample_states(state.ssm, finals, packed_samples(seq_idx)[0])
+        elif state is not None:
             out, h = out
             state.ssm.copy_(h)
         y = self.norm(rearrange(out, "b l h p -> b l (h p)"), z)
