@@ -11,8 +11,9 @@ Prompts of different lengths, two ways:
   padding (``seq_idx``), prefilled in one pass whose per-sample final states fill a cache of one
   row per prompt, then decoded as one batch. The prefill costs the prompts' total length, not
   batch x the longest (mamba_ssm's varlen prefill; vLLM's packed prefill of a batch);
-* a (batch, prompt_len) tensor with an ``attention_mask``: LEFT padding (or holes) that the mixers
-  turn into no input and no decay (:func:`ssmkit.models.mixer_parts.zero_padding`).
+* a (batch, prompt_len) tensor with an ``attention_mask``: LEFT padding, which the mixers turn into
+  no input and no decay (:func:`ssmkit.models.mixer_parts.zero_padding`), attention into masked
+  keys; holes anywhere else become left padding first (:func:`ssmkit.models.lm.real_first`).
 
 Either way every prompt gives what it gives alone.
 """

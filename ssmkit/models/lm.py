@@ -140,8 +140,8 @@ class Block(nn.Module):
         seq_idx: torch.Tensor | None = None,
     ):
         """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
-        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`); seq_idx:
-        (batch, seqlen) packed samples (see :func:`check_seq_idx`)."""
+        mask: (batch, seqlen), 0 at left padding (MambaLM.forward has moved any holes there,
+        :func:`real_first`); seq_idx: (batch, seqlen) packed samples (see :func:`check_seq_idx`)."""
         hidden, residual = self._add_norm(hidden, residual, self.norm)
         hidden = self.mixer(hidden, state, mask, seq_idx=seq_idx)
         if self.mlp is not None:
