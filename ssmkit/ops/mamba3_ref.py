@@ -286,17 +286,17 @@ def mamba3_reference(
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
     if per_sample:  # every sample's own states (or zeros), set before its first step
         number = sample_numbers(seq_idx)
-        n = int(number[-1, -1]) + 1
+        n_samples = int(number[-1, -1]) + 1
         start = positions_in_sample(seq_idx) == 0
         ends = {}
         for row, t in F.pad(start[:, 1:], (0, 1), value=True).nonzero().tolist():
             ends.setdefault(t, []).append(row)
         if initial_sample_states is None:
-            init = Mamba3States(*(s.new_zeros(n, *s.shape[1:]) for s in states))
+            init = Mamba3States(*(s.new_zeros(n_samples, *s.shape[1:]) for s in states))
         else:
-            check_sample_tuple(initial_sample_states, n, x, B, angles)
+            check_sample_tuple(initial_sample_states, n_samples, x, B, angles)
             init = Mamba3States(*(widen(s) for s in initial_sample_states))
-        finals = [None] * n
+        finals = [None] * n_samples
     ys = []
     for t in range(x.shape[1]):
         if per_sample:

@@ -230,18 +230,18 @@ def ssd_reference(
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0: a new sample starts at t
     if per_sample:  # h_{-1} of every sample: its own state (or 0), set at its first step
         number = sample_numbers(seq_idx)
-        n = int(number[-1, -1]) + 1
+        n_samples = int(number[-1, -1]) + 1
         start = positions_in_sample(seq_idx) == 0
         last = F.pad(start[:, 1:], (0, 1), value=True)  # the next step starts a sample
         ends = {}
         for r, t in last.nonzero().tolist():
             ends.setdefault(t, []).append(r)
         if initial_sample_states is None:
-            init = h.new_zeros(n, *h.shape[1:])
+            init = h.new_zeros(n_samples, *h.shape[1:])
         else:
-            check_sample_states(initial_sample_states, n, tuple(h.shape[1:]))
+            check_sample_states(initial_sample_states, n_samples, tuple(h.shape[1:]))
             init = widen(initial_sample_states)
-        finals = [None] * n
+        finals = [None] * n_samples
     ys = []
     for t in range(seqlen):
         a = torch.exp(dt[:, t] * widen(A))  # a_t: (batch, nheads)
