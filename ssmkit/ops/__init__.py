@@ -20,7 +20,9 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
   (:func:`legs_memory`, :func:`legs_reconstruct`)
 * :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes
   ``seq_idx`` (batch, seqlen), the sample index of each position, and restarts at every sample;
-  :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
+  :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0;
+  :func:`causal_conv1d` and :func:`selective_scan` also take one initial state per sample and return
+  every sample's final state (``initial_sample_states``, ``return_sample_states``)
 * :func:`compile_scan` -- opt-in: the torch backend's S6 and SSD scans through ``torch.compile``
   (:mod:`ssmkit.ops.compiled`; also ``SSMKIT_COMPILE_SCAN=1``)
 * :mod:`ssmkit.ops.tolerances` -- the official kernels' test tolerances per dtype (and the fp32
