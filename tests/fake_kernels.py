@@ -105,7 +105,11 @@ def causal_conv1d_fn(
     final_states_out=None,
     activation=None,
 ):
-    return ops.causal_conv1d_reference(x, weight, bias, activation)
+    if seq_idx is not None:  # the kernel's conditions for seq_idx (csrc/causal_conv1d.cpp)
+        assert x.stride(1) == 1 and x.stride(2) > 1, "seq_idx needs channels-last x"
+        assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert initial_states is None and not return_final_states, "not with seq_idx"
+    return ops.causal_conv1d_reference(x, weight, bias, activation, seq_idx=seq_idx)
 
 
 def causal_conv1d_update(

@@ -20,9 +20,11 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
   (:func:`legs_memory`, :func:`legs_reconstruct`)
 * :mod:`ssmkit.ops.packing` -- packed samples: every op above but the one-step forms takes
   ``seq_idx`` (batch, seqlen), the sample index of each position, and restarts at every sample;
-  :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0
-* :mod:`ssmkit.ops.sample_states` -- one state per packed sample in and out of :func:`ssd_scan` and
-  :func:`mamba3_scan` (``initial_sample_states`` / ``return_sample_states``), by linearity
+  :func:`seq_idx_from_position_ids` makes it from position ids that restart at 0; every scan and
+  the conv also take one initial state per sample and return every sample's final state
+  (``initial_sample_states``, ``return_sample_states``)
+* :mod:`ssmkit.ops.sample_states` -- those per-sample states for :func:`ssd_scan` and
+  :func:`mamba3_scan`, by linearity
 * :func:`compile_scan` -- opt-in: the torch backend's S6 and SSD scans through ``torch.compile``
   (:mod:`ssmkit.ops.compiled`; also ``SSMKIT_COMPILE_SCAN=1``)
 * :mod:`ssmkit.ops.tolerances` -- the official kernels' test tolerances per dtype (and the fp32

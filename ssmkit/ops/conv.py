@@ -13,7 +13,13 @@ Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weig
 
 Packed samples (``seq_idx: (batch, seqlen)``, see :mod:`ssmkit.ops.packing`): tap k of output t
 counts only when ``seq_idx[t-W+1+k] == seq_idx[t]``, as causal-conv1d's kernel: each sample sees
-zeros left of its first token, exactly as if it ran alone.
+zeros left of its first token, exactly as if it ran alone. With ``initial_sample_states``
+(n_samples, dim, W-1) each sample sees its own W-1 inputs there instead, as causal-conv1d's
+``initial_states`` for one sequence (x prepended with them); ``return_sample_states`` returns every
+sample's last W-1 inputs, (n_samples, dim, W-1), its initial state to their left when it is shorter
+than W-1 (as ``return_final_states``). The kernel takes neither with seq_idx, so the ``cuda`` path
+runs it with every sample from zeros and recomputes in PyTorch the only outputs an initial state
+reaches, the first W-1 of each sample: O(n_samples · W² · dim) extra work, no padding.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as _backend
-from .packing import check_seq_idx
+from .packing import check_seq_idx, positions_in_sample, sample_numbers, sample_state_spans
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -33,7 +39,9 @@ def _activate(y, activation):
     return F.silu(y) if activation in ("silu", "swish") else y
 
 
-def _check(x, weight, bias, seq_idx=None):
+def _check(x, weight, bias, seq_idx=None, initial_sample_states=None, return_sample_states=False):
+    """The arguments checked; returns :func:`~ssmkit.ops.packing.sample_spans` when per-sample
+    states are used, else None."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(
             f"x must be (batch, dim, seqlen) and weight (dim, width) with the same dim; "
@@ -42,6 +50,9 @@ def _check(x, weight, bias, seq_idx=None):
     if bias is not None and tuple(bias.shape) != (x.shape[1],):
         raise ValueError(f"bias must be (dim={x.shape[1]},); got {tuple(bias.shape)}")
     check_seq_idx(seq_idx, x.shape[0], x.shape[2])
+    return sample_state_spans(
+        seq_idx, initial_sample_states, return_sample_states, (x.shape[1], weight.shape[1] - 1)
+    )
 
 
 def _same_sample(seq_idx, shift):
@@ -52,24 +63,112 @@ def _same_sample(seq_idx, shift):
     return earlier == seq_idx
 
 
-def causal_conv1d_reference(x, weight, bias=None, activation=None, seq_idx=None):
+def causal_conv1d_reference(
+    x,
+    weight,
+    bias=None,
+    activation=None,
+    seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
+):
     """The sum over the W taps written out (the formula in the module docstring); with ``seq_idx`` a
-    tap counts only inside the output's own sample."""
-    _check(x, weight, bias, seq_idx)
+    tap counts only inside the output's own sample, and with ``initial_sample_states`` a tap left
+    of the sample reads the sample's initial state. Returns y, or (y, final sample states) with
+    ``return_sample_states``."""
+    spans = _check(x, weight, bias, seq_idx, initial_sample_states, return_sample_states)
     width, seqlen = weight.shape[1], x.shape[2]
     xp = F.pad(x.float(), (width - 1, 0))  # W-1 zeros before t = 0
+    if initial_sample_states is not None:
+        number, offset = sample_numbers(seq_idx), positions_in_sample(seq_idx)
+        # state j (0..W-2) holds the input W-1-j steps before the sample's first token
+        state_rows = initial_sample_states.float().transpose(1, 2)  # (n, W-1, dim)
     y = 0
     for k in range(width):  # tap k reads x_{t-(W-1)+k}
         tap = weight[:, k, None].float() * xp[:, :, k : k + seqlen]
         if seq_idx is not None:
             tap = tap * _same_sample(seq_idx, width - 1 - k)[:, None, :]
+        if initial_sample_states is not None and k < width - 1:
+            # the output at offset p of its sample reads offset p-(W-1)+k: before the first token
+            # when j = p + k < W-1, where it is the sample's state j
+            j = offset + k
+            left = state_rows[number, j.clamp(max=width - 2)] * (j < width - 1)[..., None]
+            tap = tap + weight[:, k, None].float() * left.transpose(1, 2)
         y = y + tap
     if bias is not None:
         y = y + bias.float()[:, None]
-    return _activate(y, activation).to(x.dtype)
+    y = _activate(y, activation).to(x.dtype)
+    if not return_sample_states:
+        return y
+    finals = []  # each sample's last W-1 inputs, with its initial state (or zeros) to their left
+    for i, (r, s, e) in enumerate(zip(*(t.tolist() for t in spans))):
+        left = (
+            x.new_zeros(x.shape[1], width - 1)
+            if initial_sample_states is None
+            else initial_sample_states[i].to(x.dtype)
+        )
+        finals.append(torch.cat([left, x[r, :, s:e]], dim=1)[:, e - s :])
+    return y, torch.stack(finals)
 
 
-def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
+def _sample_inputs(x, states, row, start, offset, before):
+    """(n, m, dim) fp32: the input at ``offset`` (n, m) steps from the first token of each sample
+    (``row``, ``start``: (n,)); offsets -before..-1 are left of it, in the sample's initial conv
+    state ``states`` (n, dim, before), zeros if None. Offsets past a sample's end are not read."""
+    seqlen = x.shape[2]
+    inside = x.transpose(1, 2)[row[:, None], (start[:, None] + offset).clamp(0, seqlen - 1)]
+    if states is None:
+        return torch.where((offset >= 0)[..., None], inside.float(), 0.0)
+    n = states.shape[0]
+    left = states.transpose(1, 2)[
+        torch.arange(n, device=states.device)[:, None], (offset + before).clamp(0, before - 1)
+    ]
+    return torch.where((offset >= 0)[..., None], inside.float(), left.float())
+
+
+def _with_sample_states(y, x, weight, bias, activation, spans, states, return_states):
+    """The torch and cuda paths' per-sample states: y (batch, dim, seqlen) was computed with every
+    sample from zeros. An initial state reaches only the first W-1 outputs of its sample: those are
+    recomputed from the state and the sample's inputs (fp32, as the conv) and written over y, in y's
+    layout. The final states are each sample's last W-1 inputs, its state to their left. Both read
+    their inputs in one gather (its backward is one pass over x)."""
+    row, start, end = spans
+    n, dim, width = row.shape[0], x.shape[1], weight.shape[1]
+    before = width - 1
+    if before == 0:  # width 1: a conv without memory
+        return (y, x.new_zeros(n, dim, 0)) if return_states else y
+    p = torch.arange(before, device=x.device)  # an output's offset in its sample
+    taps = torch.arange(width, device=x.device)  # tap k of output p reads offset p - (W-1) + k
+    offsets = []  # (n, m): what to read, as offsets from each sample's first token
+    if states is not None:
+        offsets.append((p[:, None] - before + taps).reshape(1, -1).expand(n, -1))
+    if return_states:
+        offsets.append((end - start)[:, None] - before + p)
+    read = _sample_inputs(x, states, row, start, torch.cat(offsets, 1), before)
+    if states is not None:
+        window = read[:, : before * width].view(n, before, width, dim)
+        pre = (window * weight.float().t()).sum(2)  # (n, W-1, dim)
+        if bias is not None:
+            pre = pre + bias.float()
+        out = _activate(pre, activation).to(y.dtype)
+        inside = p < (end - start)[:, None]  # (n, W-1): a sample shorter than W-1 has fewer
+        where = (row[:, None].expand(n, before)[inside], (start[:, None] + p)[inside])
+        y = y.transpose(1, 2).index_put(where, out[inside]).transpose(1, 2)
+    if not return_states:
+        return y
+    finals = read[:, read.shape[1] - before :]  # (n, W-1, dim)
+    return y, finals.transpose(1, 2).to(x.dtype).contiguous()
+
+
+def causal_conv1d_torch(
+    x,
+    weight,
+    bias=None,
+    activation=None,
+    seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
+):
     """``F.conv1d`` with groups = dim and left padding W-1; for a (batch, dim, seqlen) view of
     channels-last memory (what the mixers pass), the W taps as shifted multiply-adds over
     (batch, seqlen, dim) rows instead, which keeps that layout and needs no transposing copy.
@@ -78,8 +177,17 @@ def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
     Precision as the ``causal_conv1d`` kernel: weight, bias, the sum over taps and the activation in
     fp32 whatever x's dtype, one rounding to x's dtype at the end; the weight and bias gradients are
     accumulated in fp32 too (casting the weight to bf16 first made its gradient ~1e4 times less
-    exact)."""
-    _check(x, weight, bias, seq_idx)
+    exact). Per-sample states: every sample from zeros, then :func:`_with_sample_states`."""
+    spans = _check(x, weight, bias, seq_idx, initial_sample_states, return_sample_states)
+    y = _conv_torch(x, weight, bias, activation, seq_idx)
+    if spans is None:
+        return y
+    return _with_sample_states(
+        y, x, weight, bias, activation, spans, initial_sample_states, return_sample_states
+    )
+
+
+def _conv_torch(x, weight, bias, activation, seq_idx):
     width, seqlen = weight.shape[1], x.shape[2]
     channels_last = x.stride(1) == 1 and x.shape[1] != 1
     w, b, xf = (
@@ -106,16 +214,31 @@ def causal_conv1d_torch(x, weight, bias=None, activation=None, seq_idx=None):
     return y if channels_last else y.contiguous()
 
 
-def causal_conv1d_cuda(x, weight, bias=None, activation=None, seq_idx=None):
+def causal_conv1d_cuda(
+    x,
+    weight,
+    bias=None,
+    activation=None,
+    seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
+):
     """The ``causal_conv1d`` package's kernel. It reads ``seq_idx`` (int32, contiguous) only for
     channels-last x (``x.stride(1) == 1``, ``x.stride(2) > 1``): other layouts are copied into it
-    first."""
+    first. It refuses initial and final states with seq_idx: per-sample states run it with every
+    sample from zeros, then :func:`_with_sample_states` (exact; O(n_samples) small PyTorch ops)."""
+    spans = _check(x, weight, bias, seq_idx, initial_sample_states, return_sample_states)
     fn = _backend.kernel_module("causal_conv1d").causal_conv1d_fn
     if seq_idx is None:
         return fn(x, weight, bias, activation=activation)
     if not (x.stride(1) == 1 and x.stride(2) > 1):
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    return fn(x, weight, bias, seq_idx=seq_idx.to(torch.int32).contiguous(), activation=activation)
+    y = fn(x, weight, bias, seq_idx=seq_idx.to(torch.int32).contiguous(), activation=activation)
+    if spans is None:
+        return y
+    return _with_sample_states(
+        y, x, weight, bias, activation, spans, initial_sample_states, return_sample_states
+    )
 
 
 _IMPLS = {
@@ -125,12 +248,25 @@ _IMPLS = {
 }
 
 
-def causal_conv1d(x, weight, bias=None, activation=None, backend=None, seq_idx=None):
+def causal_conv1d(
+    x,
+    weight,
+    bias=None,
+    activation=None,
+    backend=None,
+    seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
+):
     """Depthwise causal convolution. x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,);
     seq_idx: (batch, seqlen) integer sample indices of packed rows, or None (see
-    :mod:`ssmkit.ops.packing`).
+    :mod:`ssmkit.ops.packing`); initial_sample_states: (n_samples, dim, width - 1), the inputs left
+    of each packed sample (only with seq_idx; samples numbered as
+    :func:`~ssmkit.ops.packing.sample_numbers`).
 
-    Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish".
+    Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish". With
+    ``return_sample_states`` (only with seq_idx) returns ``(y, final_sample_states)``, the
+    latter (n_samples, dim, width - 1) in x's dtype: each sample's last width - 1 inputs.
     """
     name = _backend.select("causal_conv1d", x, backend=backend)
     if (
@@ -142,9 +278,17 @@ def causal_conv1d(x, weight, bias=None, activation=None, backend=None, seq_idx=N
         name = (
             "torch"  # one channel cannot be channels-last, the layout the kernel needs for seq_idx
         )
-    if seq_idx is None:
+    if seq_idx is None and initial_sample_states is None and not return_sample_states:
         return _IMPLS[name](x, weight, bias, activation)
-    return _IMPLS[name](x, weight, bias, activation, seq_idx=seq_idx)
+    return _IMPLS[name](
+        x,
+        weight,
+        bias,
+        activation,
+        seq_idx=seq_idx,
+        initial_sample_states=initial_sample_states,
+        return_sample_states=return_sample_states,
+    )
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):
