@@ -140,28 +140,29 @@ def check_sample_states(states, n_samples: int, shape: tuple, name: str = "initi
         )
 
 
-def sample_state_spans(
+def check_sample_state_keywords(
     seq_idx: torch.Tensor | None,
     initial_sample_states: torch.Tensor | None,
     return_sample_states: bool,
-    shape: tuple,
     initial_state: torch.Tensor | None = None,
-    initial_state_name: str | None = None,
-):
-    """An op's per-sample state keywords checked (the convention above): None when neither is used,
-    else :func:`sample_spans` of ``seq_idx`` (one GPU sync). ``shape``: one sample's state;
-    ``initial_state``: the op's per-row initial state (named ``initial_state_name``), which
-    ``initial_sample_states`` replaces. A ValueError says what is wrong."""
+    initial_state_name: str = "initial_state",
+    return_final_state: bool = False,
+    final_state_name: str = "return_final_state",
+) -> bool:
+    """Whether an op runs with per-sample states (the convention above); a ValueError names a
+    combination that cannot be, without reading any values: sample states without ``seq_idx``;
+    ``initial_sample_states`` next to the op's per-row initial state (named
+    ``initial_state_name``), which it replaces; ``return_sample_states`` next to the op's per-row
+    final state (``final_state_name``): a row's final state is its last sample's."""
     if initial_sample_states is None and not return_sample_states:
-        return None
+        return False
     if seq_idx is None:
         given = (
             "initial_sample_states" if initial_sample_states is not None else "return_sample_states"
         )
-        other = f", or {initial_state_name} for one sequence per row" if initial_state_name else ""
         raise ValueError(
             f"{given} needs seq_idx (batch, seqlen), from which the packed samples are numbered; "
-            f"pass seq_idx{other}"
+            f"pass seq_idx, or {initial_state_name} for one sequence per row"
         )
     if initial_state is not None and initial_sample_states is not None:
         raise ValueError(
@@ -169,6 +170,35 @@ def sample_state_spans(
             f"initial_sample_states holds every sample's state, the first of each row included "
             f"(where {initial_state_name} would go); pass one of them"
         )
+    if return_sample_states and return_final_state:
+        raise ValueError(
+            f"{final_state_name} and return_sample_states are exclusive: a row's final state is "
+            "that of its last sample, sample_states[sample_numbers(seq_idx)[:, -1]]"
+        )
+    return True
+
+
+def sample_state_spans(
+    seq_idx: torch.Tensor | None,
+    initial_sample_states: torch.Tensor | None,
+    return_sample_states: bool,
+    shape: tuple,
+    initial_state: torch.Tensor | None = None,
+    initial_state_name: str = "initial_state",
+    return_final_state: bool = False,
+):
+    """:func:`check_sample_state_keywords`, then None when no per-sample state is used, else
+    :func:`sample_spans` of ``seq_idx`` (one GPU sync) with ``initial_sample_states`` checked
+    against ``shape``, one sample's state."""
+    if not check_sample_state_keywords(
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        initial_state,
+        initial_state_name,
+        return_final_state,
+    ):
+        return None
     spans = sample_spans(seq_idx)
     if initial_sample_states is not None:
         check_sample_states(initial_sample_states, len(spans[0]), tuple(shape))

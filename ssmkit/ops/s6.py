@@ -67,6 +67,7 @@ def _check(
     seq_idx=None,
     initial_sample_states=None,
     return_sample_states=False,
+    return_final_state=False,
 ):
     """The arguments checked; returns :func:`~ssmkit.ops.packing.sample_spans` when per-sample
     states are used, else None."""
@@ -106,6 +107,7 @@ def _check(
         (dim, dstate),
         initial_state,
         "initial_state",
+        return_final_state,
     )
 
 
@@ -124,7 +126,8 @@ def _sample_inits(spans, seq_idx, initial_state, initial_sample_states):
 
 
 def _results(y, h, finals, return_final_state, return_sample_states):
-    """y, then the row's final state and the samples' final states where asked for."""
+    """y, then the row's final state or the samples' final states where asked for (never both:
+    :func:`~ssmkit.ops.packing.check_sample_state_keywords`)."""
     out = (y, *((h,) if return_final_state else ()), *((finals,) if return_sample_states else ()))
     return out if len(out) > 1 else y
 
@@ -180,7 +183,16 @@ def selective_scan_reference(
     to the sample's own initial state (``initial_sample_states``).
     """
     spans = _check(
-        u, delta, A, B, C, initial_state, seq_idx, initial_sample_states, return_sample_states
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
     )
     batch, dim, seqlen = u.shape
     delta = _discretize_delta(delta, delta_bias, delta_softplus)
@@ -522,7 +534,16 @@ def selective_scan_torch(
     the reference. Without ``seq_idx`` the scan runs exactly as before (no reset factor
     anywhere)."""
     spans = _check(
-        u, delta, A, B, C, initial_state, seq_idx, initial_sample_states, return_sample_states
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
     )
     batch, dim, _ = u.shape
     f = lambda t: None if t is None else widen(t)  # noqa: E731
@@ -587,7 +608,18 @@ def selective_scan_cuda(
 ):
     """mamba_ssm's ``selective_scan_fn`` (no initial state and no seq_idx support there, hence no
     per-sample states either)."""
-    _check(u, delta, A, B, C, initial_state, seq_idx, initial_sample_states, return_sample_states)
+    _check(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
+    )
     if initial_state is not None:
         raise _backend.BackendError(
             "the cuda selective_scan kernel has no initial_state; use backend 'torch'"

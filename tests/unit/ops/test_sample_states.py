@@ -229,24 +229,26 @@ def test_the_row_initial_state_starts_sample_zero_and_final_states_come_last(
 ):
     """Without initial_sample_states, ``initial_state`` (per row) starts the first sample of each
     row that begins with seq_idx 0 (rows 0 and 2 here, not row 1), as without per-sample states;
-    with ``return_final_state`` too, the result is (y, h_L, sample_states), h_L each row's last
-    sample's state."""
+    ``return_final_state`` gives each row's last sample's state, and asking for it next to
+    ``return_sample_states`` is refused (it is sample_states[sample_numbers(seq_idx)[:, -1]])."""
     name = s6_backend(request, monkeypatch, backend_name, 3 * 6 * 4)
     inputs, h0 = s6_inputs(False), rnd(9, 3, 6, 4)
-    y, h_last, finals = ops.selective_scan(
+    y, finals = ops.selective_scan(
         **inputs,
         delta_softplus=True,
         initial_state=h0,
-        return_final_state=True,
         return_sample_states=True,
         backend=name,
         seq_idx=SEQ,
     )
+    with pytest.raises(ValueError, match="return_final_state and return_sample_states are exclu"):
+        ops.selective_scan(
+            **inputs, return_final_state=True, return_sample_states=True, seq_idx=SEQ
+        )
     starts = [None] * N
     starts[0], starts[8] = h0[0], h0[2]  # the first samples of rows 0 and 2
     want = s6_alone(inputs, starts)
     check([y, finals], list(want), [*inputs.values(), h0], [*inputs, "initial_state"])
-    assert torch.equal(h_last, finals[[3, 7, 8]])
     y_plain, h_plain = ops.selective_scan(
         **inputs,
         delta_softplus=True,
@@ -256,7 +258,7 @@ def test_the_row_initial_state_starts_sample_zero_and_final_states_come_last(
         seq_idx=SEQ,
     )
     close(y_plain, y, "y without per-sample states")
-    close(h_plain, h_last, "h_L without per-sample states")
+    close(h_plain, finals[[3, 7, 8]], "h_L: each row's last sample's state")
 
 
 def test_a_long_sample_keeps_fp32_accuracy():
