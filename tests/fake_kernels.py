@@ -105,13 +105,21 @@ def causal_conv1d_fn(
     final_states_out=None,
     activation=None,
 ):
+    _kernel_activation(activation)
     return ops.causal_conv1d_reference(x, weight, bias, activation)
 
 
 def causal_conv1d_update(
     x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None
 ):
+    _kernel_activation(activation)
     return ops.causal_conv1d_update(x, conv_state, weight, bias, activation, backend="torch")
+
+
+def _kernel_activation(activation):
+    """causal_conv1d's own check: its kernels apply SiLU or nothing."""
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError("activation must be None, silu, or swish")
 
 
 def rms_norm_fn(
