@@ -105,6 +105,7 @@ def causal_conv1d_fn(
     final_states_out=None,
     activation=None,
 ):
+    _kernel_activation(activation)
     if seq_idx is not None:  # the kernel's conditions for seq_idx (csrc/causal_conv1d.cpp)
         assert x.stride(1) == 1 and x.stride(2) > 1, "seq_idx needs channels-last x"
         assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
@@ -115,7 +116,14 @@ def causal_conv1d_fn(
 def causal_conv1d_update(
     x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None
 ):
+    _kernel_activation(activation)
     return ops.causal_conv1d_update(x, conv_state, weight, bias, activation, backend="torch")
+
+
+def _kernel_activation(activation):
+    """causal_conv1d's own check: its kernels apply SiLU or nothing."""
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError("activation must be None, silu, or swish")
 
 
 def rms_norm_fn(

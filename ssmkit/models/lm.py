@@ -77,8 +77,14 @@ def make_mlp(cfg: ModelConfig, layer_idx: int | None) -> nn.Module | None:
     if cfg.d_intermediate == 0:
         return None
     if layer_idx in cfg.moe_layers:
-        return SparseMoE(cfg.d_model, cfg.d_intermediate, cfg.num_experts, cfg.num_experts_per_tok)
-    return GatedMLP(cfg.d_model, cfg.d_intermediate)
+        return SparseMoE(
+            cfg.d_model,
+            cfg.d_intermediate,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            activation=cfg.mlp_activation,
+        )
+    return GatedMLP(cfg.d_model, cfg.d_intermediate, activation=cfg.mlp_activation)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -32,7 +32,8 @@ def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Mamba1(nn.Module):
-    """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x));
+    """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x)) (or
+    ``cfg.activation``);
     Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z);
     out_proj(y). (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's
     ``mamba1`` group."""
@@ -42,6 +43,7 @@ class Mamba1(nn.Module):
         self.d_model, self.d_inner, self.d_state = d_model, cfg.d_inner(d_model), cfg.d_state
         self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value(d_model)
         self.mixer_rms_eps = cfg.mixer_rms_eps
+        self.activation = cfg.activation  # after the conv (SiLU but in Jamba configs saying else)
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.bias)
         self.conv1d = nn.Conv1d(
             self.d_inner,
@@ -122,7 +124,9 @@ class Mamba1(nn.Module):
         # the conv sees zeros left of a row
         x = zero_padding(x, mask)
         # (batch, seqlen, d_inner)
-        x = conv_with_state(x.transpose(1, 2), self.conv1d, state, seq_idx=seq_idx).transpose(1, 2)
+        x = conv_with_state(
+            x.transpose(1, 2), self.conv1d, state, self.activation, seq_idx=seq_idx
+        ).transpose(1, 2)
         # Δ B x = 0: h stays at its zero start
         x = zero_padding(x, mask)
         dt, B, C = self._select(x)
@@ -153,7 +157,7 @@ class Mamba1(nn.Module):
         x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)  # (batch, d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
         x = ops.causal_conv1d_update(
-            x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
+            x, state.conv, weight, lora_aware.bias(self.conv1d), activation=self.activation
         )
         dt, B, C = self._select(x)
         dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, d_inner)

@@ -7,6 +7,8 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
 * :func:`ssd_scan` -- Mamba-2's state-space dual; :func:`ssd_reference`, :func:`ssd_quadratic`,
   :func:`ssd_chunked` are its three equivalent views
 * :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution
+* :data:`ACTIVATIONS`, :func:`activation` -- pointwise activations by transformers' names
+  (``hidden_act``), for the conv and the MLPs (:mod:`ssmkit.ops.activations`)
 * :func:`rms_norm`, :func:`rms_norm_gated` -- RMSNorm and Mamba-2's gated, grouped RMSNorm
 * :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO
   and MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`,
@@ -31,6 +33,7 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
   bound) that the tests and scripts/gpu_check hold the torch backend to
 """
 
+from .activations import ACTIVATIONS, activation
 from .backend import BACKENDS, BackendError
 from .compiled import compile_scan
 from .conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_torch, causal_conv1d_update
@@ -71,6 +74,8 @@ from .s6_step import selective_state_update
 from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
 
 __all__ = [
+    "ACTIVATIONS",
+    "activation",
     "BACKENDS",
     "BackendError",
     "compile_scan",

@@ -5,8 +5,10 @@ Each channel d has its own filter w_d of width W (``d_conv``, 4 in the official 
 $$ y_{d,t} = b_d + \sum_{k=0}^{W-1} w_{d,k}\, x_{d,\,t-W+1+k}
    \qquad (x_{d,t} = 0 \text{ for } t < 0) $$
 
-then an optional SiLU. For generation, :func:`causal_conv1d_update` keeps the last W inputs of
-each channel as the conv state and produces one output per new input.
+then an optional activation: SiLU in every Mamba, or any of
+:data:`ssmkit.ops.activations.ACTIVATIONS` by its transformers name (Jamba's conv takes the config's
+``hidden_act``). For generation, :func:`causal_conv1d_update` keeps the last W inputs of each
+channel as the conv state and produces one output per new input.
 
 Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weight: (dim, width)``,
 ``bias: (dim,)``, ``conv_state: (batch, dim, width)``.
@@ -28,15 +30,25 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as _backend
+from .activations import activation as _activation
 from .packing import check_seq_idx, positions_in_sample, sample_numbers, sample_state_spans
 
-ACTIVATIONS = (None, "silu", "swish")
+KERNEL_ACTIVATIONS = (None, "silu", "swish")  # what the causal_conv1d kernels apply themselves
 
 
 def _activate(y, activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; valid values: {ACTIVATIONS}")
-    return F.silu(y) if activation in ("silu", "swish") else y
+    """y after ``activation`` (None: y itself); an unknown name is a ValueError listing the valid
+    ones."""
+    return y if activation is None else _activation(activation)(y)
+
+
+def _kernel_call(fn, x, activation, *args, **kwargs):
+    """The kernel ``fn`` with an activation it applies itself, or without one and the activation
+    applied after it, in fp32 (the kernels know only SiLU)."""
+    if activation in KERNEL_ACTIVATIONS:
+        return fn(*args, activation=activation, **kwargs)
+    act = _activation(activation)  # refused before the kernel runs
+    return act(fn(*args, activation=None, **kwargs).float()).to(x.dtype)
 
 
 def _check(x, weight, bias, seq_idx=None, initial_sample_states=None, return_sample_states=False):
@@ -230,10 +242,11 @@ def causal_conv1d_cuda(
     spans = _check(x, weight, bias, seq_idx, initial_sample_states, return_sample_states)
     fn = _backend.kernel_module("causal_conv1d").causal_conv1d_fn
     if seq_idx is None:
-        return fn(x, weight, bias, activation=activation)
+        return _kernel_call(fn, x, activation, x, weight, bias)
     if not (x.stride(1) == 1 and x.stride(2) > 1):
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    y = fn(x, weight, bias, seq_idx=seq_idx.to(torch.int32).contiguous(), activation=activation)
+    seq_idx = seq_idx.to(torch.int32).contiguous()
+    y = _kernel_call(fn, x, activation, x, weight, bias, seq_idx=seq_idx)
     if spans is None:
         return y
     return _with_sample_states(
@@ -264,7 +277,8 @@ def causal_conv1d(
     of each packed sample (only with seq_idx; samples numbered as
     :func:`~ssmkit.ops.packing.sample_numbers`).
 
-    Returns (batch, dim, seqlen) in x's dtype; ``activation`` is None, "silu" or "swish". With
+    Returns (batch, dim, seqlen) in x's dtype; ``activation``: None or a name in
+    :data:`ssmkit.ops.activations.ACTIVATIONS` ("silu" for Mamba), applied in fp32. With
     ``return_sample_states`` (only with seq_idx) returns ``(y, final_sample_states)``, the
     latter (n_samples, dim, width - 1) in x's dtype: each sample's last width - 1 inputs.
     """
@@ -307,7 +321,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, back
     name = _backend.select("causal_conv1d_update", x, backend=backend)
     if name == "cuda":
         fn = _backend.kernel_module("causal_conv1d_update").causal_conv1d_update
-        return fn(x, conv_state, weight, bias, activation=activation)
+        return _kernel_call(fn, x, activation, x, conv_state, weight, bias)
     # drop oldest, append newest
     window = torch.cat([conv_state[:, :, 1:].to(x.dtype), x[:, :, None]], dim=-1)
     conv_state.copy_(window)

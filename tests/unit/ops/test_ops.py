@@ -1060,8 +1060,8 @@ BAD_INPUTS = {
         r"bias must be \(dim=3,\); got \(4,\)",
     ),
     "conv-activation": (
-        _bad(ops.causal_conv1d, conv_inputs, activation="relu"),
-        r"activation='relu' is not supported",
+        _bad(ops.causal_conv1d, conv_inputs, activation="relu7"),
+        r"activation must be one of: gelu, .*silu.*; got 'relu7'",
     ),
     "conv-update-weight": (
         lambda backend: ops.causal_conv1d_update(
