@@ -509,14 +509,69 @@ def mamba3_step(
     mimo_o=None,
     backend=None,
 ):
-    """One step of the recurrence for generation, O(1) in the length so far; ``states`` (angle, ssm,
-    k, v), shaped as :class:`Mamba3States`, are updated in place.
+    """One step of the recurrence for generation, O(1) in the length so far, or T steps in one call
+    (speculative decoding's verification step); ``states`` (angle, ssm, k, v), shaped as
+    :class:`Mamba3States`, are updated in place.
 
-    Shapes as :func:`mamba3_scan` without the time axis: x, z (batch, nheads, headdim); dt, A, trap
-    (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch, nheads, nangles). Returns y
-    (batch, nheads, headdim) in x's dtype ((batch, rank, nheads, headdim) for MIMO without mimo_o).
+    One token: the shapes of :func:`mamba3_scan` without the time axis: x, z (batch, nheads,
+    headdim); dt, A, trap (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch,
+    nheads, nangles). Returns y (batch, nheads, headdim) in x's dtype ((batch, rank, nheads,
+    headdim) for MIMO without mimo_o).
+    T tokens: the shapes of :func:`mamba3_scan` with seqlen = T (x (batch, T, nheads, headdim),
+    ...), the time axis second as there and in FlashInfer's multi-token state update (mamba_ssm's
+    step kernel takes one token). Returns y (batch, T, ...), the same as T one-token calls.
+
     The ``cuda`` backend runs mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its
-    ``Mamba3.step`` does."""
+    ``Mamba3.step`` does: once per token."""
+    one = _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x)
+    args = (B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, backend)
+    if one:
+        return _step(states, x, dt, A, trap, B, C, angles, z, *args)
+    ys = [
+        _step(
+            states,
+            x[:, t],
+            dt[:, t],
+            A[:, t],
+            trap[:, t],
+            B[:, t],
+            C[:, t],
+            angles[:, t],
+            None if z is None else z[:, t],
+            *args,
+        )
+        for t in range(x.shape[1])
+    ]
+    return torch.stack(ys, dim=1)
+
+
+def _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x) -> bool:
+    """The shapes of :func:`mamba3_step`'s arguments, those of the scan without (one token) or with
+    (T tokens) the time axis. Returns True for one token."""
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() not in (3, 4)
+        or (x.dim() == 4 and not x.shape[1])
+    ):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            "mamba3_step: x must be (batch, nheads, headdim) for one token or (batch, T >= 1, "
+            f"nheads, headdim) for T tokens; got {got}"
+        )
+    one = x.dim() == 3
+    timed = [t[:, None] if one else t for t in (x, dt, A, trap, B, C, angles)]
+    try:
+        check(*timed, B_bias, C_bias, mimo_x, tuple(states))
+    except ValueError as err:
+        form = "one token: the scan's shapes without seqlen" if one else "T tokens: seqlen = T"
+        raise ValueError(f"mamba3_step ({form}): {err}") from None
+    return one
+
+
+def _step(
+    states, x, dt, A, trap, B, C, angles, z, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, backend
+):
+    """One token of :func:`mamba3_step` (shapes checked)."""
     angle, ssm, k_state, v_state = states
     h = x.shape[1]
     pairwise = mimo_x is None

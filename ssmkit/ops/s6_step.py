@@ -8,6 +8,13 @@ $$ h_t = \exp(\Delta_t A)\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad
 with the state updated in place. Mamba-2 uses it with one scalar A (and Δ) per head broadcast over
 (headdim, dstate), mamba_ssm's ``selective_state_update`` layout; the cuda backend calls that
 kernel.
+
+Several tokens in one call (speculative decoding's verification step): every per-token argument
+takes a token axis T after the batch axis, x (batch, T, dim) or (batch, T, nheads, headdim), B and
+C (batch, T, [ngroups,] dstate): FlashInfer's multi-token ``selective_state_update`` layout
+(mamba_ssm's kernel takes one token; vLLM's flattens the tokens of all sequences with
+``cu_seqlens``). The call equals T one-token calls; the cuda backend makes them, one kernel call per
+token.
 """
 
 from __future__ import annotations
@@ -21,17 +28,26 @@ from . import backend as _backend
 def selective_state_update(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, backend=None
 ):
-    """One step of the recurrence, updating ``state`` in place (generation, O(1) per token).
+    """One step of the recurrence, updating ``state`` in place (generation, O(1) per token), or T
+    steps in one call.
 
     Mamba-1 shapes: state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate);
     B, C (batch, dstate) or (batch, ngroups, dstate); D, dt_bias (dim,).
     Mamba-2 shapes: state (batch, nheads, headdim, dstate); x, dt, z (batch, nheads, headdim);
     A (nheads, headdim, dstate); B, C (batch, ngroups, dstate); D, dt_bias (nheads, headdim).
+    T tokens: x, dt, z (batch, T, dim) or (batch, T, nheads, headdim); B, C (batch, T, dstate) or
+    (batch, T, ngroups, dstate); the others as above. The same as T one-token calls in a row.
     Returns y shaped like x.
     """
+    if x.dim() == state.dim():  # a token axis: T one-token steps
+        return _tokens(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend)
     name = _backend.select("selective_state_update", state, backend=backend)
     if name == "cuda":
         fn = _backend.kernel_module("selective_state_update").selective_state_update
+        if dt_bias is None:
+            # the kernel reads dt_bias.stride(-1) whenever A and Δ are broadcast per head (its
+            # tie_hdim test), None or not: a zero bias of stride 0 adds nothing
+            dt_bias = torch.zeros((), device=x.device).expand(x.shape[1:])
         return fn(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     heads = state.dim() == 4
     _check_step(state, x, dt, A, B, C, D, z, dt_bias)
@@ -64,6 +80,51 @@ def selective_state_update(
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y if heads else y.squeeze(1)
+
+
+def _tokens(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend):
+    """:func:`selective_state_update` over the T tokens of x (batch, T, ...): one step per token,
+    in order, each as a one-token call (so every backend, the kernel's included, is exact)."""
+    batch, T = x.shape[:2]
+    layout = (
+        "T tokens: x, dt, z (batch, T, dim) or (batch, T, nheads, headdim); "
+        "B, C (batch, T, dstate) or (batch, T, ngroups, dstate)"
+    )
+    if T == 0:
+        raise ValueError(f"x must hold at least one token ({layout}); got {tuple(x.shape)}")
+    for name, t in (("dt", dt), ("z", z)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(
+                f"{name} must be shaped as x {tuple(x.shape)} ({layout}); got {tuple(t.shape)}"
+            )
+    for name, M in (("B", B), ("C", C)):
+        if M.dim() not in (3, 4) or tuple(M.shape[:2]) != (batch, T):
+            raise ValueError(
+                f"{name} must be (batch={batch}, T={T}, [ngroups,] dstate) ({layout}); "
+                f"got {tuple(M.shape)}"
+            )
+    try:  # the rest as for one token
+        z0 = None if z is None else z[:, 0]
+        _check_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, z0, dt_bias)
+    except ValueError as err:
+        raise ValueError(f"{err} (per token; {layout})") from None
+    ys = [
+        selective_state_update(
+            state,
+            x[:, t],
+            dt[:, t],
+            A,
+            B[:, t],
+            C[:, t],
+            D=D,
+            z=None if z is None else z[:, t],
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
+            backend=backend,
+        )
+        for t in range(T)
+    ]
+    return torch.stack(ys, dim=1)
 
 
 def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:
