@@ -21,7 +21,7 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import check_packed, conv_with_state, init_dt_bias, steps_fit, zero_padding
 from .norms import RMSNorm
 from .ssm_config import Mamba1Config
 
@@ -112,7 +112,7 @@ class Mamba1(nn.Module):
         seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every
         sample."""
         check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        if steps_fit(hidden, state, mask):  # a decode step or a few tokens: recurrent steps
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels,
@@ -148,17 +148,19 @@ class Mamba1(nn.Module):
         return self.out_proj(out.transpose(1, 2))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence
-        length."""
-        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)  # (batch, d_inner)
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: hidden (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far (k = 1: a decode step; k >
+        1: e.g. speculative decoding's verification of k drafted tokens). Equals k one-token
+        calls."""
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (batch, k, d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
         x = ops.causal_conv1d_update(
-            x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
-        )
+            x.transpose(1, 2), state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
+        ).transpose(1, 2)
         dt, B, C = self._select(x)
-        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, k, d_inner)
         A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(
+        y = ops.selective_state_update(  # the token axis second: k steps
             state.ssm,
             x,
             dt,
@@ -170,4 +172,4 @@ class Mamba1(nn.Module):
             dt_bias=lora_aware.bias(self.dt_proj).float(),
             dt_softplus=True,
         )
-        return self.out_proj(y)[:, None]
+        return self.out_proj(y)
