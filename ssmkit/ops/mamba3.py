@@ -524,25 +524,53 @@ def mamba3_step(
     The ``cuda`` backend runs mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its
     ``Mamba3.step`` does: once per token."""
     one = _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x)
-    args = (B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, backend)
-    if one:
-        return _step(states, x, dt, A, trap, B, C, angles, z, *args)
-    ys = [
-        _step(
-            states,
-            x[:, t],
-            dt[:, t],
-            A[:, t],
-            trap[:, t],
-            B[:, t],
-            C[:, t],
-            angles[:, t],
-            None if z is None else z[:, t],
-            *args,
+    h, pairwise = x.shape[-2], mimo_x is None
+    # what does not depend on the state, for every token at once
+    dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
+    Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
+    turn = angle_increments(angles, dt)
+    if _backend.select("mamba3_step", states[1], backend=backend) == "cuda":
+        args = (states, D, mimo_x, mimo_z, mimo_o)
+        if one:
+            return _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, *args)
+        at = lambda t, i: None if t is None else t[:, i]  # noqa: E731
+        ys = [
+            _kernel_step(
+                x[:, i],
+                dt[:, i],
+                A[:, i],
+                lam[:, i],
+                Bh[:, i],
+                Ch[:, i],
+                turn[:, i],
+                at(z, i),
+                *args,
+            )
+            for i in range(x.shape[1])
+        ]  # one kernel call per token
+        return torch.stack(ys, dim=1)
+    timed = [t if t is None or not one else t[:, None] for t in (x, dt, A, lam, Bh, Ch, turn, z)]
+    x, dt, A, lam, Bh, Ch, turn, z = timed
+    current = Mamba3States(*(widen(s) for s in states))
+    ys = []
+    for i in range(x.shape[1]):
+        y, xr, current = step(
+            current,
+            x[:, i],
+            dt[:, i],
+            A[:, i],
+            lam[:, i],
+            Bh[:, i],
+            Ch[:, i],
+            turn[:, i],
+            mimo_x,
+            pairwise,
         )
-        for t in range(x.shape[1])
-    ]
-    return torch.stack(ys, dim=1)
+        zi = None if z is None else z[:, i]
+        ys.append(finish(y, xr, D, zi, mimo_z, mimo_o, siso=pairwise).to(x.dtype))
+    for old, value in zip(states, current):
+        old.copy_(value)
+    return ys[0] if one else torch.stack(ys, dim=1)
 
 
 def _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x) -> bool:
@@ -568,67 +596,45 @@ def _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x) ->
     return one
 
 
-def _step(
-    states, x, dt, A, trap, B, C, angles, z, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, backend
-):
-    """One token of :func:`mamba3_step` (shapes checked)."""
+def _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, states, D, mimo_x, mimo_z, mimo_o):
+    """One token through mamba_ssm's ``mamba3_step_fn``: x, z (batch, nheads, headdim); dt, A, λ
+    (batch, nheads) in fp32, λ after its sigmoid; Bh, Ch (batch, rank, nheads, dstate) biased, not
+    yet rotated; turn (batch, nheads, nangles). The kernel takes k and q rotated by the new angle;
+    the angle, the previous key and input are kept here."""
     angle, ssm, k_state, v_state = states
-    h = x.shape[1]
-    pairwise = mimo_x is None
-    dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
-    Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
-    turn = angle_increments(angles, dt)
-    name = _backend.select("mamba3_step", ssm, backend=backend)
-    if name == "cuda":
-        new_angle = torch.remainder(angle + turn, TWO_PI)
-        k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
-        q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
-        r, p = B.shape[1], x.shape[2]
-        ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
-        xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
-        outproj = (
-            ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
-        )
-        zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
-        out = torch.empty(
-            (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
-            device=x.device,
-            dtype=x.dtype,
-        )
-        fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
-        fn(
-            ssm,
-            k_state,
-            v_state,
-            A,
-            k,
-            q,
-            torch.zeros(h, device=x.device) if D is None else D,
-            x,
-            dt,
-            lam,
-            xproj,
-            outproj=outproj,
-            out=out,
-            z=z,
-            zproj=zproj,
-        )
-        angle.copy_(new_angle)
-        k_state.copy_(k)
-        v_state.copy_(x)
-        return out
-    y, xr, new = step(
-        Mamba3States(widen(angle), widen(ssm), widen(k_state), widen(v_state)),
+    pairwise, h = mimo_x is None, x.shape[1]
+    new_angle = torch.remainder(angle + turn, TWO_PI)
+    k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
+    q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
+    r, p = Bh.shape[1], x.shape[2]
+    ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
+    xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
+    outproj = ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+    zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
+    out = torch.empty(
+        (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
+        device=x.device,
+        dtype=x.dtype,
+    )
+    fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
+    fn(
+        ssm,
+        k_state,
+        v_state,
+        A,
+        k,
+        q,
+        torch.zeros(h, device=x.device) if D is None else D,
         x,
         dt,
-        A,
         lam,
-        Bh,
-        Ch,
-        turn,
-        mimo_x,
-        pairwise,
+        xproj,
+        outproj=outproj,
+        out=out,
+        z=z,
+        zproj=zproj,
     )
-    for old, value in zip(states, new):
-        old.copy_(value)
-    return finish(y, xr, D, z, mimo_z, mimo_o, siso=pairwise).to(x.dtype)
+    angle.copy_(new_angle)
+    k_state.copy_(k)
+    v_state.copy_(x)
+    return out

@@ -39,9 +39,35 @@ def selective_state_update(
     (batch, T, ngroups, dstate); the others as above. The same as T one-token calls in a row.
     Returns y shaped like x.
     """
-    if x.dim() == state.dim():  # a token axis: T one-token steps
-        return _tokens(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend)
+    tokens = x.dim() == state.dim()  # a token axis: T one-token steps
+    if tokens:
+        _check_tokens(state, x, dt, A, B, C, D, z, dt_bias)
     name = _backend.select("selective_state_update", state, backend=backend)
+    if not tokens:
+        if name != "cuda":
+            _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+        return _update(name, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    ys = [
+        _update(
+            name,
+            state,
+            x[:, t],
+            dt[:, t],
+            A,
+            B[:, t],
+            C[:, t],
+            D,
+            None if z is None else z[:, t],
+            dt_bias,
+            dt_softplus,
+        )
+        for t in range(x.shape[1])
+    ]  # on cuda one kernel call per token: mamba_ssm's takes one
+    return torch.stack(ys, dim=1)
+
+
+def _update(name, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    """One token on backend ``name`` (shapes checked), the state updated in place."""
     if name == "cuda":
         fn = _backend.kernel_module("selective_state_update").selective_state_update
         if dt_bias is None:
@@ -50,7 +76,6 @@ def selective_state_update(
             dt_bias = torch.zeros((), device=x.device).expand(x.shape[1:])
         return fn(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     heads = state.dim() == 4
-    _check_step(state, x, dt, A, B, C, D, z, dt_bias)
     if name == "torch" and _in_place_ok(state, x, dt, A, B, C, D, z, dt_bias):
         return _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     if not heads:  # Mamba-1 as a single "head" whose headdim is dim: (batch, 1, dim, dstate)
@@ -82,9 +107,9 @@ def selective_state_update(
     return y if heads else y.squeeze(1)
 
 
-def _tokens(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend):
-    """:func:`selective_state_update` over the T tokens of x (batch, T, ...): one step per token,
-    in order, each as a one-token call (so every backend, the kernel's included, is exact)."""
+def _check_tokens(state, x, dt, A, B, C, D, z, dt_bias):
+    """The shapes of :func:`selective_state_update`'s T-token form: x (batch, T, ...) and the
+    per-token arguments with the same (batch, T) in front, the rest as for one token."""
     batch, T = x.shape[:2]
     layout = (
         "T tokens: x, dt, z (batch, T, dim) or (batch, T, nheads, headdim); "
@@ -108,23 +133,6 @@ def _tokens(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend):
         _check_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, z0, dt_bias)
     except ValueError as err:
         raise ValueError(f"{err} (per token; {layout})") from None
-    ys = [
-        selective_state_update(
-            state,
-            x[:, t],
-            dt[:, t],
-            A,
-            B[:, t],
-            C[:, t],
-            D=D,
-            z=None if z is None else z[:, t],
-            dt_bias=dt_bias,
-            dt_softplus=dt_softplus,
-            backend=backend,
-        )
-        for t in range(T)
-    ]
-    return torch.stack(ys, dim=1)
 
 
 def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:
