@@ -151,16 +151,21 @@ class Mamba1(nn.Module):
         """k >= 1 tokens after the cached ones, as k recurrent steps in one call: hidden (batch, k,
         d_model) -> (batch, k, d_model), O(k) whatever the length so far (k = 1: a decode step; k >
         1: e.g. speculative decoding's verification of k drafted tokens). Equals k one-token
-        calls."""
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (batch, k, d_inner)
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        x, z = self.in_proj(hidden[:, 0] if one else hidden).chunk(2, dim=-1)  # (b, [k,] d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
-        x = ops.causal_conv1d_update(
-            x.transpose(1, 2), state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
-        ).transpose(1, 2)
+        conv_bias = lora_aware.bias(self.conv1d)
+        if one:
+            x = ops.causal_conv1d_update(x, state.conv, weight, conv_bias, activation="silu")
+        else:  # the conv takes (batch, dim, k)
+            x = ops.causal_conv1d_update(
+                x.transpose(1, 2), state.conv, weight, conv_bias, activation="silu"
+            ).transpose(1, 2)
         dt, B, C = self._select(x)
-        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, k, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, [k,] d_inner)
         A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(  # the token axis second: k steps
+        y = ops.selective_state_update(  # with a token axis: k steps
             state.ssm,
             x,
             dt,
@@ -172,4 +177,5 @@ class Mamba1(nn.Module):
             dt_bias=lora_aware.bias(self.dt_proj).float(),
             dt_softplus=True,
         )
-        return self.out_proj(y)
+        out = self.out_proj(y)
+        return out[:, None] if one else out

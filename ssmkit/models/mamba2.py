@@ -142,17 +142,23 @@ class Mamba2(nn.Module):
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
         d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
-        calls."""
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
         z, xBC, dt = torch.split(
-            self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1
-        )  # (batch, k, ·)
-        xBC = ops.causal_conv1d_update(
-            xBC.transpose(1, 2),
-            state.conv,
+            self.in_proj(hidden[:, 0] if one else hidden),
+            [self.d_inner, self.conv_dim, self.nheads],
+            dim=-1,
+        )  # (batch, [k,] ·)
+        conv = (
             rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w"),
             lora_aware.bias(self.conv1d),
-            activation="silu",
-        ).transpose(1, 2)
+        )
+        if one:
+            xBC = ops.causal_conv1d_update(xBC, state.conv, *conv, activation="silu")
+        else:  # the conv takes (batch, dim, k)
+            xBC = ops.causal_conv1d_update(
+                xBC.transpose(1, 2), state.conv, *conv, activation="silu"
+            ).transpose(1, 2)
         x, B, C = torch.split(
             xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
         )
@@ -168,16 +174,16 @@ class Mamba2(nn.Module):
                 None,
                 False,
             )
-        y = ops.selective_state_update(  # the token axis second: k steps
+        y = ops.selective_state_update(  # with a token axis: k steps
             state.ssm,
-            rearrange(x, "b k (h p) -> b k h p", p=P),
+            x.unflatten(-1, (self.nheads, P)),
             dt[..., None].expand(*dt.shape, P),
             A,
-            rearrange(B, "b k (g n) -> b k g n", g=self.ngroups),
-            rearrange(C, "b k (g n) -> b k g n", g=self.ngroups),
+            B.unflatten(-1, (self.ngroups, N)),
+            C.unflatten(-1, (self.ngroups, N)),
             D=D,
             dt_bias=dt_bias,
             dt_softplus=softplus,
         )
-        y = self.norm(rearrange(y, "b k h p -> b k (h p)"), z)
-        return self.out_proj(y)
+        out = self.out_proj(self.norm(y.flatten(-2), z))
+        return out[:, None] if one else out

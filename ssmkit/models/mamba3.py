@@ -208,8 +208,10 @@ class Mamba3(KeepsFp32, nn.Module):
     def step(self, hidden: torch.Tensor, state: Mamba3State) -> torch.Tensor:
         """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
         d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
-        calls."""
-        inputs, z = self._inputs(self.in_proj(hidden))  # the scan's layout, time second
-        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))  # k steps
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        inputs, z = self._inputs(self.in_proj(hidden[:, 0] if one else hidden))
+        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))  # with a token axis: k steps
         state.seen += hidden.shape[1]
-        return self._output(y, z, hidden.dtype)
+        out = self._output(y, z, hidden.dtype)
+        return out[:, None] if one else out

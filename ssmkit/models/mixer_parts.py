@@ -21,10 +21,12 @@ from .ssm_config import Mamba1Config, Mamba2Config, Mamba3Config
 
 # A cached call of at most this many tokens (a decode step, a speculative draft being verified) runs
 # as that many recurrent steps in one call: the decode ops over k tokens (the conv update, the state
-# update), O(k) and exact on every backend, the kernels' included; a longer one (a prompt continued
-# from a cache) runs as the chunked scan from the cached states, whose fixed cost pays off only over
-# many tokens. Both equal k one-token calls.
-STEP_TOKENS = 16
+# update), O(k) and exact on every backend, the kernels' included (mamba_ssm's Mamba-1 scan kernel
+# cannot start from a state); a longer one (a prompt continued from a cache) runs as the chunked
+# scan from the cached states, whose fixed cost per call the steps' cost per token overtakes: on a
+# CPU the two cost about the same at this many tokens (Mamba-3 a little earlier, Mamba-2 later).
+# Both equal k one-token calls.
+STEP_TOKENS = 4
 
 
 def steps_fit(hidden: torch.Tensor, state, mask: torch.Tensor | None) -> bool:
