@@ -439,7 +439,9 @@ class MambaLM(nn.Module):
         already the targets of each position. -100 marks positions without a loss. With seq_idx and
         shift_labels the last position of each packed sample gets no target (the next token belongs
         to another sample), as when the sample runs alone.
-        cache: continue from and update these states (prefill or one-token steps).
+        cache: continue from and update these states: a prefill, a one-token step, or k tokens
+        in one call after a prefill (speculative decoding's verification), equal to k one-token
+        calls; up to ``mixer_parts.STEP_TOKENS`` tokens run as recurrent steps, more as the scan.
         logits_to_keep: compute logits for the last k positions only (0 = all).
         attention_mask: (batch, seqlen), 1 for real tokens and 0 for LEFT padding: the logits of the
         real positions then equal those of the row run alone, unpadded. Only on a fresh cache (the

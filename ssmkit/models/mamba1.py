@@ -21,7 +21,7 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import check_packed, conv_with_state, init_dt_bias, steps_fit, zero_padding
 from .norms import RMSNorm
 from .ssm_config import Mamba1Config
 
@@ -114,7 +114,7 @@ class Mamba1(nn.Module):
         seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every
         sample."""
         check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        if steps_fit(hidden, state, mask):  # a decode step or a few tokens: recurrent steps
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels,
@@ -152,17 +152,26 @@ class Mamba1(nn.Module):
         return self.out_proj(out.transpose(1, 2))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence
-        length."""
-        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)  # (batch, d_inner)
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: hidden (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far (k = 1: a decode step; k >
+        1: e.g. speculative decoding's verification of k drafted tokens). Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        x, z = self.in_proj(hidden[:, 0] if one else hidden).chunk(2, dim=-1)  # (b, [k,] d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
-        x = ops.causal_conv1d_update(
-            x, state.conv, weight, lora_aware.bias(self.conv1d), activation=self.activation
-        )
+        conv_bias = lora_aware.bias(self.conv1d)
+        if one:
+            x = ops.causal_conv1d_update(
+                x, state.conv, weight, conv_bias, activation=self.activation
+            )
+        else:  # the conv takes (batch, dim, k)
+            x = ops.causal_conv1d_update(
+                x.transpose(1, 2), state.conv, weight, conv_bias, activation=self.activation
+            ).transpose(1, 2)
         dt, B, C = self._select(x)
-        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, [k,] d_inner)
         A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(
+        y = ops.selective_state_update(  # with a token axis: k steps
             state.ssm,
             x,
             dt,
@@ -174,4 +183,5 @@ class Mamba1(nn.Module):
             dt_bias=lora_aware.bias(self.dt_proj).float(),
             dt_softplus=True,
         )
-        return self.out_proj(y)[:, None]
+        out = self.out_proj(y)
+        return out[:, None] if one else out

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import Mamba3State
-from .mixer_parts import KeepsFp32, check_packed, init_dt_bias
+from .mixer_parts import KeepsFp32, check_packed, init_dt_bias, steps_fit
 from .norms import RMSNorm, RMSNormGated
 from .ssm_config import Mamba3Config
 
@@ -181,7 +181,7 @@ class Mamba3(KeepsFp32, nn.Module):
         seq_idx: (batch, seqlen) sample index of packed rows: the scan (state, previous input,
         angle) restarts at every sample."""
         check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        if steps_fit(hidden, state, mask):  # a decode step or a few tokens: recurrent steps
             return self.step(hidden, state)
         inputs, z = self._inputs(self.in_proj(hidden))
         if mask is not None:
@@ -206,8 +206,12 @@ class Mamba3(KeepsFp32, nn.Module):
         return self._output(out, z, hidden.dtype)
 
     def step(self, hidden: torch.Tensor, state: Mamba3State) -> torch.Tensor:
-        """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        inputs, z = self._inputs(self.in_proj(hidden[:, 0]))
-        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))
-        state.seen += 1
-        return self._output(y, z, hidden.dtype)[:, None]
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        inputs, z = self._inputs(self.in_proj(hidden[:, 0] if one else hidden))
+        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))  # with a token axis: k steps
+        state.seen += hidden.shape[1]
+        out = self._output(y, z, hidden.dtype)
+        return out[:, None] if one else out

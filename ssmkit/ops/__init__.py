@@ -6,13 +6,16 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
 * :func:`selective_scan`, :func:`selective_state_update` -- Mamba-1's S6 scan and its one-step form
 * :func:`ssd_scan` -- Mamba-2's state-space dual; :func:`ssd_reference`, :func:`ssd_quadratic`,
   :func:`ssd_chunked` are its three equivalent views
-* :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution
+* :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution and its
+  generation form
 * :data:`ACTIVATIONS`, :func:`activation` -- pointwise activations by transformers' names
   (``hidden_act``), for the conv and the MLPs (:mod:`ssmkit.ops.activations`)
 * :func:`rms_norm`, :func:`rms_norm_gated` -- RMSNorm and Mamba-2's gated, grouped RMSNorm
 * :func:`mamba3_scan`, :func:`mamba3_step` -- Mamba-3's exponential-trapezoidal, rotating scan (SISO
   and MIMO) and its one-step form; :func:`mamba3_reference`, :func:`mamba3_quadratic`,
   :func:`mamba3_chunked` are its three equivalent views
+* the generation forms (``*_update``, ``*_step``) take one token or k in one call (a token axis: the
+  verification step of speculative decoding), equal to k one-token calls
 * :mod:`ssmkit.ops.lti` -- the linear time-invariant SSM of S4 / S4D: :func:`discretize` (ZOH,
   bilinear), the kernel by :func:`kernel_by_powers` or :func:`kernel_vandermonde`, run as
   :func:`ssm_recurrent` (:func:`ssm_step`) or :func:`ssm_convolve` (FFT); :func:`state_after`,

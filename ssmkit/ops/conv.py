@@ -7,11 +7,13 @@ $$ y_{d,t} = b_d + \sum_{k=0}^{W-1} w_{d,k}\, x_{d,\,t-W+1+k}
 
 then an optional activation: SiLU in every Mamba, or any of
 :data:`ssmkit.ops.activations.ACTIVATIONS` by its transformers name (Jamba's conv takes the config's
-``hidden_act``). For generation, :func:`causal_conv1d_update` keeps the last W inputs of each
-channel as the conv state and produces one output per new input.
+``hidden_act``). For generation, :func:`causal_conv1d_update` keeps the last inputs of each channel
+as the conv state and produces the outputs of k >= 1 new inputs per call (one token, or a
+speculative draft of k), the state shifting or circular (``cache_seqlens``) as causal-conv1d's.
 
 Shapes follow the ``causal_conv1d`` package: ``x: (batch, dim, seqlen)``, ``weight: (dim, width)``,
-``bias: (dim,)``, ``conv_state: (batch, dim, width)``.
+``bias: (dim,)``, ``conv_state: (batch, dim, state_len)`` with state_len >= width - 1 (the models
+keep state_len = width).
 
 Packed samples (``seq_idx: (batch, seqlen)``, see :mod:`ssmkit.ops.packing`): tap k of output t
 counts only when ``seq_idx[t-W+1+k] == seq_idx[t]``, as causal-conv1d's kernel: each sample sees
@@ -34,6 +36,12 @@ from .activations import activation as _activation
 from .packing import check_seq_idx, positions_in_sample, sample_numbers, sample_state_spans
 
 KERNEL_ACTIVATIONS = (None, "silu", "swish")  # what the causal_conv1d kernels apply themselves
+
+
+def _check_activation(activation):
+    """An unknown name is a ValueError listing the valid ones (before any state is written)."""
+    if activation is not None:
+        _activation(activation)
 
 
 def _activate(y, activation):
@@ -305,27 +313,190 @@ def causal_conv1d(
     )
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, backend=None):
-    """One generation step. x: (batch, dim); conv_state: (batch, dim, width), updated in place to
-    hold the last ``width`` inputs. Returns (batch, dim): the conv output for the new input."""
-    if (
-        conv_state.dim() != 3
-        or x.shape != conv_state.shape[:2]
-        or weight.shape != (x.shape[1], conv_state.shape[2])
-    ):
+def _check_update(x, conv_state, weight, bias, cache_seqlens, conv_state_indices):
+    """The shapes of :func:`causal_conv1d_update`'s arguments, causal-conv1d's rules; a ValueError
+    names what was wrong. Returns x as (batch, dim, seqlen)."""
+    if x.dim() not in (2, 3) or weight.dim() != 2 or conv_state.dim() != 3:
         raise ValueError(
-            f"expected x (batch, dim), conv_state (batch, dim, width), weight (dim, width); got "
-            f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"expected x (batch, dim) or (batch, dim, seqlen), conv_state (batch, dim, state_len), "
+            f"weight (dim, width); got x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, "
             f"weight {tuple(weight.shape)}"
         )
+    x3 = x if x.dim() == 3 else x[:, :, None]
+    batch, dim, seqlen = x3.shape
+    width, state_len = weight.shape[1], conv_state.shape[2]
+    rows = "n_entries" if conv_state_indices is not None else f"batch={batch}"
+    if (
+        weight.shape[0] != dim
+        or conv_state.shape[1] != dim
+        or state_len < max(width - 1, 1)
+        or (conv_state_indices is None and conv_state.shape[0] != batch)
+        or seqlen == 0
+    ):
+        raise ValueError(
+            f"expected x (batch, dim) or (batch, dim, seqlen >= 1), conv_state ({rows}, dim, "
+            f"state_len) with state_len >= width - 1 and >= 1, weight (dim, width); "
+            f"got x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (dim,):
+        raise ValueError(f"bias must be (dim={dim},); got {tuple(bias.shape)}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices)):
+        if t is None:
+            continue
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype.is_floating_point
+            or t.dtype.is_complex
+            or t.dtype == torch.bool
+            or tuple(t.shape) != (batch,)
+        ):
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be an integer tensor (batch={batch},) (int32 as the kernel takes it, "
+                f"or int64); got {got}"
+            )
+        if t.device.type == "cpu":  # values are read only where that costs no GPU sync
+            low, high = (0, None) if name == "cache_seqlens" else (None, conv_state.shape[0])
+            if (low is not None and bool((t < low).any())) or (
+                high is not None and bool((t >= high).any())
+            ):
+                valid = "non-negative" if low is not None else f"below n_entries={high}"
+                raise ValueError(f"{name} must be {valid}; got {t.tolist()}")
+    return x3
+
+
+def _update_reference(x3, conv_state, weight, bias, activation, cache_seqlens):
+    """The definition, one token at a time: token t's window is the W-1 inputs before it (read from
+    the state: its last W-1 slots, or the W-1 slots before ``cache_seqlens + t`` of a circular one)
+    and itself; then the token enters the state (shifted in at the end, or written at slot
+    (cache_seqlens + t) mod state_len). conv_state: (batch, dim, state_len), updated in place."""
+    width, state_len, seqlen = weight.shape[1], conv_state.shape[2], x3.shape[2]
+    rows = torch.arange(x3.shape[0], device=x3.device)
+    seen = None if cache_seqlens is None else cache_seqlens.long()
+    w, ys = weight.float(), []
+    for t in range(seqlen):
+        xt = x3[:, :, t]
+        if seen is None:
+            # a copy: the state is overwritten below, and autograd keeps what the sum read
+            before = conv_state[:, :, state_len - width + 1 :].clone().unbind(-1)
+        else:
+            slots = [torch.remainder(seen + t - width + 1 + j, state_len) for j in range(width)]
+            before = [conv_state[rows, :, slots[j]] for j in range(width - 1)]
+        window = [*(v.to(x3.dtype) for v in before), xt]  # the state is read in x's dtype
+        y = sum(w[:, j] * window[j].float() for j in range(width))
+        ys.append(y if bias is None else y + bias.float())
+        new = xt.to(conv_state.dtype)
+        if seen is None:
+            conv_state.copy_(torch.cat([conv_state[:, :, 1:], new[:, :, None]], dim=-1))
+        else:
+            conv_state[rows, :, slots[-1]] = new  # slot (cache_seqlens + t) mod state_len
+    return _activate(torch.stack(ys, dim=-1), activation).to(x3.dtype)
+
+
+def _update_torch(x3, conv_state, weight, bias, activation, cache_seqlens):
+    """All k tokens at once: the state's last W-1 inputs (or the W-1 slots before
+    ``cache_seqlens``) and the k new ones side by side, the k windows of W taps as an ``unfold``
+    (for k = 1 the single window times the weight); then the state shifted by k (or the last
+    min(k, state_len) tokens written into their slots: later ones overwrite earlier ones, as the
+    kernel's sequential writes do)."""
+    batch, dim, seqlen = x3.shape
+    width, state_len = weight.shape[1], conv_state.shape[2]
+    if cache_seqlens is None:
+        full = torch.cat([conv_state.to(x3.dtype), x3], dim=-1)  # (batch, dim, state_len + k)
+        ext = full[:, :, state_len - width + 1 :]  # the W-1 inputs before the first new token on
+        conv_state.copy_(full[:, :, -state_len:])
+    else:
+        seen = cache_seqlens.long()[:, None]
+        read = torch.remainder(seen + torch.arange(1 - width, 0, device=x3.device), state_len)
+        before = conv_state.gather(2, read[:, None, :].expand(batch, dim, width - 1))
+        ext = torch.cat([before.to(x3.dtype), x3], dim=-1)
+        kept = min(seqlen, state_len)
+        slots = seen + torch.arange(seqlen - kept, seqlen, device=x3.device)
+        conv_state.scatter_(
+            2,
+            torch.remainder(slots, state_len)[:, None, :].expand(batch, dim, kept),
+            x3[:, :, seqlen - kept :].to(conv_state.dtype),
+        )
+    y = (ext.float().unfold(2, width, 1) * weight.float()[:, None, :]).sum(-1)  # (b, d, k)
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    return _activate(y, activation).to(x3.dtype)
+
+
+def _kernel_takes(x, conv_state, weight, bias) -> bool:
+    """What causal-conv1d's update kernel accepts (its TORCH_CHECKs): width 2..4, the state in x's
+    dtype, the bias in the weight's."""
+    return (
+        2 <= weight.shape[1] <= 4
+        and conv_state.dtype == x.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+    )
+
+
+def causal_conv1d_update(
+    x,
+    conv_state,
+    weight,
+    bias=None,
+    activation=None,
+    backend=None,
+    cache_seqlens=None,
+    conv_state_indices=None,
+):
+    """The conv of generation: the outputs for k >= 1 new inputs, continuing ``conv_state``, which
+    is updated in place. causal-conv1d's ``causal_conv1d_update`` (its arguments and semantics):
+
+    x: (batch, dim) for one token, or (batch, dim, k) for k tokens in one call (speculative
+    decoding's verification step), which equals k one-token calls. weight: (dim, width); bias:
+    (dim,). conv_state: (batch, dim, state_len) with state_len >= width - 1 (the models keep
+    state_len = width): the last state_len inputs, oldest first; each call shifts the k new inputs
+    in at the end.
+
+    cache_seqlens: (batch,) integer, or None. Given, conv_state is a circular buffer:
+    ``cache_seqlens[b]`` tokens have been written so far, the newest at slot (cache_seqlens - 1) mod
+    state_len, and the k new tokens go to slots cache_seqlens, cache_seqlens + 1, ... mod state_len
+    (the caller advances cache_seqlens by k afterwards). A circular buffer rotated to start at slot
+    cache_seqlens mod state_len is the shifting form: both give the same outputs and states.
+
+    conv_state_indices: (batch,) integer, or None. Given, conv_state is a pool of n_entries rows
+    (continuous batching) and row b of the batch reads and writes entry ``conv_state_indices[b]``;
+    a negative index marks padding: output 0, no entry touched. Indices must be distinct.
+
+    Returns (batch, dim) or (batch, dim, k), as x, in x's dtype (taps summed in fp32, as the
+    kernel). ``activation``: None, "silu" or "swish".
+    """
+    x3 = _check_update(x, conv_state, weight, bias, cache_seqlens, conv_state_indices)
+    _check_activation(activation)  # before the state is touched
     name = _backend.select("causal_conv1d_update", x, backend=backend)
+    if (
+        name == "cuda"
+        and not _kernel_takes(x, conv_state, weight, bias)
+        and (backend or _backend.forced_backend()) != "cuda"
+    ):
+        name = "torch"  # a width or dtype the kernel refuses: the torch path computes the same
     if name == "cuda":
         fn = _backend.kernel_module("causal_conv1d_update").causal_conv1d_update
-        return _kernel_call(fn, x, activation, x, conv_state, weight, bias)
-    # drop oldest, append newest
-    window = torch.cat([conv_state[:, :, 1:].to(x.dtype), x[:, :, None]], dim=-1)
-    conv_state.copy_(window)
-    y = (window.float() * weight.float()).sum(-1)
-    if bias is not None:
-        y = y + bias.float()
-    return _activate(y, activation).to(x.dtype)
+        as_int32 = lambda t: None if t is None else t.to(torch.int32).contiguous()  # noqa: E731
+        return _kernel_call(
+            fn,
+            x,
+            activation,
+            x,
+            conv_state,
+            weight,
+            bias,
+            cache_seqlens=as_int32(cache_seqlens),
+            conv_state_indices=as_int32(conv_state_indices),
+        )
+    impl = _update_reference if name == "reference" else _update_torch
+    if conv_state_indices is None:
+        y = impl(x3, conv_state, weight, bias, activation, cache_seqlens)
+    else:  # the batch's rows gathered from the pool, updated, written back (padding rows: none)
+        index = conv_state_indices.long()
+        rows = conv_state[index.clamp(min=0)]
+        y = impl(x3, rows, weight, bias, activation, cache_seqlens)
+        real = index >= 0
+        y = y.masked_fill(~real[:, None, None], 0)
+        conv_state[index[real]] = rows[real]
+    return y if x.dim() == 3 else y[:, :, 0]
