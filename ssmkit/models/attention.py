@@ -238,7 +238,7 @@ class Attention(nn.Module):
         return sdpa(q, k, v, m if seq_idx is None else m & same_sample(seq_idx, seq_idx))
 
     def _attend_per_sample(self, q, k, v, seq_idx):
-        """A packed cache-free call, one sample at a time: each sample's queries, keys and values
+        """A packed call, one sample at a time: each sample's queries, keys and values
         are a plain causal (or windowed) pass of their own, so no block-diagonal mask of the whole
         row is ever built. Shapes as :meth:`_attend`."""
         out = q.new_empty(q.shape)

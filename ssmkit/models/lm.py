@@ -91,8 +91,14 @@ def make_mlp(cfg: ModelConfig, layer_idx: int | None) -> nn.Module | None:
     if cfg.d_intermediate == 0:
         return None
     if layer_idx in cfg.moe_layers:
-        return SparseMoE(cfg.d_model, cfg.d_intermediate, cfg.num_experts, cfg.num_experts_per_tok)
-    return GatedMLP(cfg.d_model, cfg.d_intermediate)
+        return SparseMoE(
+            cfg.d_model,
+            cfg.d_intermediate,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            activation=cfg.mlp_activation,
+        )
+    return GatedMLP(cfg.d_model, cfg.d_intermediate, activation=cfg.mlp_activation)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -520,7 +526,9 @@ class MambaLM(nn.Module):
         already the targets of each position. -100 marks positions without a loss. With seq_idx and
         shift_labels the last position of each packed sample gets no target (the next token belongs
         to another sample), as when the sample runs alone.
-        cache: continue from and update these states (prefill or one-token steps).
+        cache: continue from and update these states: a prefill, a one-token step, or k tokens
+        in one call after a prefill (speculative decoding's verification), equal to k one-token
+        calls; up to ``mixer_parts.STEP_TOKENS`` tokens run as recurrent steps, more as the scan.
         logits_to_keep: compute logits for the last k positions only (0 = all), or, a 1-D integer
         tensor, for those positions only (e.g. the last of every packed sample): logits
         (batch, len(positions), vocab).

@@ -35,6 +35,7 @@ from .mixer_parts import (
     check_packed,
     init_dt_bias,
     packed_samples,
+    steps_fit,
     store_sample_states,
 )
 from .norms import RMSNorm, RMSNormGated
@@ -189,7 +190,8 @@ class Mamba3(KeepsFp32, nn.Module):
         final angle, state, key and input go to its own row (a packed prefill)."""
         check_packed(state, mask, seq_idx, per_sample=True)
         packed = state is not None and seq_idx is not None
-        if state is not None and hidden.shape[1] == 1 and mask is None and not packed:
+        # a decode step or a few tokens: recurrent steps
+        if not packed and steps_fit(hidden, state, mask):
             return self.step(hidden, state)
         inputs, z = self._inputs(self.in_proj(hidden))
         if mask is not None:
@@ -205,7 +207,7 @@ class Mamba3(KeepsFp32, nn.Module):
             initial_states=None if fresh else state.tensors(),
             return_final_states=state is not None and not packed,
             seq_idx=seq_idx,
-            **({"return_sample_states": True} if packed else {}),
+            return_sample_states=packed,
         )
         if packed:
             out, finals = out
@@ -221,8 +223,12 @@ class Mamba3(KeepsFp32, nn.Module):
         return self._output(out, z, hidden.dtype)
 
     def step(self, hidden: torch.Tensor, state: Mamba3State) -> torch.Tensor:
-        """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        inputs, z = self._inputs(self.in_proj(hidden[:, 0]))
-        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))
-        state.seen += 1
-        return self._output(y, z, hidden.dtype)[:, None]
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        inputs, z = self._inputs(self.in_proj(hidden[:, 0] if one else hidden))
+        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))  # with a token axis: k steps
+        state.seen += hidden.shape[1]
+        out = self._output(y, z, hidden.dtype)
+        return out[:, None] if one else out

@@ -1,7 +1,7 @@
-"""What the mixers share: Δ's bias at initialisation, the causal conv carried across calls, left
-padding zeroed, the check that packed samples come without a padding mask (and with a cache only
-where the mixer keeps one state per sample), the packed samples a prefill writes into a cache, and
-the parameters that stay fp32 when a model is cast.
+"""What the mixers share: Δ's bias at initialisation, the causal conv carried across calls, when a
+cached call runs as recurrent steps, left padding zeroed, the check that packed samples come without
+a padding mask (and with a cache only where the mixer keeps one state per sample), the packed
+samples a prefill writes into a cache, and the parameters that stay fp32 when a model is cast.
 
 Glossary: Δ = ``dt`` (the step size), softplus⁻¹ its inverse (``dt_bias`` stores softplus⁻¹(Δ₀)),
 ``state.conv`` the last d_conv inputs of the conv (the cache of generation), ``seq_idx`` (batch,
@@ -24,6 +24,21 @@ from .. import ops
 from ..ops.packing import sample_spans
 from . import lora_aware
 from .ssm_config import Mamba1Config, Mamba2Config, Mamba3Config
+
+# A cached call of at most this many tokens (a decode step, a speculative draft being verified) runs
+# as that many recurrent steps in one call: the decode ops over k tokens (the conv update, the state
+# update), O(k) and exact on every backend, the kernels' included (mamba_ssm's Mamba-1 scan kernel
+# cannot start from a state); a longer one (a prompt continued from a cache) runs as the chunked
+# scan from the cached states, whose fixed cost per call the steps' cost per token overtakes: on a
+# CPU the two cost about the same at this many tokens (Mamba-3 a little earlier, Mamba-2 later).
+# Both equal k one-token calls.
+STEP_TOKENS = 4
+
+
+def steps_fit(hidden: torch.Tensor, state, mask: torch.Tensor | None) -> bool:
+    """A mixer's call on hidden (batch, k, d_model) runs as k recurrent steps: a cache to continue,
+    no padding mask (a prefill's), and k <= :data:`STEP_TOKENS`."""
+    return state is not None and mask is None and hidden.shape[1] <= STEP_TOKENS
 
 
 class KeepsFp32:

@@ -681,71 +681,132 @@ def mamba3_step(
     mimo_o=None,
     backend=None,
 ):
-    """One step of the recurrence for generation, O(1) in the length so far; ``states`` (angle, ssm,
-    k, v), shaped as :class:`Mamba3States`, are updated in place.
+    """One step of the recurrence for generation, O(1) in the length so far, or T steps in one call
+    (speculative decoding's verification step); ``states`` (angle, ssm, k, v), shaped as
+    :class:`Mamba3States`, are updated in place.
 
-    Shapes as :func:`mamba3_scan` without the time axis: x, z (batch, nheads, headdim); dt, A, trap
-    (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch, nheads, nangles). Returns y
-    (batch, nheads, headdim) in x's dtype ((batch, rank, nheads, headdim) for MIMO without mimo_o).
+    One token: the shapes of :func:`mamba3_scan` without the time axis: x, z (batch, nheads,
+    headdim); dt, A, trap (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch,
+    nheads, nangles). Returns y (batch, nheads, headdim) in x's dtype ((batch, rank, nheads,
+    headdim) for MIMO without mimo_o).
+    T tokens: the shapes of :func:`mamba3_scan` with seqlen = T (x (batch, T, nheads, headdim),
+    ...), the time axis second as there and in FlashInfer's multi-token state update (mamba_ssm's
+    step kernel takes one token). Returns y (batch, T, ...), the same as T one-token calls.
+
     The ``cuda`` backend runs mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its
-    ``Mamba3.step`` does."""
-    angle, ssm, k_state, v_state = states
-    h = x.shape[1]
-    pairwise = mimo_x is None
+    ``Mamba3.step`` does: once per token."""
+    one = _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x)
+    h, pairwise = x.shape[-2], mimo_x is None
+    # what does not depend on the state, for every token at once
     dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
     Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
     turn = angle_increments(angles, dt)
-    name = _backend.select("mamba3_step", ssm, backend=backend)
-    if name == "cuda":
-        new_angle = torch.remainder(angle + turn, TWO_PI)
-        k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
-        q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
-        r, p = B.shape[1], x.shape[2]
-        ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
-        xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
-        outproj = (
-            ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+    if _backend.select("mamba3_step", states[1], backend=backend) == "cuda":
+        args = (states, D, mimo_x, mimo_z, mimo_o)
+        if one:
+            return _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, *args)
+        at = lambda t, i: None if t is None else t[:, i]  # noqa: E731
+        ys = [
+            _kernel_step(
+                x[:, i],
+                dt[:, i],
+                A[:, i],
+                lam[:, i],
+                Bh[:, i],
+                Ch[:, i],
+                turn[:, i],
+                at(z, i),
+                *args,
+            )
+            for i in range(x.shape[1])
+        ]  # one kernel call per token
+        return torch.stack(ys, dim=1)
+    timed = [t if t is None or not one else t[:, None] for t in (x, dt, A, lam, Bh, Ch, turn, z)]
+    x, dt, A, lam, Bh, Ch, turn, z = timed
+    current = Mamba3States(*(widen(s) for s in states))
+    ys = []
+    for i in range(x.shape[1]):
+        y, xr, current = step(
+            current,
+            x[:, i],
+            dt[:, i],
+            A[:, i],
+            lam[:, i],
+            Bh[:, i],
+            Ch[:, i],
+            turn[:, i],
+            mimo_x,
+            pairwise,
         )
-        zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
-        out = torch.empty(
-            (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
-            device=x.device,
-            dtype=x.dtype,
+        zi = None if z is None else z[:, i]
+        ys.append(finish(y, xr, D, zi, mimo_z, mimo_o, siso=pairwise).to(x.dtype))
+    for old, value in zip(states, current):
+        old.copy_(value)
+    return ys[0] if one else torch.stack(ys, dim=1)
+
+
+def _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x) -> bool:
+    """The shapes of :func:`mamba3_step`'s arguments, those of the scan without (one token) or with
+    (T tokens) the time axis. Returns True for one token."""
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() not in (3, 4)
+        or (x.dim() == 4 and not x.shape[1])
+    ):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            "mamba3_step: x must be (batch, nheads, headdim) for one token or (batch, T >= 1, "
+            f"nheads, headdim) for T tokens; got {got}"
         )
-        fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
-        fn(
-            ssm,
-            k_state,
-            v_state,
-            A,
-            k,
-            q,
-            torch.zeros(h, device=x.device) if D is None else D,
-            x,
-            dt,
-            lam,
-            xproj,
-            outproj=outproj,
-            out=out,
-            z=z,
-            zproj=zproj,
-        )
-        angle.copy_(new_angle)
-        k_state.copy_(k)
-        v_state.copy_(x)
-        return out
-    y, xr, new = step(
-        Mamba3States(widen(angle), widen(ssm), widen(k_state), widen(v_state)),
+    one = x.dim() == 3
+    timed = [t[:, None] if one else t for t in (x, dt, A, trap, B, C, angles)]
+    try:
+        check(*timed, B_bias, C_bias, mimo_x, tuple(states))
+    except ValueError as err:
+        form = "one token: the scan's shapes without seqlen" if one else "T tokens: seqlen = T"
+        raise ValueError(f"mamba3_step ({form}): {err}") from None
+    return one
+
+
+def _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, states, D, mimo_x, mimo_z, mimo_o):
+    """One token through mamba_ssm's ``mamba3_step_fn``: x, z (batch, nheads, headdim); dt, A, λ
+    (batch, nheads) in fp32, λ after its sigmoid; Bh, Ch (batch, rank, nheads, dstate) biased, not
+    yet rotated; turn (batch, nheads, nangles). The kernel takes k and q rotated by the new angle;
+    the angle, the previous key and input are kept here."""
+    angle, ssm, k_state, v_state = states
+    pairwise, h = mimo_x is None, x.shape[1]
+    new_angle = torch.remainder(angle + turn, TWO_PI)
+    k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
+    q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
+    r, p = Bh.shape[1], x.shape[2]
+    ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
+    xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
+    outproj = ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+    zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
+    out = torch.empty(
+        (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
+        device=x.device,
+        dtype=x.dtype,
+    )
+    fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
+    fn(
+        ssm,
+        k_state,
+        v_state,
+        A,
+        k,
+        q,
+        torch.zeros(h, device=x.device) if D is None else D,
         x,
         dt,
-        A,
         lam,
-        Bh,
-        Ch,
-        turn,
-        mimo_x,
-        pairwise,
+        xproj,
+        outproj=outproj,
+        out=out,
+        z=z,
+        zproj=zproj,
     )
-    for old, value in zip(states, new):
-        old.copy_(value)
-    return finish(y, xr, D, z, mimo_z, mimo_o, siso=pairwise).to(x.dtype)
+    angle.copy_(new_angle)
+    k_state.copy_(k)
+    v_state.copy_(x)
+    return out

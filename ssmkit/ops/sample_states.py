@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .packing import cu_seqlens, sample_numbers
+from .packing import check_sample_state_keywords, cu_seqlens, sample_numbers
 
 # read_states / sum_outer: a sample of at least MATMUL_TOKENS positions is one matmul with its
 # state; shorter ones are taken in runs whose states are gathered per token, at most BLOCK_ELEMENTS
@@ -211,27 +211,17 @@ def check_mode(
     return_sample_states: bool,
     return_final_states: bool,
 ) -> bool:
-    """Whether a scan runs with per-sample states; a ValueError names a combination that cannot
-    be: sample states without seq_idx, next to the batch's ``initial_states``, or both kinds of
-    final states asked for."""
-    if initial_sample_states is None and not return_sample_states:
-        return False
-    if seq_idx is None:
-        raise ValueError(
-            "initial_sample_states / return_sample_states need seq_idx (batch, seqlen): the "
-            "samples are numbered from it (ssmkit.ops.packing.sample_numbers)"
-        )
-    if initial_states is not None and initial_sample_states is not None:
-        raise ValueError(
-            "initial_states and initial_sample_states are exclusive: give one state per packed "
-            "sample (initial_sample_states) or one per row for its sample 0 (initial_states)"
-        )
-    if return_sample_states and return_final_states:
-        raise ValueError(
-            "return_final_states and return_sample_states are exclusive: a row's final state is "
-            "that of its last sample, sample_states[sample_numbers(seq_idx)[:, -1]]"
-        )
-    return True
+    """Whether a scan runs with per-sample states: the one check every op uses
+    (:func:`ssmkit.ops.packing.check_sample_state_keywords`) with the SSD's and Mamba-3's names."""
+    return check_sample_state_keywords(
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        initial_states,
+        "initial_states",
+        return_final_states,
+        "return_final_states",
+    )
 
 
 def row_last(seq_idx: torch.Tensor) -> torch.Tensor:

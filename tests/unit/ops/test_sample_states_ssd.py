@@ -511,11 +511,11 @@ def test_ssd_names_bad_sample_states():
     args, kw, h0 = ssd_args(1)
     cases = [
         (dict(seq_idx=SEQ, initial_sample_states=h0[:-1]), rf"\({N_}, 4, 3, 5\).*got \({N_ - 1}, "),
-        (dict(initial_sample_states=h0), "need seq_idx"),
-        (dict(return_sample_states=True), "need seq_idx"),
+        (dict(initial_sample_states=h0), "needs seq_idx"),
+        (dict(return_sample_states=True), "needs seq_idx"),
         (
             dict(seq_idx=SEQ, initial_sample_states=h0, initial_states=h0[:B_]),
-            "initial_states and initial_sample_states are exclusive",
+            "initial_states and initial_sample_states cannot both be given",
         ),
         (
             dict(seq_idx=SEQ, return_sample_states=True, return_final_states=True),
@@ -681,11 +681,11 @@ def test_mamba3_names_bad_sample_states():
     cases = [
         (dict(seq_idx=SEQ, initial_sample_states=short), rf"initial_sample_states.ssm.*\({N_}, "),
         (dict(seq_idx=SEQ, initial_sample_states=h0[:3]), r"\(angle, ssm, k, v\).*got tuple of 3"),
-        (dict(initial_sample_states=h0), "need seq_idx"),
-        (dict(return_sample_states=True), "need seq_idx"),
+        (dict(initial_sample_states=h0), "needs seq_idx"),
+        (dict(return_sample_states=True), "needs seq_idx"),
         (
             dict(seq_idx=SEQ, initial_sample_states=h0, initial_states=[s[:B_] for s in h0]),
-            "initial_states and initial_sample_states are exclusive",
+            "initial_states and initial_sample_states cannot both be given",
         ),
         (
             dict(seq_idx=SEQ, return_sample_states=True, return_final_states=True),
