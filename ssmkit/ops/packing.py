@@ -20,9 +20,9 @@ What the kernels do with it, and therefore every backend here:
   seq_idx; for states of every sample, see below.
 
 The ops check the shape and dtype of ``seq_idx`` but not its values (reading them would synchronise
-a GPU); :meth:`ssmkit.models.MambaLM.forward` checks that each row is non-negative and
-non-decreasing. Negative values, which causal-conv1d's kernel reads as padding (output 0), are not
-supported: give padding a sample index of its own (and labels -100). The kernels get seq_idx as
+a GPU); :meth:`ssmkit.models.MambaLM.forward` checks that each row is non-decreasing. The ops
+take no negative values; the model takes -1, causal-conv1d's mark for padding, and removes those
+positions before its layers (they change no state and take no loss). The kernels get seq_idx as
 int32; any integer dtype is accepted here. Glossary: ``reset`` (batch, seqlen) bool, the state is
 zeroed before position t; ``segment`` (batch, seqlen), the number of resets up to t: segment 0
 continues the initial state, positions of one segment are one sample.
