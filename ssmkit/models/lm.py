@@ -588,7 +588,7 @@ class MambaLM(nn.Module):
             check_seq_idx(seq_idx, input_ids, values=not compiling)
             if not compiling and bool((seq_idx < 0).any()):
                 order = real_first(seq_idx >= 0, last=False)
-                seq_idx = seq_idx.gather(1, order)
+                seq_idx = seq_idx.long().gather(1, order)  # room for IGNORED_SAMPLE
                 ignored = seq_idx < 0
                 seq_idx = seq_idx.masked_fill(ignored, IGNORED_SAMPLE)
                 aux_mask = ~ignored
