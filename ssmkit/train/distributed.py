@@ -115,11 +115,23 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
                 f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
                 f"{type(model).__name__} has neither"
             )
+        # fully_shard replaces every parameter by a sharded one (a DTensor), without the tags the
+        # mixers put on theirs (``_no_weight_decay`` on A_log, D, dt_bias: .optim reads it, so A_log
+        # would decay under FSDP): carried over by name, which sharding keeps
+        tags = {n: _tags(p) for n, p in model.named_parameters(remove_duplicate=False)}
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            for key, value in tags.get(n, {}).items():
+                setattr(p, key, value)
         return model
     return model
+
+
+def _tags(p: torch.Tensor) -> dict:
+    """The ``_no_*`` attributes set on a parameter (``_no_weight_decay``, ``_no_reinit``)."""
+    return {k: v for k, v in vars(p).items() if k.startswith("_no_")}
 
 
 def held_mb(model: nn.Module, optimizer) -> float:
