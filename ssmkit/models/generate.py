@@ -164,7 +164,8 @@ def generate(
     prefilled as a left-padded batch instead, with the same result.
     """
     cfg = model.config
-    device = next(model.parameters()).device
+    param = next(iter(model.parameters()), None)  # a stand-in model may have none
+    device = param.device if param is not None else torch.device("cpu")
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError(
