@@ -3,8 +3,8 @@ memory of the long-context benchmark's Mamba-2, one run, as ratios.
 
 The torch backend runs the SSD as ssmkit.ops.ssd_chunked under autograd (which keeps every chunk's
 intermediates for the backward) or as ssd_chunked_recompute (inputs and one state per segment kept,
-one segment recomputed at a time in the backward; ssmkit.ops.ssd.RECOMPUTE_FROM decides which by
-length). Here both are forced (ssmkit.ops.ssd_recompute) on the same model and the same batches, the
+one segment recomputed at a time in the backward; ssmkit.ops.ssd.RECOMPUTE_FROM, in tokens a call,
+decides which). Here both are forced (ssmkit.ops.ssd_recompute) on the same model and batches, the
 steps round-robin so that the machine's drift hits both alike; tokens/s = batch x L / median step
 seconds (timed under the Trainer's allocator), peak MB = the extra peak RSS of one step under the
 memory-measuring setting (ssmkit.eval.long_context), every shape's measured before any timing.

@@ -73,11 +73,11 @@ LOG2_E = 1.0 / math.log(2.0)
 CPU_CHUNK_SIZE = 64
 
 # The torch backend's SSD under autograd keeps every chunk's intermediates for the backward, tens of
-# times its inputs' bytes per token; above RECOMPUTE_FROM steps ssd_scan runs it as
-# ssd_chunked_recompute instead (only the inputs and one state per segment of RECOMPUTE_SEGMENT
-# steps kept, one segment's intermediates recomputed at a time in the backward). Below it the
-# plain autograd path is kept: it is faster there (no second forward) and its memory is small.
-# ssd_recompute() forces either path at every length.
+# times its inputs' bytes per token; for calls of more than RECOMPUTE_FROM tokens (batch x seqlen:
+# what those intermediates grow with) ssd_scan runs it as ssd_chunked_recompute instead (only the
+# inputs and one state per segment of RECOMPUTE_SEGMENT steps kept, one segment's intermediates
+# recomputed at a time in the backward). Smaller calls keep the plain autograd path, which is faster
+# (no second forward) and whose memory is small there. ssd_recompute() forces either path.
 RECOMPUTE_SEGMENT = 2048
 RECOMPUTE_FROM = 4096
 _RECOMPUTE: bool | None = None  # None: automatic (RECOMPUTE_FROM); True / False: forced
@@ -87,7 +87,7 @@ def ssd_recompute(enabled: bool | None = None) -> None:
     """Force the torch backend of :func:`ssd_scan` to recompute in the backward
     (:func:`ssd_chunked_recompute`, ``True``) or to keep autograd's intermediates
     (:func:`ssd_chunked`, ``False``) at every sequence length, for this process; ``None`` restores
-    the automatic choice (recompute above :data:`RECOMPUTE_FROM` steps). The compiled scan
+    the automatic choice (recompute above :data:`RECOMPUTE_FROM` tokens a call). The compiled scan
     (:func:`ssmkit.ops.compile_scan`) and per-sample states keep their own paths."""
     global _RECOMPUTE
     if enabled not in (None, True, False):
@@ -95,9 +95,10 @@ def ssd_recompute(enabled: bool | None = None) -> None:
     _RECOMPUTE = enabled
 
 
-def recomputes(seqlen: int) -> bool:
-    """Whether :func:`ssd_scan`'s torch backend recomputes for a sequence of ``seqlen`` steps."""
-    return seqlen > RECOMPUTE_FROM if _RECOMPUTE is None else _RECOMPUTE
+def recomputes(tokens: int) -> bool:
+    """Whether :func:`ssd_scan`'s torch backend recomputes for a call of ``tokens`` positions
+    (batch x seqlen)."""
+    return tokens > RECOMPUTE_FROM if _RECOMPUTE is None else _RECOMPUTE
 
 
 def _check(x, dt, A, B, C, initial_states, seq_idx=None):
@@ -719,7 +720,7 @@ def ssd_scan(
         dstate) in fp32 (mamba_ssm's ``return_varlen_states``).
 
     ``chunk_size`` is the kernels' block length; the torch backend on a CPU uses at most
-    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations); above :data:`RECOMPUTE_FROM` steps
+    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations); above :data:`RECOMPUTE_FROM` tokens
     (or as :func:`ssd_recompute` forces) it runs :func:`ssd_chunked_recompute`, whose backward keeps
     O(L) memory, not ssd_chunked's intermediates. Per-sample states cost two more
     passes over the tokens, each one (headdim x dstate) product per token and head
@@ -731,7 +732,7 @@ def ssd_scan(
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
     impl = _IMPLS[name]
     per_sample = initial_sample_states is not None or return_sample_states
-    torch_long = name == "torch" and x.dim() == 4 and recomputes(x.shape[1])
+    torch_long = name == "torch" and x.dim() == 4 and recomputes(x.shape[0] * x.shape[1])
     if torch_long and not per_sample and not _compiled.enabled():
         impl = ssd_chunked_recompute
     if name == "torch" and _compiled.enabled():  # opt-in: the whole chunked SSD compiled

@@ -21,11 +21,11 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
     Mamba-2       torch: in_proj out 2E+2GN+H, conv out C (the conv + SiLU are recomputed in the
                   backward), the scan's output E (the gated norm's input; it is recomputed too),
-                  out_proj in E [a]; then the SSD: up to ssmkit.ops.ssd.RECOMPUTE_FROM steps
+                  out_proj in E [a]; then the SSD: up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens
                   (ssd_chunked in autograd) softplus H [f] and per padded token (L rounded up to Q)
                   4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ
                   of the diagonal blocks, the copies torch.einsum makes for its matmuls, the states
-                  entering chunks); longer (ssd_chunked_recompute, whose inputs are the views above)
+                  entering chunks); more (ssd_chunked_recompute, whose inputs are the views above)
                   per sequence HPN [f] per segment of RECOMPUTE_SEGMENT steps after the first
                   cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out E,
                   scan out E, gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
@@ -150,7 +150,7 @@ def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     padded = B * math.ceil(L / Q) * Q
     if backend == "torch":
         per_tok = (2 * E + 2 * G * N + H + C + 2 * E) * a
-        if _ssd.recomputes(L):  # ssd_chunked_recompute: its inputs, a state per later segment
+        if _ssd.recomputes(tok):  # ssd_chunked_recompute: its inputs, a state per later segment
             segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
             return tok * per_tok + B * (segments - 1) * H * m.headdim * N * 4
         per_padded = 4 * E + 3 * H + 2 * H * Q + G * Q + 4 * G * N + H * N + 2 * E * N / Q + H / Q

@@ -216,12 +216,14 @@ def spy(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(SSD, "ssd_chunked_recompute", counted)
-    monkeypatch.setattr(SSD, "RECOMPUTE_FROM", 64)
+    monkeypatch.setattr(SSD, "RECOMPUTE_FROM", 128)  # tokens: batch 2 x 64
     yield calls
     ops.ssd_recompute(None)
 
 
 def test_ssd_scan_recomputes_above_the_threshold_or_when_forced(spy):
+    """Above RECOMPUTE_FROM tokens (batch x seqlen) a call of the torch backend recomputes; forced
+    on, at any length; forced off, at none; other backends and per-sample states never."""
     for seqlen in (64, 65):
         ops.ssd_scan(**case(seqlen), chunk_size=8, backend="torch")
     assert spy == [65]
