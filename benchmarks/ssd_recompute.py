@@ -65,9 +65,11 @@ def peaks(model, batch, length) -> dict:
 
 
 def timings(model, batch, length, steps, log) -> dict:
-    """{path: median step seconds} over ``steps`` round-robin rounds, after an untimed step each."""
+    """{path: (median step seconds, median process CPU seconds)} over ``steps`` round-robin rounds,
+    after an untimed step each. With one thread the CPU seconds leave out the time other processes
+    held the core: on a shared machine they rank the paths more steadily than the wall time."""
     step = make_train_step(model, length, batch=batch)
-    seconds = {p: [] for p in PATHS}
+    wall, cpu = {p: [] for p in PATHS}, {p: [] for p in PATHS}
     timing_allocator()
     for p, on in PATHS.items():
         ops.ssd_recompute(on)
@@ -75,20 +77,30 @@ def timings(model, batch, length, steps, log) -> dict:
     for r in range(steps):
         for p, on in PATHS.items():
             ops.ssd_recompute(on)
-            seconds[p].append(timed_call(step)[1])
-        shown = ", ".join(f"{p} {seconds[p][-1]:.2f}s" for p in PATHS)
+            c0 = time.process_time()
+            wall[p].append(timed_call(step)[1])
+            cpu[p].append(time.process_time() - c0)
+        shown = ", ".join(f"{p} {wall[p][-1]:.2f}s" for p in PATHS)
         log(f"  {batch}x{length} round {r + 1}/{steps}: {shown}")
     ops.ssd_recompute(None)
-    return {p: statistics.median(v) for p, v in seconds.items()}
+    return {p: (statistics.median(wall[p]), statistics.median(cpu[p])) for p in PATHS}
 
 
 def row(batch, length, peak: dict, secs: dict) -> dict:
     out = {"batch": batch, "seq_len": length}
     for p in PATHS:
-        out[p] = {"step_s": secs[p], "tokens_per_s": batch * length / secs[p], "peak_mb": peak[p]}
+        wall, cpu = secs[p]
+        out[p] = {
+            "step_s": wall,
+            "cpu_s": cpu,
+            "tokens_per_s": batch * length / wall,
+            "tokens_per_cpu_s": batch * length / cpu,
+            "peak_mb": peak[p],
+        }
     a, b = out["autograd"], out["recompute"]
     out["ratio"] = {
         "tokens_per_s": b["tokens_per_s"] / a["tokens_per_s"],
+        "tokens_per_cpu_s": b["tokens_per_cpu_s"] / a["tokens_per_cpu_s"],
         "peak_mb": None
         if not a["peak_mb"] or b["peak_mb"] is None
         else b["peak_mb"] / a["peak_mb"],
@@ -133,17 +145,19 @@ def main():
             f"fp32; SSD under autograd vs recomputed; median of {args.steps} rounds =="
         )
         print(
-            f"{'shape':>10}{'tok/s autograd':>16}{'recompute':>11}{'ratio':>7}"
+            f"{'shape':>9}{'tok/s autograd':>16}{'recompute':>11}{'ratio':>7}{'per CPU s':>11}"
             f"{'peak MB autograd':>18}{'recompute':>11}{'ratio':>7}"
         )
         for r in results:
             a, b, q = r["autograd"], r["recompute"], r["ratio"]
             print(
-                f"{r['batch']}x{r['seq_len']:>7}{a['tokens_per_s']:>16,.0f}"
+                f"{str(r['batch']) + 'x' + str(r['seq_len']):>9}{a['tokens_per_s']:>16,.0f}"
                 f"{b['tokens_per_s']:>11,.0f}{q['tokens_per_s']:>7.2f}"
+                f"{q['tokens_per_cpu_s']:>11.2f}"
                 f"{a['peak_mb'] or 0:>18,.0f}{b['peak_mb'] or 0:>11,.0f}"
                 f"{q['peak_mb'] or 0:>7.2f}"
             )
+        print("ratio: recompute / autograd; per CPU s: the same for tokens per process CPU second")
         print(f"wall time {time.perf_counter() - t0:.0f} s")
     print(
         json.dumps(

@@ -73,11 +73,15 @@ LOG2_E = 1.0 / math.log(2.0)
 CPU_CHUNK_SIZE = 64
 
 # The torch backend's SSD under autograd keeps every chunk's intermediates for the backward, tens of
-# times its inputs' bytes per token; for calls of more than RECOMPUTE_FROM tokens (batch x seqlen:
-# what those intermediates grow with) ssd_scan runs it as ssd_chunked_recompute instead (only the
-# inputs and one state per segment of RECOMPUTE_SEGMENT steps kept, one segment's intermediates
-# recomputed at a time in the backward). Smaller calls keep the plain autograd path, which is faster
-# (no second forward) and whose memory is small there. ssd_recompute() forces either path.
+# times its inputs' bytes per token. For calls of more than RECOMPUTE_FROM tokens (batch x seqlen:
+# what those intermediates grow with) ssd_scan runs ssd_chunked_recompute instead: only the inputs
+# and one state per segment of RECOMPUTE_SEGMENT steps are kept, and one segment's intermediates
+# at a time are recomputed in the backward. That costs one more forward of the scan, a third of its
+# forward + backward, at every length, where the memory it saves grows with the tokens; so calls
+# up to RECOMPUTE_FROM tokens keep the faster plain path (the CPU speed benchmarks' 8 x 256 and
+# 1 x 2048 among them), longer ones (the long-context runs) recompute. benchmarks/ssd_recompute.py
+# measures both; ssd_recompute() forces either path. A segment of 2048 steps runs as fast as
+# longer ones and keeps one segment's intermediates small.
 RECOMPUTE_SEGMENT = 2048
 RECOMPUTE_FROM = 4096
 _RECOMPUTE: bool | None = None  # None: automatic (RECOMPUTE_FROM); True / False: forced
