@@ -403,12 +403,13 @@ def test_mamba2_step_applies_dt_limit_like_the_chunked_scan():
     assert (other - full).abs().max() > 1e-3  # the limit really changes the model
 
 
-@pytest.mark.parametrize("extra", ["plain", "packed", "left padding"])
+@pytest.mark.parametrize("extra", ["plain", "packed", "left padding", "layer checkpointing"])
 def test_mamba2_recomputing_backward_equals_the_plain_one(monkeypatch, extra):
     """Training Mamba-2 on the torch ops recomputes in the backward: the mixer's conv + SiLU and
     gated norm (torch.utils.checkpoint) and the SSD by segments (forced here, segments of 16 steps:
     4 per row). Loss and every parameter's gradient equal the plain autograd path's (fp32, max
-    |diff| <= 1e-5 x max(1, max |plain|)), packed rows and left padding included."""
+    |diff| <= 1e-5 x max(1, max |plain|)), packed rows, left padding and the model's layer
+    checkpointing (which nests these recomputations in its own) included."""
     from ssmkit.models import mamba2
 
     torch.manual_seed(0)
@@ -420,6 +421,7 @@ def test_mamba2_recomputing_backward_equals_the_plain_one(monkeypatch, extra):
         kw["seq_idx"] = torch.tensor([[0] * 16 + [1] * 30 + [2] * 14, [3] * 45 + [4] * 15])
     if extra == "left padding":
         kw["attention_mask"] = (torch.arange(60) >= torch.tensor([[0], [13]])).long()
+    model.backbone.gradient_checkpointing = extra == "layer checkpointing"
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
