@@ -83,7 +83,7 @@ CPU_CHUNK_SIZE = 64
 # measures both; ssd_recompute() forces either path. A segment of 2048 steps runs as fast as
 # longer ones and keeps one segment's intermediates small.
 RECOMPUTE_SEGMENT = 2048
-RECOMPUTE_FROM = 4096
+RECOMPUTE_FROM = 2048
 _RECOMPUTE: bool | None = None  # None: automatic (RECOMPUTE_FROM); True / False: forced
 
 
