@@ -115,11 +115,13 @@ class Mamba2(nn.Module):
         z, xBC, dt = torch.split(
             self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1
         )
-        # Training on the torch ops: the conv + SiLU and the gated norm are recomputed in the
-        # backward from their inputs (which stay alive anyway: views of in_proj's output, the scan's
-        # output) instead of keeping the conv's padded copy, the pre-SiLU values and the norm's
-        # three intermediates, 2 conv_dim + 3 d_inner floats a token, for a few elementwise passes.
-        # The kernels' own functions (causal_conv1d_fn, rmsnorm_fn) already save only their inputs.
+        # Training on the torch ops: the conv + SiLU, and the gated norm with out_proj, are
+        # recomputed in the backward from their inputs (which stay alive anyway: views of in_proj's
+        # output, the scan's output) instead of keeping the conv's padded copy and pre-SiLU values,
+        # the norm's three intermediates and its output (out_proj's input): 2 conv_dim + 4 d_inner
+        # floats a token, for a few elementwise passes and out_proj's (d_inner x d_model) matmul,
+        # small next to the step (benchmarks/ssd_recompute.py times the step). The kernels' own
+        # functions (causal_conv1d_fn, rmsnorm_fn) save only their inputs; they are left alone.
         recompute = state is None and torch.is_grad_enabled()
 
         def conv(xBC):  # (batch, seqlen, conv_dim); the conv sees zeros left of a row
@@ -160,13 +162,17 @@ class Mamba2(nn.Module):
         elif state is not None:
             out, h = out
             state.ssm.copy_(h)
-        y = _maybe_recomputed(
-            self.norm,
+        return _maybe_recomputed(
+            self._gated_norm_out,
             rearrange(out, "b l h p -> b l (h p)"),
             z,
             on=recompute and _torch_op("rms_norm_gated", z),
         )
-        return self.out_proj(y)
+
+    def _gated_norm_out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj(RMSNorm(y * SiLU(z))): (batch, seqlen, d_inner) x 2 -> (batch, seqlen,
+        d_model)."""
+        return self.out_proj(self.norm(y, z))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,

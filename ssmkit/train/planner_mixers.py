@@ -20,8 +20,8 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   out R+2N, the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate
                   E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
     Mamba-2       torch: in_proj out 2E+2GN+H, conv out C (the conv + SiLU are recomputed in the
-                  backward), the scan's output E (the gated norm's input; it is recomputed too),
-                  out_proj in E [a]; then the SSD: up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens
+                  backward), the scan's output E (the input of the gated norm and out_proj, which
+                  are recomputed too) [a]; then the SSD: up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens
                   (ssd_chunked in autograd) softplus H [f] and per padded token (L rounded up to Q)
                   4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ
                   of the diagonal blocks, the copies torch.einsum makes for its matmuls, the states
@@ -149,7 +149,7 @@ def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
     if backend == "torch":
-        per_tok = (2 * E + 2 * G * N + H + C + 2 * E) * a
+        per_tok = (2 * E + 2 * G * N + H + C + E) * a
         if _ssd.recomputes(tok):  # ssd_chunked_recompute: its inputs, a state per later segment
             segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
             return tok * per_tok + B * (segments - 1) * H * m.headdim * N * 4
