@@ -1,13 +1,15 @@
-"""Mamba-2's SSD with and without the recomputing backward (CPU): training-step tokens/s and peak
-memory of the long-context benchmark's Mamba-2, one run, as ratios.
+"""Mamba-2's recomputing backward on and off (CPU): training-step tokens/s and peak memory of the
+long-context benchmark's Mamba-2, one run, as ratios.
 
-The torch backend runs the SSD as ssmkit.ops.ssd_chunked under autograd (which keeps every chunk's
-intermediates for the backward) or as ssd_chunked_recompute (inputs and one state per segment kept,
-one segment recomputed at a time in the backward; ssmkit.ops.ssd.RECOMPUTE_FROM, in tokens a call,
-decides which). Here both are forced (ssmkit.ops.ssd_recompute) on the same model and batches, the
-steps round-robin so that the machine's drift hits both alike; tokens/s = batch x L / median step
-seconds (timed under the Trainer's allocator), peak MB = the extra peak RSS of one step under the
-memory-measuring setting (ssmkit.eval.long_context), every shape's measured before any timing.
+Above ssmkit.ops.ssd.RECOMPUTE_FROM tokens a call, Mamba-2 on the torch ops keeps for the backward
+only what it needs to recompute the rest: the SSD runs as ssmkit.ops.ssd_chunked_recompute (inputs
+and one state per segment kept, one segment recomputed at a time) instead of ssd_chunked under
+autograd (every chunk's intermediates kept), and the mixer recomputes its conv + SiLU and its gated
+norm with out_proj. Here both ways are forced (ssmkit.ops.ssd_recompute) on the same model and
+batches, the steps round-robin so that the machine's drift hits both alike; tokens/s = batch x L /
+median step seconds (timed under the Trainer's allocator), peak MB = the extra peak RSS of one step
+under the memory-measuring setting (ssmkit.eval.long_context), every shape's measured before any
+timing.
 
     .venv/bin/python benchmarks/ssd_recompute.py [--shapes 8x256,1x2048,1x16384] [--steps 3]
         [--threads 1] [--json-only]

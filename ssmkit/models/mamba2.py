@@ -115,14 +115,19 @@ class Mamba2(nn.Module):
         z, xBC, dt = torch.split(
             self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1
         )
-        # Training on the torch ops: the conv + SiLU, and the gated norm with out_proj, are
-        # recomputed in the backward from their inputs (which stay alive anyway: views of in_proj's
-        # output, the scan's output) instead of keeping the conv's padded copy and pre-SiLU values,
-        # the norm's three intermediates and its output (out_proj's input): 2 conv_dim + 4 d_inner
-        # floats a token, for a few elementwise passes and out_proj's (d_inner x d_model) matmul,
-        # small next to the step (benchmarks/ssd_recompute.py times the step). The kernels' own
-        # functions (causal_conv1d_fn, rmsnorm_fn) save only their inputs; they are left alone.
-        recompute = state is None and torch.is_grad_enabled()
+        # Training on more than RECOMPUTE_FROM tokens (ssmkit.ops.ssd), on the torch ops: besides
+        # the SSD (which ssd_scan then recomputes by segments), the conv + SiLU and the gated norm
+        # with out_proj are recomputed in the backward from their inputs (which stay alive anyway:
+        # views of in_proj's output, the scan's output) instead of keeping the conv's padded copy
+        # and pre-SiLU values, the norm's three intermediates and its output (out_proj's input):
+        # 2 conv_dim + 4 d_inner floats a token. Like the SSD's, these recomputations cost time at
+        # every length, so shorter calls keep everything; ops.ssd_recompute() forces both ways. The
+        # kernels' own functions (causal_conv1d_fn, rmsnorm_fn) save only their inputs.
+        recompute = (
+            state is None
+            and torch.is_grad_enabled()
+            and ops.ssd.recomputes(hidden.shape[0] * hidden.shape[1])
+        )
 
         def conv(xBC):  # (batch, seqlen, conv_dim); the conv sees zeros left of a row
             xBC = rearrange(zero_padding(xBC, mask), "b l d -> b d l")

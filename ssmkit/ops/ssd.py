@@ -31,6 +31,15 @@ changes, so no decay and no input cross a sample boundary; in the dual form L_ts
 are one sample. ``initial_states`` reach only sample 0 (when the row starts with it), and the final
 state is the last sample's: mamba_ssm's semantics.
 
+Training memory: under autograd :func:`ssd_chunked` keeps every chunk's intermediates for the
+backward (the (Q, Q) decay blocks and scores, the einsums' operands, every chunk's states: tens of
+times the inputs' bytes per token). :func:`ssd_chunked_recompute` gives the same values and
+gradients keeping only its inputs and one state per segment of whole chunks, and recomputes one
+segment at a time in the backward (gradient checkpointing over time, :mod:`ssmkit.ops.recompute`;
+mamba_ssm's kernels likewise save chunk states and recompute the rest). The torch backend of
+:func:`ssd_scan` takes it for calls of more than :data:`RECOMPUTE_FROM` tokens;
+:func:`ssd_recompute` forces it on or off.
+
 Per-sample states (mamba_ssm's varlen ``return_varlen_states``): ``initial_sample_states`` (n,
 nheads, headdim, dstate) gives every packed sample its own h_{-1}, ``return_sample_states`` returns
 every sample's last h, numbered as :func:`ssmkit.ops.packing.sample_numbers`. The reference runs the

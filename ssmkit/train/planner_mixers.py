@@ -19,14 +19,15 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj
                   out R+2N, the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate
                   E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
-    Mamba-2       torch: in_proj out 2E+2GN+H, conv out C (the conv + SiLU are recomputed in the
-                  backward), the scan's output E (the input of the gated norm and out_proj, which
-                  are recomputed too) [a]; then the SSD: up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens
-                  (ssd_chunked in autograd) softplus H [f] and per padded token (L rounded up to Q)
-                  4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ
-                  of the diagonal blocks, the copies torch.einsum makes for its matmuls, the states
-                  entering chunks); more (ssd_chunked_recompute, whose inputs are the views above)
-                  per sequence HPN [f] per segment of RECOMPUTE_SEGMENT steps after the first
+    Mamba-2       torch, up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens (B·L; ssd_chunked in autograd):
+                  in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C, out_proj in E [a]; the gated norm
+                  4E + G and softplus H [f]; per padded token (L rounded up to Q) 4E + 3H + 2HQ + GQ
+                  + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ of the diagonal
+                  blocks, the copies torch.einsum makes for its matmuls, the states entering chunks)
+                  torch, more tokens (ssd_chunked_recompute; the conv + SiLU and the gated norm with
+                  out_proj recomputed in the backward): in_proj out 2E+2GN+H, conv out C, the scan's
+                  output E [a]; per sequence HPN [f] per segment of RECOMPUTE_SEGMENT steps after
+                  the first
                   cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out E,
                   scan out E, gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
     Mamba-3       torch (ssmkit.ops.mamba3_chunked in autograd, chunks of Q' = min(Q, 64 // r) on a
@@ -143,18 +144,20 @@ def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
 
 def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     m = cfg.mamba2
-    E, N = m.d_inner(cfg.d_model), m.d_state
+    E, N, W, P = m.d_inner(cfg.d_model), m.d_state, m.d_conv, m.headdim
     H, G, Q = m.nheads(cfg.d_model), m.ngroups, m.chunk_size
     tok = B * L
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
+    if backend == "torch" and _ssd.recomputes(tok):  # the SSD by segments, the mixer's parts too
+        segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
+        return tok * (2 * E + 2 * G * N + H + C + E) * a + B * (segments - 1) * H * P * N * 4
     if backend == "torch":
-        per_tok = (2 * E + 2 * G * N + H + C + E) * a
-        if _ssd.recomputes(tok):  # ssd_chunked_recompute: its inputs, a state per later segment
-            segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
-            return tok * per_tok + B * (segments - 1) * H * m.headdim * N * 4
+        per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (
+            4 * E + G + H
+        ) * 4
         per_padded = 4 * E + 3 * H + 2 * H * Q + G * Q + 4 * G * N + H * N + 2 * E * N / Q + H / Q
-        return tok * (per_tok + H * 4) + padded * per_padded * 4
+        return tok * per_tok + padded * per_padded * 4
     return tok * ((2 * E + 2 * G * N + H + C + 2 * E) * a + G * 4) + padded * H * 4
 
 
