@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from . import backend as _backend
 from . import compiled as _compiled
+from . import s6_cpu as _s6_cpu
 from .packing import check_seq_idx, resets
 from .precision import wide_dtype, widen
 
@@ -486,6 +487,7 @@ def selective_scan_cuda(
 _IMPLS = {
     "reference": selective_scan_reference,
     "torch": selective_scan_torch,
+    "cpu": _s6_cpu.selective_scan_cpu,
     "cuda": selective_scan_cuda,
 }
 
@@ -520,7 +522,8 @@ def selective_scan(
         h_L: (batch, dim, dstate) in fp32.
 
     With ``seq_idx`` the ``cuda`` backend (automatic or forced) runs the ``torch`` path instead:
-    mamba_ssm's selective_scan_fn has no reset input (the reset is never dropped).
+    mamba_ssm's selective_scan_fn has no reset input (the reset is never dropped). On CPU tensors
+    the automatic choice is the fused C++ kernel (:mod:`ssmkit.ops.s6_cpu`) where it builds.
     """
     name = _backend.select("selective_scan", u, backend=backend)
     if name == "cuda" and seq_idx is not None:
@@ -532,6 +535,12 @@ def selective_scan(
     ):
         name = "torch"  # the kernel cannot start from a state; the torch path can
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
+    if (
+        name == "cpu"
+        and not (backend or _backend.forced_backend())
+        and (set(extra) - {"seq_idx"} or _s6_cpu.unsupported(u, A, B, initial_state))
+    ):
+        name = "torch"  # what the fused CPU kernel does not take (float64, ...); forced, it says so
     return _IMPLS[name](
         u,
         delta,
