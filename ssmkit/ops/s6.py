@@ -484,10 +484,49 @@ def selective_scan_cuda(
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# cpu: the fused C++ kernel (ssmkit.ops.s6_cpu)
+# --------------------------------------------------------------------------------------------
+
+
+def selective_scan_cpu(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+):
+    """The fused CPU kernel (:mod:`ssmkit.ops.s6_cpu`), built at its first call; same arguments
+    and results as the reference. BackendError where it cannot be built or cannot take the
+    inputs (float64)."""
+    _check(u, delta, A, B, C, initial_state, seq_idx)
+    return _s6_cpu.fused_scan(
+        u,
+        delta,
+        A,
+        _grouped(B),
+        _grouped(C),
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        initial_state=initial_state,
+        return_final_state=return_final_state,
+        seq_idx=seq_idx,
+    )
+
+
 _IMPLS = {
     "reference": selective_scan_reference,
     "torch": selective_scan_torch,
-    "cpu": _s6_cpu.selective_scan_cpu,
+    "cpu": selective_scan_cpu,
     "cuda": selective_scan_cuda,
 }
 
@@ -538,9 +577,15 @@ def selective_scan(
     if (
         name == "cpu"
         and not (backend or _backend.forced_backend())
-        and (set(extra) - {"seq_idx"} or _s6_cpu.unsupported(u, A, B, initial_state))
+        and (
+            set(extra) - {"seq_idx"}
+            or _s6_cpu.unsupported(u, A, B, initial_state)
+            or _compiled.enabled()
+        )
     ):
-        name = "torch"  # what the fused CPU kernel does not take (float64, ...); forced, it says so
+        # what the fused CPU kernel does not take (float64, ...; forced, it says so), and the
+        # opt-in compiled torch path, which an explicit compile_scan(True) asks for
+        name = "torch"
     return _IMPLS[name](
         u,
         delta,

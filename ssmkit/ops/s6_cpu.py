@@ -281,7 +281,7 @@ class SelectiveScanCpuFn(torch.autograd.Function):
         )
 
 
-def selective_scan_cpu(
+def fused_scan(
     u,
     delta,
     A,
@@ -295,25 +295,25 @@ def selective_scan_cpu(
     return_final_state=False,
     seq_idx=None,
 ):
-    """The fused CPU selective scan; same arguments, shapes and results as
-    :func:`ssmkit.ops.s6.selective_scan_reference`: u, delta, z: (batch, dim, seqlen); A: (dim,
-    dstate); B, C: (batch, dstate, seqlen) or (batch, ngroups, dstate, seqlen); D, delta_bias:
-    (dim,); initial_state: (batch, dim, dstate); seq_idx: (batch, seqlen). Returns y (batch, dim,
-    seqlen) in u's dtype and layout, and h_L (batch, dim, dstate) fp32 with
-    ``return_final_state``. Raises :class:`~ssmkit.ops.backend.BackendError` where the kernel
-    does not build or cannot take the inputs (the dispatcher checks both first)."""
-    from . import s6
+    """The fused CPU selective scan on checked inputs (:func:`ssmkit.ops.s6.selective_scan_cpu`
+    checks them): u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (batch, ngroups,
+    dstate, seqlen); D, delta_bias: (dim,); initial_state: (batch, dim, dstate); seq_idx: (batch,
+    seqlen). Returns y (batch, dim, seqlen) in u's dtype and layout, and h_L (batch, dim, dstate)
+    fp32 with ``return_final_state``, as :func:`~ssmkit.ops.s6.selective_scan_reference`. Raises
+    :class:`~ssmkit.ops.backend.BackendError` where the kernel does not build or cannot take the
+    inputs."""
     from .backend import BackendError
 
-    s6._check(u, delta, A, B, C, initial_state, seq_idx)
     why = unsupported(u, A, B, initial_state) or kernel_error()
     if why is not None:
         raise BackendError(f"the fused CPU selective scan cannot run: {why}")
     tm = lambda M: None if M is None else widen(M).transpose(1, 2).contiguous()  # noqa: E731
     f = lambda t: None if t is None else widen(t).contiguous()  # noqa: E731
-    grouped = lambda M: widen(s6._grouped(M)).permute(0, 3, 1, 2).contiguous()  # noqa: E731
+    grouped = lambda M: widen(M).permute(0, 3, 1, 2).contiguous()  # noqa: E731  (b, L, g, n)
     reset = None if seq_idx is None else resets(seq_idx).to(torch.uint8).contiguous()
-    args = (tm(u), tm(delta), f(A), grouped(B), grouped(C), f(D), tm(z), f(delta_bias))
+    z_t = None if z is None else widen(z).transpose(1, 2)  # (b, L, d): any row strides will do
+    z_t = z_t if z_t is None or z_t.stride(2) == 1 else z_t.contiguous()
+    args = (tm(u), tm(delta), f(A), grouped(B), grouped(C), f(D), z_t, f(delta_bias))
     h0 = f(initial_state)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (u, delta, A, B, C, D, z, delta_bias, h0)

@@ -6,7 +6,8 @@
 // ssmkit/ops/s6_cpu.py, which sums the per-row and per-superblock partial gradients.
 //
 // Layouts (fp32, contiguous; time-major within a batch row, as the mixer's activations are):
-//   u, delta, z, out, dout : (b, L, d)     δ before bias and softplus
+//   u, delta, z, out, dout : (b, L, d)     δ before bias and softplus; z may have any batch and
+//                                          time strides (its channels contiguous)
 //   A                      : (d, n)        B, C: (b, L, g, n), channel c uses group c / (d / g)
 //   D, bias                : (d,)          h0, h_last, dh_last, dh0: (b, d, n)
 //   reset                  : (b, L) uint8, 1 where a packed sample starts (h_{t-1} is zeroed)
@@ -102,19 +103,23 @@ inline V exp2v(V x) {
   return select(x < splat(-127.f), V{}, p * (V)i);
 }
 
-// ln(u) for normal u >= 1: u = m 2^k with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s),
-// s = (m - 1) / (m + 1), |s| <= 0.172, by its series to s^9 (relative error < 1e-8)
+// ln(u) for normal u >= 1: u = m 2^k with m in [sqrt(1/2), sqrt(2)), ln m = log1p(x), x = m - 1,
+// as x - x^2/2 + x^3 P(x), P a degree-7 least-squares fit (relative error 1.3e-7 in fp32; no
+// division)
 inline V logv(V u) {
   const VI bits = (VI)u;
   const VI k = (bits - 0x3f3504f3) >> 23;  // 0x3f3504f3: sqrt(1/2)
-  const V m = (V)(bits - (k << 23));
-  const V s = (m - 1.f) / (m + 1.f), s2 = s * s;
-  V p = splat(1.f / 9.f);
-  p = p * s2 + 1.f / 7.f;
-  p = p * s2 + 1.f / 5.f;
-  p = p * s2 + 1.f / 3.f;
-  p = p * s2 + 1.f;
-  return __builtin_convertvector(k, V) * kLn2 + 2.f * s * p;
+  const V x = (V)(bits - (k << 23)) - 1.f;
+  V p = splat(-0.0736286787f);
+  p = p * x + 0.126203275f;
+  p = p * x - 0.132021042f;
+  p = p * x + 0.14227114f;
+  p = p * x - 0.166213699f;
+  p = p * x + 0.199998266f;
+  p = p * x - 0.250008519f;
+  p = p * x + 0.33333354f;
+  const V x2 = x * x;
+  return __builtin_convertvector(k, V) * kLn2 + (x - 0.5f * x2 + x2 * x * p);
 }
 
 // Δ = softplus(x) = ln(1 + e^x) and its derivative sigmoid(x) into dsp; above 20 Δ = x and the
@@ -133,6 +138,7 @@ inline V sigmoid(V z) { return 1.f / (1.f + exp2v(z * -kLog2e)); }
 
 struct Scan {
   int64_t b, L, d, g, n, cpg, nblk, T, K;
+  int64_t zb, zt;  // z's batch and time strides: z may be a strided view (a half of in_proj's out)
   bool softplus;
   const float *u, *delta, *A, *B, *C, *D, *z, *bias;
   const uint8_t* reset;
@@ -145,6 +151,9 @@ struct Block {
   int cb;
   int lanes(int v) const { return std::max(0, std::min(W, cb - v * W)); }
 };
+
+// the offset of z's row at (row bi, step t)
+inline int64_t zrow(const Scan& s, int64_t bi, int64_t t) { return bi * s.zb + t * s.zt; }
 
 inline Block block_of(const Scan& s, int64_t bi, int64_t gi, int64_t blk) {
   const int64_t c0 = gi * s.cpg + blk * CB;
@@ -219,7 +228,7 @@ void forward_block(const Scan& s, const float* h0, const Block& k, float* out, f
       const int64_t ahead = row + PF * s.d;
       __builtin_prefetch(s.delta + ahead);
       __builtin_prefetch(s.u + ahead);
-      if (s.z) __builtin_prefetch(s.z + ahead);
+      if (s.z) __builtin_prefetch(s.z + zrow(s, k.bi, t + PF) + k.c0);
       __builtin_prefetch(out + ahead, 1);
       __builtin_prefetch(Bt + PF * s.g * s.n);
       __builtin_prefetch(Ct + PF * s.g * s.n);
@@ -242,7 +251,7 @@ void forward_block(const Scan& s, const float* h0, const Block& k, float* out, f
     for (int v = 0; v < NV; ++v) {
       V o = y[v] + Dv[v] * x[v];
       if (s.z) {
-        const V zz = load_n(s.z + row + v * W, k.lanes(v));
+        const V zz = load_n(s.z + zrow(s, k.bi, t) + k.c0 + v * W, k.lanes(v));
         o *= zz * sigmoid(zz);
       }
       store_n(out + row + v * W, o, k.lanes(v));
@@ -290,7 +299,7 @@ void backward_block_chunk(const Scan& s, const Grads& o, const Block& k, int64_t
       w.x[i * NV + v] = load_n(s.u + row + v * W, m);
       V dy = load_n(o.dout + row + v * W, m);
       if (s.z) {
-        const V zz = load_n(s.z + row + v * W, m), sig = sigmoid(zz);
+        const V zz = load_n(s.z + zrow(s, k.bi, t0 + i) + k.c0 + v * W, m), sig = sigmoid(zz);
         w.sg[i * NV + v] = sig;
         dy *= zz * sig;
       }
@@ -384,7 +393,7 @@ void backward_block_chunk(const Scan& s, const Grads& o, const Block& k, int64_t
         dD[v] += dyv * xv;
       }
       if (s.z) {
-        const V zz = load_n(s.z + row + v * W, m), sig = w.sg[q];
+        const V zz = load_n(s.z + zrow(s, k.bi, t0 + i) + k.c0 + v * W, m), sig = w.sg[q];
         const V pre = w.y[q] + Dv[v] * xv;
         const V dz = load_n(o.dout + row + v * W, m) * pre * sig * (1.f + zz * (1.f - sig));
         store_n(o.dz + row + v * W, dz, m);
@@ -448,7 +457,22 @@ Scan make_scan(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A
   s.d = u.size(2);
   s.g = B.size(2);
   s.n = A.size(1);
-  TORCH_CHECK(s.g > 0 && s.d % s.g == 0 && T > 0, "selective_scan_cpu: bad sizes");
+  // the shapes every loop relies on (the Python side checks them first, with better words)
+  auto is = [](const at::Tensor& t, std::initializer_list<int64_t> shape) {
+    return t.sizes().equals(shape);
+  };
+  TORCH_CHECK(u.dim() == 3 && is(delta, {s.b, s.L, s.d}) && A.dim() == 2 && A.size(0) == s.d &&
+                  B.dim() == 4 && s.g > 0 && s.d % s.g == 0 && is(B, {s.b, s.L, s.g, s.n}) &&
+                  is(C, {s.b, s.L, s.g, s.n}) && T > 0,
+              "selective_scan_cpu: u, delta (b, L, d), A (d, n), B, C (b, L, g, n) expected");
+  for (const auto* t : {&D, &bias}) {
+    TORCH_CHECK(!*t || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                        is(**t, {s.d})),
+                "selective_scan_cpu: D and delta_bias must be contiguous fp32 (d,)");
+  }
+  TORCH_CHECK(!reset || (reset->scalar_type() == at::kByte && reset->is_contiguous() &&
+                         is(*reset, {s.b, s.L})),
+              "selective_scan_cpu: reset must be contiguous uint8 (b, L)");
   s.cpg = s.d / s.g;
   s.nblk = (s.cpg + CB - 1) / CB;
   s.T = T;
@@ -461,6 +485,13 @@ Scan make_scan(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A
   s.C = C.data_ptr<float>();
   s.D = D ? D->data_ptr<float>() : nullptr;
   s.z = z ? z->data_ptr<float>() : nullptr;
+  if (z) {
+    TORCH_CHECK(z->scalar_type() == at::kFloat && z->dim() == 3 && z->size(0) == s.b &&
+                    z->size(1) == s.L && z->size(2) == s.d && z->stride(2) == 1,
+                "selective_scan_cpu: z must be fp32 (b, L, d) with contiguous channels");
+    s.zb = z->stride(0);
+    s.zt = z->stride(1);
+  }
   s.bias = bias ? bias->data_ptr<float>() : nullptr;
   s.reset = reset ? reset->data_ptr<uint8_t>() : nullptr;
   return s;
@@ -475,6 +506,9 @@ std::vector<at::Tensor> forward(const at::Tensor& u, const at::Tensor& delta, co
                                 const std::optional<at::Tensor>& reset, bool softplus, int64_t T,
                                 bool save_states) {
   const Scan s = make_scan(u, delta, A, B, C, D, z, bias, reset, softplus, T);
+  TORCH_CHECK(!h0 || (h0->scalar_type() == at::kFloat && h0->is_contiguous() &&
+                      h0->sizes().equals({s.b, s.d, s.n})),
+              "selective_scan_cpu: h0 must be contiguous fp32 (b, d, n)");
   const float* h0_p = h0 ? h0->data_ptr<float>() : nullptr;
   auto out = at::empty_like(u);
   auto h_last = at::empty({s.b, s.d, s.n}, u.options());
@@ -505,6 +539,9 @@ std::vector<at::Tensor> backward(const at::Tensor& u, const at::Tensor& delta, c
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "selective_scan_cpu: states and gradients must be contiguous fp32");
   }
+  TORCH_CHECK(states.sizes().equals({s.b, s.K, s.n, s.d}) && dout.sizes().equals(u.sizes()) &&
+                  dh_last.sizes().equals({s.b, s.d, s.n}),
+              "selective_scan_cpu: states (b, K, n, d), dout (b, L, d), dh_last (b, d, n) expected");
   // superblocks: enough work units for the threads, each with its own dB, dC partial (at most one
   // per n channels, so the partials together stay within the size of u)
   const int64_t threads = at::get_num_threads();

@@ -201,7 +201,8 @@ def test_bf16_inputs_at_the_kernel_suites_tolerances(kernel, seqlen, groups):
 def test_inference_and_layout(kernel):
     """Without autograd (no chunk states kept) the outputs are the training forward's; y comes back
     in u's layout: contiguous for a contiguous u, a channels-last view for a channels-last u (what
-    the mixer passes)."""
+    the mixer passes); z may be a strided view (the mixer's is half of in_proj's output), read in
+    place, its gradient the same."""
     x = inputs(2, 40, 16, 65, seed=6)
     with torch.no_grad():
         y_inf, h_inf = ops.selective_scan(**x, delta_softplus=True, return_final_state=True)
@@ -215,6 +216,17 @@ def test_inference_and_layout(kernel):
     u = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
     y_cl = ops.selective_scan(**{**x, "u": u}, delta_softplus=True, backend="cpu")
     assert y_cl.stride(1) == 1 and torch.equal(y_cl, y_inf)
+    xz = torch.cat([x["z"].transpose(1, 2), torch.randn_like(x["z"]).transpose(1, 2)], -1)
+    xz.requires_grad_()
+    z = xz[..., : x["z"].shape[1]].transpose(1, 2)  # (b, d, L) with time stride 2d
+    y_z = ops.selective_scan(**{**x, "z": z}, delta_softplus=True, backend="cpu")
+    assert torch.equal(y_z.detach(), y_inf)
+    zc = x["z"].clone().requires_grad_()
+    y_c = ops.selective_scan(**{**x, "z": zc}, delta_softplus=True, backend="cpu")
+    g = torch.randn_like(y_c)
+    (dz_strided,) = torch.autograd.grad(y_z, xz, g)
+    (dz,) = torch.autograd.grad(y_c, zc, g)
+    assert torch.equal(dz_strided[..., : dz.shape[1]].transpose(1, 2), dz)
 
 
 # ------------------------------------------------------------------------------------------------
