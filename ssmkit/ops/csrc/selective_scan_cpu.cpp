@@ -276,18 +276,24 @@ struct Grads {
 struct Work {
   std::vector<V> H, Ab, dBacc, dCacc;          // (T + 1) n, T n, T n, T n vectors of a block
   std::vector<V> dt, dsp, sg, dy, x, y, ddt;  // T x NV: per step of the chunk
-  std::vector<V> A2, Av;                       // n x NV: A log2 e and A of a block
+  std::vector<V> A2, Av, dAc;                  // n x NV: A log2 e, A, ∂L/∂A of the chunk
   Work(int64_t T, int64_t n)
       : H((T + 1) * n * NV), Ab(T * n * NV), dBacc(T * n), dCacc(T * n), dt(T * NV),
         dsp(T * NV), sg(T * NV), dy(T * NV), x(T * NV), y(T * NV), ddt(T * NV), A2(n * NV),
-        Av(n * NV) {}
+        Av(n * NV), dAc(n * NV) {}
 };
 
 // one block over one chunk of len steps from t0: recompute, adjoint, skip and gate.
-// G, dA, dD, dbias: the block's running g (n x NV), ∂L/∂A (n x NV), ∂L/∂D, ∂L/∂bias (NV)
+// G, dA, dD, dbias: the block's running g (n x NV), ∂L/∂A (n x NV), ∂L/∂D, ∂L/∂bias (NV). The
+// sums over steps are taken per chunk, then added to the running ones: fp32 sums of tens of
+// steps, not of the whole sequence
 void backward_block_chunk(const Scan& s, const Grads& o, const Block& k, int64_t chunk,
-                          int64_t t0, int64_t len, Work& w, V* G, V* dA, V* dD, V* dbias) {
+                          int64_t t0, int64_t len, Work& w, V* G, V* dA_run, V* dD_run,
+                          V* dbias_run) {
   const int n = static_cast<int>(s.n);
+  V* dA = w.dAc.data();
+  std::fill(dA, dA + n * NV, V{});
+  V dD[NV] = {}, dbias[NV] = {};
   V Dv[NV];
   for (int v = 0; v < NV; ++v) Dv[v] = s.D ? load_n(s.D + k.c0 + v * W, k.lanes(v)) : V{};
   // the chunk's per-step vectors: Δ, dΔ/dδ, x, dy = ∂L/∂y = dout silu(z)
@@ -399,6 +405,11 @@ void backward_block_chunk(const Scan& s, const Grads& o, const Block& k, int64_t
         store_n(o.dz + row + v * W, dz, m);
       }
     }
+  }
+  for (int q = 0; q < n * NV; ++q) dA_run[q] += dA[q];
+  for (int v = 0; v < NV; ++v) {
+    dD_run[v] += dD[v];
+    dbias_run[v] += dbias[v];
   }
 }
 
