@@ -553,10 +553,11 @@ std::vector<at::Tensor> backward(const at::Tensor& u, const at::Tensor& delta, c
   TORCH_CHECK(states.sizes().equals({s.b, s.K, s.n, s.d}) && dout.sizes().equals(u.sizes()) &&
                   dh_last.sizes().equals({s.b, s.d, s.n}),
               "selective_scan_cpu: states (b, K, n, d), dout (b, L, d), dh_last (b, d, n) expected");
-  // superblocks: enough work units for the threads, each with its own dB, dC partial (at most one
-  // per n channels, so the partials together stay within the size of u)
+  // superblocks: one work unit per thread at least (at::parallel_for splits the units into one
+  // contiguous range per thread), as few as that allows: each sums its dB, dC across lanes once per
+  // chunk, into its own partial (at most one per n channels: the partials stay within u's size)
   const int64_t threads = at::get_num_threads();
-  const int64_t want = (4 * threads + s.b * s.g - 1) / (s.b * s.g);
+  const int64_t want = (threads + s.b * s.g - 1) / (s.b * s.g);
   const int64_t nsb = std::max<int64_t>(
       1, std::min({want, s.nblk, std::max<int64_t>(1, s.cpg / std::max<int64_t>(s.n, 1))}));
   auto opts = u.options();
