@@ -160,6 +160,18 @@ def text(value, name: str) -> str:
     return value
 
 
+def endpoint(value, name: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port): a host name, an IPv4 address or a bracketed IPv6 one
+    (``[::1]:29500``), and a port in 1-65535 (the form of torchrun's ``--rdzv-endpoint``)."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", str(value))
+    if not isinstance(value, str) or match is None or not 1 <= int(match[2]) <= 65535:
+        raise ValueError(
+            f"{name} must be HOST:PORT (a host name or address, a port in 1-65535), "
+            f"e.g. node001:29500 or 127.0.0.1:29500; got {value!r}"
+        )
+    return match[1], int(match[2])
+
+
 def device_name(value, name: str = "device") -> str:
     """A device's spelling (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``); whether it exists
     here is :func:`ssmkit.env.pick_device`'s question."""

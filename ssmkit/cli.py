@@ -128,7 +128,18 @@ def generate_options(gen: argparse.ArgumentParser) -> None:
         "directory or its latest file, a run's out_dir, or a hub id",
     )
     gen.add_argument(
-        "--prompt", required=True, help="the text to continue ('' starts a new document)"
+        "--prompt",
+        action="append",
+        default=None,
+        help="the text to continue ('' starts a new document); repeat it for several prompts",
+    )
+    gen.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="more prompts, one per line (UTF-8). Several prompts are generated together "
+        "(packed into one prefill, then decoded as one batch) and printed as one JSON line "
+        'each: {"prompt": ..., "text": ...}',
     )
     gen.add_argument(
         "--max-new-tokens",
@@ -201,10 +212,26 @@ def load_with_tokenizer(source: str, tokenizer: str | None, dtype=None, device=N
     return model, tokenizer or str(tok_dir)
 
 
+def prompts_of(args) -> list[str]:
+    """``ssmkit generate``'s prompts: every ``--prompt``, then the lines of ``--prompts-file``."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:  # a missing file: OSError, one line in run_generate
+        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        if not lines:
+            raise ValueError(f"{args.prompts_file} holds no prompts (one per line)")
+        prompts += lines
+    if not prompts:
+        raise ValueError("give the text to continue: --prompt TEXT (repeatable) or --prompts-file")
+    return prompts
+
+
 def generate_text(args) -> str:
-    """``ssmkit generate``: the checkpoint's model and tokenizer, the prompt continued, decoded. A
-    user's mistake (no such checkpoint, no tokenizer, a tokenizer that does not fit) raises
-    ValueError."""
+    """``ssmkit generate``: the checkpoint's model and tokenizer, the prompt continued, decoded;
+    several prompts (repeated ``--prompt``, ``--prompts-file``) go through
+    :func:`ssmkit.generate`'s packed path together and come back as one JSON line each. A user's
+    mistake (no such checkpoint, no tokenizer, a tokenizer that does not fit) raises ValueError."""
+    import json
+
     import torch
 
     from .data import get_tokenizer
@@ -212,6 +239,7 @@ def generate_text(args) -> str:
     from .models.generate import check_sampling
 
     check_sampling(args.temperature, args.top_k, args.top_p)
+    prompts = prompts_of(args)
     model, name = load_with_tokenizer(
         str(args.checkpoint), args.tokenizer, dtype=args.dtype, device=args.device
     )
@@ -222,18 +250,19 @@ def generate_text(args) -> str:
             f"the tokenizer {name!r} has {len(tok):,} tokens, more than the model's vocabulary "
             f"of {vocab:,}: it is not the tokenizer this model was trained with"
         )
-    ids = tok.encode(args.prompt, add_special_tokens=False) if args.prompt else []
-    if not ids:  # '' starts a new document: the end-of-text token
-        if tok.eos_token_id is None:
-            raise ValueError(
-                "the prompt is empty and the tokenizer has no end-of-text token to start from"
-            )
-        ids = [tok.eos_token_id]
+    encoded = []
+    for prompt in prompts:
+        ids = tok.encode(prompt, add_special_tokens=False) if prompt else []
+        if not ids:  # '' starts a new document: the end-of-text token
+            if tok.eos_token_id is None:
+                raise ValueError(
+                    "a prompt is empty and the tokenizer has no end-of-text token to start from"
+                )
+            ids = [tok.eos_token_id]
+        encoded.append(ids)
     device = next(model.parameters()).device
     eos = tok.eos_token_id if tok.eos_token_id is not None and tok.eos_token_id < vocab else None
-    out = generate(
-        model,
-        torch.tensor([ids], device=device),
+    options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -241,7 +270,14 @@ def generate_text(args) -> str:
         eos_token_id=eos,
         generator=torch.Generator(device=device).manual_seed(args.seed),
     )
-    return tok.decode(out[0].tolist(), skip_special_tokens=True)
+    if len(encoded) == 1:
+        out = generate(model, torch.tensor(encoded, device=device), **options)
+        return tok.decode(out[0].tolist(), skip_special_tokens=True)
+    outs = generate(model, encoded, **options)
+    return "\n".join(
+        json.dumps({"prompt": p, "text": tok.decode(o.tolist(), skip_special_tokens=True)})
+        for p, o in zip(prompts, outs)
+    )
 
 
 def eval_options(ev: argparse.ArgumentParser) -> None:

@@ -55,6 +55,16 @@ def selective_scan_fn(
 def selective_state_update(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None
 ):
+    # the kernel's own checks: one token (x (batch, dim) or (batch, nheads, dim), as the state),
+    # and its tie_hdim test, which reads dt_bias.stride(-1) when A and dt are broadcast, None or not
+    assert x.dim() == state.dim() - 1, f"one token only: state {state.shape}, x {x.shape}"
+    A3, dt3 = (A if A.dim() == 3 else A[None]), (dt if dt.dim() == 3 else dt[:, None])
+    _ = (
+        A3.stride(-1) == 0
+        and A3.stride(-2) == 0
+        and dt3.stride(-1) == 0
+        and dt_bias.stride(-1) == 0
+    )
     return ops.selective_state_update(
         state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, backend="torch"
     )
@@ -105,13 +115,41 @@ def causal_conv1d_fn(
     final_states_out=None,
     activation=None,
 ):
-    return ops.causal_conv1d_reference(x, weight, bias, activation)
+    _kernel_activation(activation)
+    if seq_idx is not None:  # the kernel's conditions for seq_idx (csrc/causal_conv1d.cpp)
+        assert x.stride(1) == 1 and x.stride(2) > 1, "seq_idx needs channels-last x"
+        assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert initial_states is None and not return_final_states, "not with seq_idx"
+    return ops.causal_conv1d_reference(x, weight, bias, activation, seq_idx=seq_idx)
 
 
 def causal_conv1d_update(
     x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None
 ):
-    return ops.causal_conv1d_update(x, conv_state, weight, bias, activation, backend="torch")
+    _kernel_activation(activation)
+    # the kernel's TORCH_CHECKs (csrc/causal_conv1d.cpp): width 2..4, the state in x's dtype, int32
+    # (batch,) cache_seqlens / conv_state_indices; x (batch, dim) or (batch, dim, seqlen)
+    assert 2 <= weight.shape[1] <= 4 and conv_state.dtype == x.dtype and x.dim() in (2, 3)
+    for t in (cache_seqlens, conv_state_indices):
+        assert t is None or (
+            t.dtype == torch.int32 and t.is_contiguous() and t.shape == x.shape[:1]
+        )
+    return ops.causal_conv1d_update(
+        x,
+        conv_state,
+        weight,
+        bias,
+        activation,
+        backend="reference",
+        cache_seqlens=cache_seqlens,
+        conv_state_indices=conv_state_indices,
+    )
+
+
+def _kernel_activation(activation):
+    """causal_conv1d's own check: its kernels apply SiLU or nothing."""
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError("activation must be None, silu, or swish")
 
 
 def rms_norm_fn(
@@ -262,6 +300,7 @@ def mamba3_step_fn(
     num_warps=2,
 ):
     """The kernel's documented update (its selective_state_update_fused_ref_v2), in place."""
+    assert x.dim() == 3 and dt.dim() == 2, f"one token only: x {x.shape} (B, H, D), dt {dt.shape}"
     alpha = torch.exp(A * dt)
     beta, gamma = (1 - trap) * dt * alpha, trap * dt
     xr, xr_prev = x[:, None] * xproj, Xstate[:, None] * xproj  # (b, r, h, p)

@@ -6,6 +6,9 @@ format, merged export.
     ssmkit.finetune.save_adapter(lora, "adapter/"); load_adapter(base, "adapter/")
     ssmkit.finetune.adapter_for_transformers("adapter/", "adapter-hf/", base.config)
     ssmkit.finetune.export_merged(lora, "merged/", format="hf")  # merge_and_unload + save
+    ssmkit.finetune.export_for_transformers(lora, "base-hf/", "adapter-hf/")  # dt_proj, out_proj
+    # folded into the base, the rest of the adapter for peft on transformers' Mamba
+    lora = ssmkit.finetune.apply_lora(model, use_dora=True)           # DoRA, peft's format
 
 Training from a run config (``base:``, ``lora:``, ``freeze_embedding:``) is :mod:`ssmkit.train`'s.
 """
@@ -13,8 +16,10 @@ Training from a run config (``base:``, ``lora:``, ``freeze_embedding:``) is :mod
 from .adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    NOT_FOR_TRANSFORMERS,
     adapter_for_transformers,
     adapter_state,
+    export_for_transformers,
     load_adapter,
     read_adapter,
     save_adapter,
@@ -36,9 +41,11 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "DEFAULTS",
     "DEFAULT_TARGETS",
+    "NOT_FOR_TRANSFORMERS",
     "adapter_for_transformers",
     "adapter_state",
     "apply_lora",
+    "export_for_transformers",
     "export_merged",
     "load_adapter",
     "lora_config",

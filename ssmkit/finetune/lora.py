@@ -25,6 +25,12 @@ begins at the pretrained model. ``apply_lora`` is ``peft.get_peft_model`` with s
 * ssmkit reads a few weights raw (Mamba-1's dt_proj, the convs) and routes them through
   :mod:`ssmkit.models.lora_aware`, so every target trains on every backend, the cuda kernels
   included.
+* DoRA (Liu et al. 2024; ``use_dora=True``, peft's implementation and format: a magnitude vector
+  ``lora_magnitude_vector`` per adapted layer beside A and B): the adapted weight is
+  m / ‖W + ΔW‖_row · (W + ΔW), the row norm detached. peft applies it to the Linear and Embedding
+  layers ssmkit calls as modules; the raw reads (Mamba-1's dt_proj) compute the same in
+  :mod:`ssmkit.models.lora_aware`. A conv target is refused as for LoRA (the depthwise conv holds no
+  B A); peft itself refuses DoRA with ``lora_bias``.
 * tied embeddings (``lm_head.weight`` is ``backbone.embedding.weight``): an adapter on the embedding
   or the head changes one side only (peft's wrapper sits on one module), but merging it writes into
   the one shared matrix, which would change the other side too: merged != unmerged. So when
@@ -237,7 +243,7 @@ def lora_config(
 ):
     """A ``peft.LoraConfig`` with ssmkit's defaults (the plan's); ``target_modules`` is resolved
     against a model by :func:`apply_lora`. ``extra``: more LoraConfig fields (``use_rslora``,
-    ``rank_pattern``...)."""
+    ``rank_pattern``, ``use_dora``...)."""
     from .. import checks
 
     r = checks.integer(r, "r (LoRA rank)", minimum=1)
@@ -245,11 +251,8 @@ def lora_config(
     dropout = checks.number(dropout, "dropout (lora_dropout)", low=0, high=1)
     if dropout >= 1:
         raise ValueError(f"dropout (lora_dropout) must be in [0, 1); got {dropout}")
-    if extra.get("use_dora"):
-        raise ValueError(
-            "use_dora=True: DoRA is not W + (alpha/r) B A, and ssmkit hands some weights to ops "
-            "as tensors; only plain LoRA is supported"
-        )
+    if not isinstance(extra.get("use_dora", False), bool):
+        raise ValueError(f"use_dora must be true or false; got {extra['use_dora']!r}")
     if isinstance(target_modules, str):
         target_modules = [target_modules]  # one name (peft would read a str as a regex)
     return _peft().LoraConfig(
@@ -297,8 +300,6 @@ def apply_lora(
         config = lora_config(
             r, alpha, dropout, target_modules, modules_to_save, init_lora_weights, **extra
         )
-    elif getattr(config, "use_dora", False):
-        raise ValueError("use_dora=True: only plain LoRA is supported (see lora_config)")
     else:  # a ready LoraConfig: the numbers lora_config would have checked
         check_config_values(config)
     targets = config.target_modules
@@ -328,7 +329,17 @@ def trainable_share(model: nn.Module) -> dict:
     for name, p in model.named_parameters():
         if p.requires_grad:
             kind = next(
-                (k for k in ("lora_embedding", "lora_A", "lora_B", "modules_to_save") if k in name),
+                (
+                    k
+                    for k in (
+                        "lora_embedding",
+                        "lora_A",
+                        "lora_B",
+                        "lora_magnitude_vector",
+                        "modules_to_save",
+                    )
+                    if k in name
+                ),
                 "other",
             )
             kinds[kind] = kinds.get(kind, 0) + p.numel()
@@ -337,7 +348,8 @@ def trainable_share(model: nn.Module) -> dict:
 
 def merge(model: nn.Module) -> MambaLM:
     """The plain ssmkit model with every active adapter merged into its weights (peft's
-    ``merge_and_unload``: W <- W + (α/r) B A, the wrappers removed). Works in place: ``model`` is
+    ``merge_and_unload``: W <- W + (α/r) B A, or DoRA's m / ‖W + ΔW‖_row · (W + ΔW); the wrappers
+    removed). Works in place: ``model`` is
     the base model afterwards."""
     if not hasattr(model, "merge_and_unload"):
         return model

@@ -19,17 +19,20 @@ and the tensors both ways (:func:`state_from_jamba`, :func:`state_to_jamba`). We
 
 What transformers 5 does that the mapping mirrors (modeling_jamba.py): attention has no bias and no
 position embedding, scale head_dim^-1/2 (head_dim = config.head_dim if given, else hidden_size //
-num_attention_heads); ``JambaMLP`` is down(act(gate(x)) * up(x)); ``hidden_act`` is also the conv's
-activation; one ``rms_norm_eps`` serves every norm; the residual stays in the input dtype
-(``residual_in_fp32=False``). Layer i's feed-forward is a mixture of experts
-(``JambaSparseMoeBlock``: ssmkit's :class:`~ssmkit.models.moe.SparseMoE`, the same routing) when
-``num_experts > 1`` and ``i % expert_layer_period == expert_layer_offset``; the config fields keep
-their names in ModelConfig. Expert weights are read in both of transformers' layouts: one tensor per
-expert, as published checkpoints and transformers 5's ``save_pretrained`` write them, and the fused
-3-D tensors transformers 5 holds in memory (``experts.gate_up_proj`` (E, 2h, d), gate first, and
-``experts.down_proj`` (E, d, h)); a save writes one tensor per expert. An ``intermediate_size`` that
-is not a multiple of 128 (ssmkit's MLP width, as mamba_ssm's) loads exactly: the extra units get
-zero weights, so they output 0 and, with zero gradients, stay 0; a save writes the MLP's full width.
+num_attention_heads); ``JambaMLP`` is down(act(gate(x)) * up(x)) and its experts the same, act =
+``ACT2FN[hidden_act]``; ``hidden_act`` is also the conv's activation (the scan's gate stays SiLU),
+so it maps to ``mlp_activation`` and ``mamba1.activation`` both (any name of
+:data:`ssmkit.ops.ACTIVATIONS`; the two must agree to save); one ``rms_norm_eps`` serves every norm;
+the residual stays in the input dtype (``residual_in_fp32=False``). Layer i's feed-forward is a
+mixture of experts (``JambaSparseMoeBlock``: ssmkit's :class:`~ssmkit.models.moe.SparseMoE`, the
+same routing) when ``num_experts > 1`` and ``i % expert_layer_period == expert_layer_offset``; the
+config fields keep their names in ModelConfig. Expert weights are read in both of transformers'
+layouts: one tensor per expert, as published checkpoints and transformers 5's ``save_pretrained``
+write them, and the fused 3-D tensors transformers 5 holds in memory (``experts.gate_up_proj`` (E,
+2h, d), gate first, and ``experts.down_proj`` (E, d, h)); a save writes one tensor per expert. An
+``intermediate_size`` that is not a multiple of 128 (ssmkit's MLP width, as mamba_ssm's) loads
+exactly: the extra units get zero weights, so they output 0 and, with zero gradients, stay 0; a save
+writes the MLP's full width.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ _ATTN_NAMES = {
     "attn_cfg.num_heads_kv": "num_key_value_heads",
     "attn_cfg.head_dim": "head_dim",
     "mamba1.mixer_rms_eps": "rms_norm_eps",
+    "mamba1.activation": "hidden_act",
+    "mlp_activation": "hidden_act",
 }
 
 
@@ -121,11 +126,6 @@ def config_from_jamba(hf: dict) -> ModelConfig:
             f"fields {nulls} are null; give them values or leave them out for the defaults"
         )
     c = {**DEFAULTS, **hf}
-    if c["hidden_act"] != "silu":
-        raise CheckpointError(
-            f"field 'hidden_act' {c['hidden_act']!r} is not supported; ssmkit's Mamba conv "
-            "and MLP use 'silu'"
-        )
     if c["attention_dropout"] != 0:
         raise CheckpointError(
             f"field 'attention_dropout' is {c['attention_dropout']!r}; ssmkit's attention "
@@ -158,6 +158,8 @@ def config_from_jamba(hf: dict) -> ModelConfig:
             "mamba1.dt_rank": dt_rank,
             "mamba1.mixer_rms_eps": c["rms_norm_eps"],
             "mamba1.mixer_rms_weights": True,
+            "mamba1.activation": c["hidden_act"],
+            "mlp_activation": c["hidden_act"],
         }
     )
     kwargs.update(
@@ -223,6 +225,11 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
             f"rms_norm={cfg.rms_norm}, norm_epsilon={cfg.norm_epsilon}, "
             f"mamba1.mixer_rms_eps={m.mixer_rms_eps}"
         )
+    if "mamba1" in cfg.ssm_kinds and m.activation != cfg.mlp_activation:
+        raise CheckpointError(
+            f"hidden_act: Jamba has one activation for its MLPs and its Mamba conv; this model "
+            f"has mlp_activation={cfg.mlp_activation!r}, mamba1.activation={m.activation!r}"
+        )
     if cfg.d_intermediate == 0:
         raise CheckpointError(
             "intermediate_size: every Jamba layer has an MLP, this model has none "
@@ -235,7 +242,7 @@ def config_to_jamba(cfg: ModelConfig) -> dict:
         hidden_size=cfg.d_model,
         intermediate_size=mlp_width(cfg.d_intermediate),
         num_hidden_layers=cfg.n_layer,
-        hidden_act="silu",
+        hidden_act=cfg.mlp_activation,
         initializer_range=cfg.initializer_range,
         rms_norm_eps=cfg.norm_epsilon,
         tie_word_embeddings=cfg.tie_embeddings,

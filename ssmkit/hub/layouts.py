@@ -82,6 +82,7 @@ _HF_MAMBA1 = {
     "time_step_scale": "dt_scale",
     "time_step_init_scheme": "dt_init",
     "mixer_rms_eps": "mixer_rms_eps",
+    "hidden_act": "activation",  # transformers' Mamba / FalconMamba: the conv's activation only
 }
 _HF_MAMBA2 = {
     "head_dim": "headdim",
@@ -163,9 +164,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError(
             "rms_norm=False (the gate inside the scan, no gated RMSNorm) is not supported"
         )
-    if hf.get("hidden_act", "silu") != "silu":
+    if kind == "mamba2" and hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
-            f"hidden_act {hf['hidden_act']!r} is not supported; ssmkit's mixers use 'silu'"
+            f"hidden_act {hf['hidden_act']!r} is not supported for mamba2; ssmkit's Mamba-2 "
+            "conv uses 'silu'"
         )
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if k not in hf]
     if (
@@ -248,7 +250,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             time_step_rank=group.dt_rank_value(cfg.d_model),
             architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
             intermediate_size=group.d_inner(cfg.d_model),
-            hidden_act="silu",
         )
         if not falcon:
             del hf["mixer_rms_eps"]
@@ -278,7 +279,10 @@ _LAYERS = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3", "S4D": "s
 # ssmkit's group fields that are no argument of mamba_ssm's class: FalconMamba's / Jamba's norms on
 # Δ, B, C (refused on save). Mamba3's a_activation is written: mamba_ssm's Mamba3 absorbs unknown
 # keys and applies the heavy-tail activation, the group's default.
-_NOT_SSM_CFG = ("mixer_rms_eps", "mixer_rms_weights")
+# A conv activation other than SiLU (mamba1.activation) and an MLP activation other than SiLU
+# (mlp_activation) are written as ssmkit's own keys, and only then: mamba_ssm's Mamba and
+# MambaConfig refuse them by name (a TypeError), which is better than a silent SiLU there.
+_NOT_SSM_CFG = ("mixer_rms_eps", "mixer_rms_weights", "activation")
 
 
 def _ssm_fields(mixer: str) -> tuple[str, ...]:
@@ -351,7 +355,7 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
             f"ssm_cfg.layer {layer!r} is not supported; valid: {', '.join(_LAYERS)}"
         )
     mixer = _LAYERS[layer]
-    known = set(_ssm_fields(mixer))
+    known = set(_ssm_fields(mixer)) | ({"activation"} if mixer == "mamba1" else set())
     ignored = {"use_fast_path", "layer_idx", "rmsnorm", "sequence_parallel", "use_mem_eff_path"}
     if (
         mixer == "mamba3"
@@ -379,6 +383,7 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
         residual_in_fp32=c.get("residual_in_fp32", True),
         tie_embeddings=c.get("tie_embeddings", True),
         norm_epsilon=c.get("norm_epsilon", 1e-5),
+        mlp_activation=c.get("mlp_activation", "silu"),
         **_attention_from_mamba_ssm(c),
     )
     return _build_config(kwargs, {f"{mixer}.{k}": f"ssm_cfg.{k}" for k in known})
@@ -416,6 +421,8 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
     mixer = ssm_kinds[0] if ssm_kinds else cfg.mixer if cfg.mixer in SSM_MIXERS else "mamba1"
     group = cfg.mixer_cfg(mixer).to_dict()
     ssm = {k: group[k] for k in _ssm_fields(mixer)}
+    if group.get("activation", "silu") != "silu":  # ssmkit's key (see _NOT_SSM_CFG)
+        ssm["activation"] = group["activation"]
     ssm["layer"] = {v: k for k, v in _LAYERS.items()}[mixer]
     if (
         "dt_limit" in ssm
@@ -426,6 +433,11 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
             ssm["dt_limit"] = [v if math.isfinite(v) else "inf" for v in ssm["dt_limit"]]
     # every MHA argument written out, causal=True above all (mamba_ssm's default is False)
     attn = {k: v for k, v in (cfg.attn_cfg or {}).items() if k != "window_size"}
+    ours = (
+        {"mlp_activation": cfg.mlp_activation}
+        if cfg.d_intermediate and cfg.mlp_activation != "silu"
+        else {}
+    )
     return dict(
         d_model=cfg.d_model,
         d_intermediate=cfg.d_intermediate,
@@ -439,4 +451,5 @@ def config_to_mamba_ssm(cfg: ModelConfig) -> dict:
         fused_add_norm=True,
         pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
         tie_embeddings=cfg.tie_embeddings,
-    )  # exactly MambaConfig's fields: it is built with **config
+        **ours,
+    )  # exactly MambaConfig's fields (but ssmkit's keys above): it is built with **config

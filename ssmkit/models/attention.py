@@ -21,7 +21,9 @@ Samba). Keys and values are shared by groups of H / H_kv query heads (GQA; H_kv 
 Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): S(t) also requires
 seq_idx_s = seq_idx_t (a block-diagonal causal mask, the window still applied), the conv restarts at
 each sample and the rotary position t counts from each sample's first token, so every sample attends
-as if it ran alone.
+as if it ran alone. Long packed rows attend sample by sample (no (seqlen x seqlen) mask). With a
+fresh cache of one row per sample (a packed prefill) each sample's keys and values go to its own
+row (:meth:`ssmkit.models.cache.KVState.load_samples`), and decoding continues them as one batch.
 """
 
 from __future__ import annotations
@@ -33,9 +35,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..ops.packing import positions_in_sample
+from ..ops.packing import positions_in_sample, sample_spans
 from .cache import KVState
-from .mixer_parts import check_packed, conv_with_state, zero_padding
+from .mixer_parts import check_packed, conv_with_state, packed_samples, zero_padding
+
+# A packed call whose block-diagonal mask (batch x seqlen x seqlen) would hold more elements than
+# this attends one sample at a time instead, each with SDPA's own causal (or windowed) path.
+PACKED_MASK_LIMIT = 1 << 22
 
 
 def rotary(
@@ -147,9 +153,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """hidden: (batch, seqlen, d_model); state: this layer's KV cache (continued and updated);
         mask: (batch, seqlen), 0 at LEFT padding, only on a fresh cache or without one; seq_idx:
-        (batch, seqlen) sample index of packed rows (no cache, no mask): attention within each
-        sample only."""
-        check_packed(state, mask, seq_idx)
+        (batch, seqlen) sample index of packed rows (no mask): attention within each sample only;
+        with a fresh ``state`` of one row per sample, each sample's keys and values (and conv
+        inputs) go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
         b, n, _ = hidden.shape
         offset = 0 if state is None else state.length
         if state is not None and mask is not None:
@@ -186,8 +193,10 @@ class Attention(nn.Module):
             rope_pos = positions_in_sample(seq_idx)
         q = rotary(q, rope_pos, self.rotary_dim, self.rotary_base, self.rotary_interleaved)
         k = rotary(k, rope_pos, self.rotary_dim, self.rotary_base, self.rotary_interleaved)
-        if state is None:
+        if state is None or seq_idx is not None:
             out = self._attend(q, k, v, pos, pos, start, seq_idx)
+            if state is not None:  # a packed prefill
+                state.load_samples(k, v, *packed_samples(seq_idx)[1:])
         else:
             keys, values, key_pos = state.append(k, v)
             out = self._attend(q, keys, values, pos, key_pos, start)
@@ -208,6 +217,8 @@ class Attention(nn.Module):
             q_, k_, v_, attn_mask=m_, scale=self.softmax_scale, **gqa
         )
         n_q, n_k, w = q.shape[2], k.shape[2], self.window
+        if seq_idx is not None and q.shape[0] * n_q * n_k > PACKED_MASK_LIMIT:
+            return self._attend_per_sample(q, k, v, seq_idx)
         # a plain causal pass: no padding, the queries are exactly the keys (no cache before them)
         plain = start is None and n_q > 1 and n_q == n_k and bool((key_pos == q_pos).all())
         if plain and w is None and seq_idx is None:
@@ -225,3 +236,15 @@ class Attention(nn.Module):
             return torch.cat(outs, dim=2)
         m = attention_mask(q_pos, key_pos, w, start)
         return sdpa(q, k, v, m if seq_idx is None else m & same_sample(seq_idx, seq_idx))
+
+    def _attend_per_sample(self, q, k, v, seq_idx):
+        """A packed call, one sample at a time: each sample's queries, keys and values
+        are a plain causal (or windowed) pass of their own, so no block-diagonal mask of the whole
+        row is ever built. Shapes as :meth:`_attend`."""
+        out = q.new_empty(q.shape)
+        for r, s, e in zip(*(t.tolist() for t in sample_spans(seq_idx))):
+            pos = torch.arange(e - s, device=q.device)
+            out[r : r + 1, :, s:e] = self._attend(
+                q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], pos, pos, None
+            )
+        return out

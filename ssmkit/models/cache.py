@@ -72,6 +72,10 @@ class KVState:
     buffer is a ring of exactly ``window`` slots and a token's key overwrites the one ``window``
     positions before it. ``conv`` holds the last ``d_conv`` qkv inputs when the layer has a short
     conv (else None).
+
+    Rows of different lengths (left padding, or :meth:`load_samples` after a packed prefill) share
+    the positions 0..length-1 and end together: row r's real keys start at ``start[r]``, the slots
+    before it are masked, and its rotary positions count from it.
     """
 
     def __init__(
@@ -131,6 +135,48 @@ class KVState:
             return keys, values, key_pos
         return self.k, self.v, self.key_pos
 
+    def load_samples(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        row: torch.Tensor,
+        start: torch.Tensor,
+        end: torch.Tensor,
+    ):
+        """Fill a fresh cache from a packed prefill: k, v (rows, heads_kv, seqlen, head_dim) of the
+        packed rows, sample i at ``k[row[i], :, start[i]:end[i]]`` (three (n,) int64 tensors, n =
+        this cache's batch). Row i gets sample i's keys and values right-aligned, as left padding
+        would place them: the rows end at position ``length`` = the longest sample, and row i's
+        keys start at ``self.start[i]`` = length - len_i. A ring buffer keeps the last ``window``
+        positions. Costs one gather of the cache's size; nothing is padded before the layers."""
+        n = row.shape[0]
+        if n != self.k.shape[0] or self.length:
+            raise ValueError(
+                f"load_samples fills a fresh cache of one row per sample: {n} samples for a "
+                f"cache of {self.k.shape[0]} rows holding {self.length} positions"
+            )
+        device = self.key_pos.device
+        lengths = end - start
+        longest = int(lengths.max())
+        first = (longest - lengths).to(device)  # (n,) each row's first real position
+        if self.window is None:
+            self._grow(longest)
+            positions = torch.arange(longest, device=device)
+            slots = positions
+        else:
+            positions = torch.arange(max(0, longest - self.window), longest, device=device)
+            slots = positions % self.window
+        real = positions[None] >= first[:, None]  # (n, m)
+        src = start.to(device)[:, None] + positions[None] - first[:, None]
+        src = src.clamp(0, k.shape[2] - 1)
+        rows = row.to(device)[:, None]
+        for buffer, packed in ((self.k, k), (self.v, v)):
+            picked = packed[rows, :, src]  # (n, m, heads_kv, head_dim)
+            picked = picked.masked_fill(~real[:, :, None, None], 0).transpose(1, 2)
+            buffer[:, :, slots] = picked.to(buffer.dtype)
+        self.key_pos[slots] = positions
+        self.length, self.start = longest, first
+
     def nbytes(self) -> int:
         extra = 0 if self.conv is None else self.conv.numel() * self.conv.element_size()
         return self.k.numel() * self.k.element_size() * 2 + extra
@@ -141,7 +187,9 @@ class InferenceCache:
     layers: list = field(
         default_factory=list
     )  # a LayerState / Mamba3State / LTIState / KVState (or a backbone's own)
-    seqlen_offset: int = 0  # tokens already folded into the states
+    seqlen_offset: int = 0  # tokens already folded into the states (the longest row's, after a
+    # packed prefill)
+    batch_size: int | None = None  # rows (sequences), as allocated
 
     @classmethod
     def allocate(cls, model, batch_size: int, dtype=None, device=None) -> InferenceCache:
@@ -149,7 +197,7 @@ class InferenceCache:
         param = next(model.parameters())
         dtype = dtype or param.dtype
         device = device or param.device
-        return cls(model.backbone.allocate_states(batch_size, dtype, device))
+        return cls(model.backbone.allocate_states(batch_size, dtype, device), batch_size=batch_size)
 
     def nbytes(self) -> int:
         """Memory held by the cache: constant in the sequence length for SSM and sliding-window

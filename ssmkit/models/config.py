@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from .. import checks
+from ..ops.activations import activation
 from .ssm_config import (
     GROUP_FIELDS,
     GROUPS,
@@ -226,6 +227,8 @@ class ModelConfig:
     # mixer ...
     layout: list[str] | None = None  # ... unless given per layer, e.g. ["mamba3", "attn", "swa"]
     d_intermediate: int = 0  # GatedMLP width after each mixer (norm2 + mlp); 0 = no MLP
+    mlp_activation: str = "silu"  # the MLPs' (and experts'): fc2(value * act(gate)), a name in
+    # ssmkit.ops.ACTIVATIONS (transformers' ACT2FN names; Jamba: hidden_act)
     attn_layer_idx: list[int] | None = None  # mamba_ssm: the layers that are attention (MHA) ...
     attn_every: int = 0  # ... or every N-th (Jamba: i % N == attn_offset); 0 = none
     attn_offset: int = 0
@@ -262,6 +265,7 @@ class ModelConfig:
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=1))
         for name in ("d_intermediate", "attn_every"):
             setattr(self, name, _field(name, checks.integer, getattr(self, name), minimum=0))
+        _field("mlp_activation", activation, self.mlp_activation)  # a known name
         for kind in SSM_MIXERS:
             setattr(self, kind, make_group(kind, getattr(self, kind)))
         self._resolve_attention_layers()

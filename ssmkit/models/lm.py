@@ -24,7 +24,16 @@ logits never exist at once (same loss and gradients as the plain loss).
 Packed samples (SFT): ``model(input_ids, seq_idx=...)`` with seq_idx (batch, seqlen) the index of
 the sample each position belongs to in its row (:mod:`ssmkit.ops.packing`; from position ids with
 :func:`ssmkit.ops.seq_idx_from_position_ids`) restarts every conv, scan and attention at each
-sample, so a packed row gives each sample's logits and loss as if it ran alone.
+sample, so a packed row gives each sample's logits and loss as if it ran alone. seq_idx -1 marks a
+position to ignore (causal-conv1d's padding): it changes no state and takes no loss. With a fresh
+cache of one row per sample (``allocate_cache(n_samples)``) the same call is a packed prefill:
+each sample's final states go to its own row, and one-token steps then continue all samples as a
+batch (:func:`ssmkit.models.generate` with a list of prompts).
+
+Holes: the layers see each row's real positions (``attention_mask`` 1, ``seq_idx`` >= 0) moved, in
+order, to one end of the row (:func:`real_first`): ignored positions become left padding (or, for
+seq_idx, one trailing sample of their own), so a row with holes gives at its real positions what
+the row without the holes gives. The outputs are put back in the caller's positions.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..checks import is_integer
 from .attention import Attention
 from .cache import InferenceCache
 from .config import ModelConfig
@@ -47,10 +57,14 @@ from .h3 import H3
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
+from .mixer_parts import IGNORED_SAMPLE, packed_samples
 from .mlp import GatedMLP
 from .moe import SparseMoE, load_balancing_loss
 from .norms import RMSNorm
 from .s4d import S4D
+
+# The mixers that keep one state per packed sample, so a packed prefill can fill a cache.
+PER_SAMPLE_MIXERS = (Mamba1, Mamba2, Mamba3, Attention)
 
 
 def make_mixer(cfg: ModelConfig, kind: str) -> nn.Module:
@@ -77,8 +91,14 @@ def make_mlp(cfg: ModelConfig, layer_idx: int | None) -> nn.Module | None:
     if cfg.d_intermediate == 0:
         return None
     if layer_idx in cfg.moe_layers:
-        return SparseMoE(cfg.d_model, cfg.d_intermediate, cfg.num_experts, cfg.num_experts_per_tok)
-    return GatedMLP(cfg.d_model, cfg.d_intermediate)
+        return SparseMoE(
+            cfg.d_model,
+            cfg.d_intermediate,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            activation=cfg.mlp_activation,
+        )
+    return GatedMLP(cfg.d_model, cfg.d_intermediate, activation=cfg.mlp_activation)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -126,8 +146,8 @@ class Block(nn.Module):
         seq_idx: torch.Tensor | None = None,
     ):
         """hidden, residual: (batch, seqlen, d_model) -> the same two, one block further.
-        mask: (batch, seqlen), 0 at left padding (see :func:`check_attention_mask`); seq_idx:
-        (batch, seqlen) packed samples (see :func:`check_seq_idx`)."""
+        mask: (batch, seqlen), 0 at left padding (MambaLM.forward has moved any holes there,
+        :func:`real_first`); seq_idx: (batch, seqlen) packed samples (see :func:`check_seq_idx`)."""
         hidden, residual = self._add_norm(hidden, residual, self.norm)
         hidden = self.mixer(hidden, state, mask, seq_idx=seq_idx)
         if self.mlp is not None:
@@ -286,10 +306,9 @@ def check_token_ids(input_ids: torch.Tensor, cfg: ModelConfig):
 
 
 def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
-    """mask: (batch, seqlen) of 0/1 (or bool), shaped as left padding: each row 0s, then 1s.
-
-    Right padding is refused rather than handled: a recurrent state read after trailing padding
-    would be the state of the padding, and generation continues from the last position."""
+    """mask: (batch, seqlen) of 0/1 (or bool), 1 at real tokens. Zeros anywhere: left padding, holes
+    in the middle, right padding; the model runs each row's real tokens as one sequence
+    (:func:`real_first`)."""
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
@@ -307,22 +326,24 @@ def check_attention_mask(mask: torch.Tensor, input_ids: torch.Tensor, values: bo
             "attention_mask must hold only 0 (padding) and 1 (real token), "
             "as an integer or bool tensor"
         )
-    m = mask.to(torch.int8)
-    after_token = (m[:, 1:] < m[:, :-1]).nonzero()  # a 0 right after a 1: padding after a token
-    if len(after_token):
-        row, pos = (int(v) for v in after_token[0])
-        raise ValueError(
-            f"attention_mask row {row} has a 0 at position {pos + 1} after a 1: "
-            "only LEFT padding is supported (each row 0s, then 1s; "
-            "tokenizer.padding_side = 'left'), since a recurrent state runs left to right"
-        )
+
+
+def real_first(real: torch.Tensor, last: bool = True) -> torch.Tensor:
+    """order (batch, seqlen) int64: each row's positions with the real ones (``real`` True) moved,
+    in their order, to the end of the row (``last``) or to its start, the others to the other end,
+    also in order. ``x.gather(1, order)`` is the row the layers see: a mask with holes becomes left
+    padding, exactly what an SSM's state and attention's positions need. The identity for a
+    left-padded mask. A stable sort, no value read on the host."""
+    key = real.to(torch.int8) if last else (~real.bool()).to(torch.int8)
+    return torch.sort(key, dim=1, stable=True).indices
 
 
 def check_seq_idx(seq_idx: torch.Tensor, input_ids: torch.Tensor, values: bool = True):
-    """seq_idx: an integer tensor of input_ids' shape (batch, seqlen), each row non-negative and
-    non-decreasing (the sample index of every position of a packed row, e.g. [0, 0, 0, 1, 1, 2]);
-    the kernels' convention (mamba_ssm, causal-conv1d). ``values``: also read the values (a sync on
-    a GPU)."""
+    """seq_idx: an integer tensor of input_ids' shape (batch, seqlen), the sample index of every
+    position of a packed row, e.g. [0, 0, 0, 1, 1, 2], non-decreasing along each row (the kernels'
+    convention, mamba_ssm, causal-conv1d); -1 marks a position to ignore (causal-conv1d's padding),
+    anywhere, and the other values stay non-decreasing around it. ``values``: also read the values
+    (a sync on a GPU)."""
     if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != input_ids.shape:
         got = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
         raise ValueError(
@@ -335,20 +356,67 @@ def check_seq_idx(seq_idx: torch.Tensor, input_ids: torch.Tensor, values: bool =
         )
     if not values or not seq_idx.numel():
         return
-    if int(seq_idx.min()) < 0:
-        row = int((seq_idx < 0).any(dim=1).nonzero()[0])
+    s = seq_idx.long()
+    if int(s.min()) < -1 or int(s.max()) >= IGNORED_SAMPLE:
+        row, pos = (int(v) for v in ((s < -1) | (s >= IGNORED_SAMPLE)).nonzero()[0])
         raise ValueError(
-            f"seq_idx row {row} holds a negative index: sample indices are 0, 1, 2, ... "
-            "(give padding its own sample, with labels -100)"
+            f"seq_idx row {row} holds {int(s[row, pos])} at position {pos}: sample indices are "
+            f"0, 1, 2, ... (below {IGNORED_SAMPLE}), and -1 marks a position to ignore (padding)"
         )
-    down = (seq_idx[:, 1:] < seq_idx[:, :-1]).nonzero()
+    seen = F.pad(s[:, :-1], (1, 0), value=-1).cummax(dim=1).values  # the largest index before t
+    down = ((s >= 0) & (s < seen)).nonzero()
     if len(down):
         row, pos = (int(v) for v in down[0])
         raise ValueError(
-            f"seq_idx row {row} decreases at position {pos + 1} ({int(seq_idx[row, pos])} -> "
-            f"{int(seq_idx[row, pos + 1])}): each row must be non-decreasing, the samples "
-            "packed one after another"
+            f"seq_idx row {row} decreases at position {pos} ({int(seen[row, pos])} -> "
+            f"{int(s[row, pos])}): each row must be non-decreasing, the samples packed one after "
+            "another (-1, ignored positions, may sit anywhere)"
         )
+
+
+def check_logits_to_keep(logits_to_keep, seqlen: int):
+    """logits_to_keep: an int >= 0 (the last k positions; 0 = all), or a 1-D integer tensor of
+    positions in 0..seqlen-1 (transformers' convention), e.g. the last position of every packed
+    sample."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        bad_dtype = logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype in (
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        )
+        if logits_to_keep.dim() != 1 or bad_dtype:
+            raise ValueError(
+                "logits_to_keep as a tensor must be 1-D integer positions; got "
+                f"{tuple(logits_to_keep.shape)} {logits_to_keep.dtype}"
+            )
+        if logits_to_keep.numel() and (
+            int(logits_to_keep.min()) < 0 or int(logits_to_keep.max()) >= seqlen
+        ):
+            raise ValueError(
+                f"logits_to_keep positions must lie in 0..{seqlen - 1}; got "
+                f"{logits_to_keep.min().item()}..{logits_to_keep.max().item()}"
+            )
+        return
+    if not is_integer(logits_to_keep) or logits_to_keep < 0:
+        raise ValueError(
+            "logits_to_keep must be an int >= 0 (0: every position) or a 1-D tensor of "
+            f"positions; got {logits_to_keep!r}"
+        )
+
+
+def packed_prefill_refusal(model) -> str | None:
+    """Why ``model`` cannot fill a cache from packed samples (None if it can): every mixer must keep
+    one state per sample (Mamba-1, -2, -3, attention); S4D, H3 and Zamba2's backbone do not."""
+    if not isinstance(getattr(model, "backbone", None), Backbone):
+        return f"its backbone {type(model.backbone).__name__} has no per-sample states"
+    others = sorted(
+        {
+            type(layer.mixer).__name__
+            for layer in model.backbone.layers
+            if not isinstance(layer.mixer, PER_SAMPLE_MIXERS)
+        }
+    )
+    return f"its {', '.join(others)} layers have no per-sample states" if others else None
 
 
 # What writes MambaLM.save_pretrained's files: ssmkit.hub.save.save_pretrained, registered by the
@@ -362,6 +430,31 @@ def register_save_pretrained(writer: Callable[..., Path]):
     ``save_pretrained`` when imported."""
     global _save_pretrained
     _save_pretrained = writer
+
+
+def _to_positions(x: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """x (batch, seqlen, ...) in the layers' order -> the caller's positions; back (batch, m) is,
+    for each wanted caller position, where the layers had it (``argsort`` of :func:`real_first`'s
+    order, or a selection of its columns)."""
+    index = back.reshape(*back.shape, *([1] * (x.dim() - 2))).expand(*back.shape, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def _kept(hidden: torch.Tensor, logits_to_keep, back: torch.Tensor | None) -> torch.Tensor:
+    """The positions of ``hidden`` (batch, seqlen, d) whose logits are wanted, in the caller's
+    order: all (0), the last k (an int), or the given positions (a 1-D tensor)."""
+    seqlen = hidden.shape[1]
+    if isinstance(logits_to_keep, torch.Tensor):
+        positions = logits_to_keep.to(hidden.device).long()
+    elif logits_to_keep:
+        positions = torch.arange(max(0, seqlen - logits_to_keep), seqlen, device=hidden.device)
+    elif back is None:
+        return hidden
+    else:
+        return _to_positions(hidden, back)
+    if back is None:
+        return hidden[:, positions]
+    return _to_positions(hidden, back[:, positions])
 
 
 class MambaLM(nn.Module):
@@ -419,7 +512,7 @@ class MambaLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         cache: InferenceCache | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         shift_labels: bool = True,
         attention_mask: torch.Tensor | None = None,
         loss_chunk_size: int | None = None,
@@ -433,19 +526,31 @@ class MambaLM(nn.Module):
         already the targets of each position. -100 marks positions without a loss. With seq_idx and
         shift_labels the last position of each packed sample gets no target (the next token belongs
         to another sample), as when the sample runs alone.
-        cache: continue from and update these states (prefill or one-token steps).
-        logits_to_keep: compute logits for the last k positions only (0 = all).
-        attention_mask: (batch, seqlen), 1 for real tokens and 0 for LEFT padding: the logits of the
-        real positions then equal those of the row run alone, unpadded. Only on a fresh cache (the
-        prefill): padding in the middle of a sequence has no such meaning for a recurrent state.
-        Labels at padded positions are not masked here: set them to -100.
+        cache: continue from and update these states: a prefill, a one-token step, or k tokens
+        in one call after a prefill (speculative decoding's verification), equal to k one-token
+        calls; up to ``mixer_parts.STEP_TOKENS`` tokens run as recurrent steps, more as the scan.
+        logits_to_keep: compute logits for the last k positions only (0 = all), or, a 1-D integer
+        tensor, for those positions only (e.g. the last of every packed sample): logits
+        (batch, len(positions), vocab).
+        attention_mask: (batch, seqlen), 1 for real tokens and 0 for padding, at the left (what
+        ``tokenizer.padding_side = "left"`` gives) or anywhere (holes): the logits of the real
+        positions then equal those of the row's real tokens run alone, unpadded (the layers see
+        them moved to the row's end, :func:`real_first`, labels moved with them), and so does the
+        loss: padded positions take none, the token before a hole predicts the one after it. Only
+        on a fresh cache (the prefill), whose states are then those after each row's last real
+        token.
         loss_chunk_size: with labels, compute logits and loss over chunks of this many positions
         (default ``self.loss_chunk_size``; 0 = at once): the output's logits are then None, since
         the point is never to hold all of them (see :func:`chunked_cross_entropy`).
         seq_idx: (batch, seqlen) integer, the index of the sample each position belongs to in its
-        packed row, non-decreasing (:func:`check_seq_idx`): every mixer restarts at each sample, so
-        each sample's logits are those of the sample run alone. Not with a cache or an
-        attention_mask. Its values are checked (one sync on a GPU) except under torch.compile.
+        packed row, non-decreasing, -1 at positions to ignore (:func:`check_seq_idx`): every mixer
+        restarts at each sample, so each sample's logits are those of the sample run alone; an
+        ignored position changes no state and takes no loss (its logits are meaningless). Not with
+        an attention_mask. With a fresh ``cache`` of one row per sample (``allocate_cache(n)``, n
+        samples counted row-major, ignored positions not counted) this is a packed prefill: each
+        sample's final states go to its own cache row, ready for one-token steps of all samples
+        at once (Mamba-1/2/3 and attention layers; :func:`packed_prefill_refusal`). Its values are
+        checked (one sync on a GPU) except under torch.compile, where -1 is not supported.
         output_router_logits: with mixture-of-experts layers (``cfg.moe_layers``), return their
         router logits and the load-balancing loss (``aux_loss``) without labels too. With labels
         the aux loss is always computed and ``router_aux_loss_coef`` times it is added to ``loss``
@@ -458,9 +563,13 @@ class MambaLM(nn.Module):
             )
         # Checking values reads the tensor: on a GPU that is a sync, under torch.compile a graph
         # break. So only CPU tensors outside compilation are checked here; generate() checks always.
-        check_values = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        check_values = input_ids.device.type == "cpu" and not compiling
         if check_values:
             check_token_ids(input_ids, self.config)
+        check_logits_to_keep(logits_to_keep, input_ids.shape[1])
+        order = None  # (batch, seqlen): the positions in the order the layers see them
+        aux_mask = attention_mask  # the positions the router's loss counts
         if attention_mask is not None:
             if cache is not None and cache.seqlen_offset > 0:
                 raise ValueError(
@@ -468,18 +577,29 @@ class MambaLM(nn.Module):
                     "the steps after it continue real tokens: pass attention_mask=None"
                 )
             check_attention_mask(attention_mask, input_ids, values=check_values)
+            order = real_first(attention_mask.bool())
+            attention_mask = aux_mask = attention_mask.gather(1, order)
         if seq_idx is not None:
-            if cache is not None:
-                raise ValueError(
-                    "seq_idx (packed samples) cannot be combined with an inference cache: a "
-                    "cache continues one sequence per row; pass cache=None for packed rows"
-                )
             if attention_mask is not None:
                 raise ValueError(
                     "seq_idx (packed samples) cannot be combined with attention_mask (left "
-                    "padding): pack without padding, or give padding its own sample in seq_idx"
+                    "padding): pack without padding, or mark padding -1 in seq_idx"
                 )
-            check_seq_idx(seq_idx, input_ids, values=not torch.compiler.is_compiling())
+            check_seq_idx(seq_idx, input_ids, values=not compiling)
+            if not compiling and bool((seq_idx < 0).any()):
+                order = real_first(seq_idx >= 0, last=False)
+                seq_idx = seq_idx.long().gather(1, order)  # room for IGNORED_SAMPLE
+                ignored = seq_idx < 0
+                seq_idx = seq_idx.masked_fill(ignored, IGNORED_SAMPLE)
+                aux_mask = ~ignored
+                if labels is not None:
+                    labels = labels.gather(1, order).masked_fill(ignored, -100)
+            if cache is not None:
+                longest = self._check_packed_prefill(cache, seq_idx)
+        if order is not None:
+            input_ids = input_ids.gather(1, order)
+            if labels is not None and attention_mask is not None:
+                labels = labels.gather(1, order)
         moe = [m for m in self.modules() if isinstance(m, SparseMoE)]
         want_aux = bool(moe) and (labels is not None or output_router_logits)
         for m in moe:
@@ -494,27 +614,37 @@ class MambaLM(nn.Module):
         if want_aux:
             cfg = self.config
             aux = load_balancing_loss(
-                router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask
+                router_logits, cfg.num_experts, cfg.num_experts_per_tok, aux_mask
+            )
+        back = None if order is None else torch.argsort(order, dim=1)  # caller's position -> ours
+        if router_logits is not None and back is not None:
+            router_logits = tuple(
+                _to_positions(r.view(*input_ids.shape, -1), back).flatten(0, 1)
+                for r in router_logits
             )
         extra = dict(aux_loss=aux, router_logits=router_logits if output_router_logits else None)
         if cache is not None:
-            cache.seqlen_offset += input_ids.shape[1]
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+            cache.seqlen_offset = (
+                longest if seq_idx is not None else cache.seqlen_offset + input_ids.shape[1]
+            )
         chunk = self.loss_chunk_size if loss_chunk_size is None else loss_chunk_size
         if labels is None:
-            return LMOutput(logits=self.lm_head(hidden), cache=cache, **extra)
+            return LMOutput(
+                logits=self.lm_head(_kept(hidden, logits_to_keep, back)), cache=cache, **extra
+            )
         if labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "
                 f"{tuple(input_ids.shape)}"
             )
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             raise ValueError("labels need logits for every position; use logits_to_keep=0")
         if shift_labels:  # position t predicts token t+1; the last position has no target
             labels = F.pad(labels[:, 1:], (0, 1), value=-100)
             if seq_idx is not None:  # nor the last of each packed sample
                 labels = labels.masked_fill(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1)), -100)
+        if attention_mask is not None:  # a padded position's output means nothing: no loss
+            labels = labels.masked_fill(attention_mask == 0, -100)
         if chunk:
             logits = None
             loss = chunked_cross_entropy(hidden, self.lm_head, labels, chunk)
@@ -523,9 +653,37 @@ class MambaLM(nn.Module):
             loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
             )
+            if back is not None:
+                logits = _to_positions(logits, back)
         if aux is not None and self.config.router_aux_loss_coef:  # Jamba's / Switch's α · aux
             loss = loss + self.config.router_aux_loss_coef * aux
         return LMOutput(logits=logits, loss=loss, cache=cache, **extra)
+
+    def _check_packed_prefill(self, cache: InferenceCache, seq_idx: torch.Tensor) -> int:
+        """A packed prefill fills a fresh cache of one row per real sample of ``seq_idx``, in a
+        model whose mixers keep per-sample states; returns the longest sample's length."""
+        why = packed_prefill_refusal(self)
+        if why is not None:
+            raise ValueError(
+                f"seq_idx with a cache (a packed prefill) needs per-sample states, and this model "
+                f"cannot: {why}. Prefill a left-padded batch (attention_mask) instead"
+            )
+        if cache.seqlen_offset > 0:
+            raise ValueError(
+                "seq_idx with a cache is a packed prefill, which fills a fresh cache "
+                f"(allocate_cache(n_samples)); this one already holds {cache.seqlen_offset} "
+                "positions"
+            )
+        _, _, start, end = packed_samples(seq_idx)
+        if not len(start):
+            raise ValueError("seq_idx marks every position -1: a packed prefill needs a sample")
+        rows = cache.batch_size
+        if rows is not None and rows != len(start):
+            raise ValueError(
+                f"the cache has {rows} rows but seq_idx packs {len(start)} samples: a packed "
+                "prefill needs allocate_cache(n_samples), one row per sample in row-major order"
+            )
+        return int((end - start).max())
 
     def save_pretrained(
         self,

@@ -17,6 +17,18 @@ which give what peft's own forward computes (LoRA, Hu et al. 2021, eq. 3):
     W_eff = W + Σ_a (α_a / r_a) · B_a A_a          over the active, unmerged adapters a
     b_eff = b + Σ_a (α_a / r_a) · bias(B_a)        only with peft's ``lora_bias=True``
 
+DoRA (Liu et al. 2024, eq. 5 and section 4.3; peft's ``use_dora``) splits the adapted weight into a
+magnitude m (out,), peft's ``lora_magnitude_vector``, and a direction, normalised per output row:
+
+    W_eff = m / ‖W_0 + ΔW‖_row · (W + ΔW)            ΔW = (α/r) · B A
+
+‖·‖_row is the L2 norm over the input dim of each output row, of the base weight W_0 plus the
+update, and it is DETACHED (a constant to autograd, as the paper's section 4.3 and peft do): m gets
+its gradient through the scale, A and B through W + ΔW only. Applied adapter by adapter, each to
+the running weight W (so several adapters compose as peft's forward composes them); the bias is not
+scaled. With live dropout peft scales the dropped input's base projection instead, which
+:func:`linear_no_bias` computes as peft does.
+
 Duck-typed on peft's ``LoraLayer`` (``base_layer``, ``get_delta_weight``, ``active_adapters``,
 ``merged``, ``disable_adapters``, ``lora_dropout``, ``scaling``): peft is never imported here. A
 merged adapter is already inside W; disabled adapters add nothing (a merged one is first unmerged,
@@ -30,7 +42,8 @@ What cannot be a weight is computed otherwise or refused, never dropped silently
   ValueError.
 * peft's conv LoRA on a depthwise conv (``groups > 1``, every conv here) is a full channel-mixing
   conv, not a depthwise one: no (d, w) weight holds it, so ValueError (peft cannot merge it either).
-* LoRA variants (DoRA, ...) are not W + ΔW: ValueError naming the layer.
+* other LoRA variants (peft's ``lora_variant`` but DoRA) are not W + ΔW: ValueError naming the
+  layer.
 """
 
 from __future__ import annotations
@@ -58,14 +71,33 @@ def _active(module: nn.Module) -> list[str]:
         getattr(module, "lora_embedding_A", {}).keys()
     )
     names = [a for a in module.active_adapters if a in present]
-    variants = [a for a in names if a in getattr(module, "lora_variant", {})]
+    variants = [
+        a for a in names if a in getattr(module, "lora_variant", {}) and not is_dora(module, a)
+    ]
     if variants:
+        kinds = sorted({type(module.lora_variant[a]).__name__ for a in variants})
         raise ValueError(
-            f"{type(module).__name__} has the LoRA variant adapter(s) {variants} (DoRA or "
-            "another variant), which is not W + (alpha/r) B A; ssmkit reads this layer's weight "
-            "raw (for a kernel), so only plain LoRA works here: use_dora=False"
+            f"{type(module).__name__} has the LoRA variant adapter(s) {variants} ({kinds}), "
+            "which is neither W + (alpha/r) B A nor DoRA; ssmkit reads this layer's weight raw "
+            "(for a kernel), so only plain LoRA and DoRA work here"
         )
     return names
+
+
+def is_dora(module: nn.Module, adapter: str) -> bool:
+    """True when ``adapter`` on the LoRA wrapper ``module`` is a DoRA adapter (it has a magnitude
+    vector)."""
+    mags = getattr(module, "lora_magnitude_vector", None)
+    return mags is not None and adapter in mags
+
+
+def dora_scale(module: nn.Module, adapter: str, delta: torch.Tensor) -> torch.Tensor:
+    """DoRA's m / ‖W_0 + ΔW‖_row for ``adapter`` (out,), the norm detached (module docstring).
+    delta: ΔW = (α/r) B A, in the base weight's shape (out, in)."""
+    w0 = module.get_base_layer().weight
+    norm = torch.linalg.norm((w0 + delta.to(w0.dtype)).detach(), dim=1)
+    magnitude = module.lora_magnitude_vector[adapter].weight
+    return magnitude / norm.to(magnitude.dtype)
 
 
 def _dropping(module: nn.Module, adapter: str) -> bool:
@@ -76,8 +108,9 @@ def _dropping(module: nn.Module, adapter: str) -> bool:
 
 def weight(module: nn.Module, what: str = "layer") -> torch.Tensor:
     """The effective weight of ``module`` (a Linear or Conv1d, or peft's wrapper of one), in the
-    base weight's shape and dtype: W + Σ_a scaling_a · ΔW_a (see the module docstring). ``what``
-    names the layer in errors. Live dropout or a depthwise conv adapter is a ValueError."""
+    base weight's shape and dtype: W + Σ_a scaling_a · ΔW_a, or DoRA's form (see the module
+    docstring). ``what`` names the layer in errors. Live dropout or a depthwise conv adapter is a
+    ValueError."""
     if not is_lora_layer(module):
         return module.weight
     w = weight(module.base_layer, what)  # a wrapper of a wrapper: the inner one's effective W
@@ -97,8 +130,41 @@ def weight(module: nn.Module, what: str = "layer") -> torch.Tensor:
                 "op as a tensor: dropout of the adapter's input is no weight. Set "
                 "lora_dropout=0 for this target, or call model.eval()"
             )
-        w = w + module.get_delta_weight(a).to(w.dtype)
+    return _updated(module, w, adapters, what)
+
+
+def _updated(module: nn.Module, w: torch.Tensor, adapters: list[str], what: str) -> torch.Tensor:
+    """``w`` with each adapter's update applied in turn: + ΔW_a, or DoRA's rescaled W + ΔW_a."""
+    for a in adapters:
+        delta = module.get_delta_weight(a).to(w.dtype)
+        if is_dora(module, a):
+            if w.dim() != 2:
+                raise ValueError(f"DoRA on {what}: ssmkit computes it for Linear layers only")
+            w = dora_scale(module, a, delta).to(w.dtype)[:, None] * (w + delta)
+        else:
+            w = w + delta
     return w
+
+
+def merged_parameters(
+    module: nn.Module, adapters: list[str]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) that merging ``adapters`` of the LoRA wrapper ``module`` writes into its base
+    layer (peft's ``merge``; dropout plays no part in a merge): W_0 updated by each adapter in turn
+    (LoRA or DoRA), b_0 plus the adapters' ``lora_bias`` terms. The module must hold no merged
+    adapter (W_0 is then the pretrained weight)."""
+    if module.merged:
+        raise ValueError(
+            f"{type(module).__name__} already has merged adapters {module.merged_adapters}; "
+            "unmerge them first (unmerge_adapter())"
+        )
+    base = module.get_base_layer()
+    b = base.bias
+    for a in adapters:
+        if getattr(module, "lora_bias", {}).get(a, False):
+            extra = module.lora_B[a].bias * module.scaling[a]
+            b = extra if b is None else b + extra.to(b.dtype)
+    return _updated(module, base.weight, adapters, "layer"), b
 
 
 def bias(module: nn.Module) -> torch.Tensor | None:
@@ -120,7 +186,8 @@ def linear_no_bias(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
     With live LoRA dropout the adapter is computed on the input, as peft's forward does:
     x W^T + Σ_a scaling_a · B_a(A_a(dropout(x))) (B_a's own bias, with lora_bias, left to
-    :func:`bias`)."""
+    :func:`bias`); a DoRA adapter adds (s_a - 1) · x_d W_0^T + s_a · scaling_a · B_a(A_a(x_d)),
+    x_d = dropout(x), s_a its :func:`dora_scale`."""
     if not is_lora_layer(module):
         return F.linear(x, module.weight)
     adapters = _active(module)
@@ -130,5 +197,10 @@ def linear_no_bias(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     for a in adapters:
         A, B = module.lora_A[a], module.lora_B[a]
         h = module.lora_dropout[a](x.to(A.weight.dtype))
-        out = out + (F.linear(A(h), B.weight) * module.scaling[a]).to(out.dtype)
+        lora = F.linear(A(h), B.weight) * module.scaling[a]
+        if is_dora(module, a):
+            scale = dora_scale(module, a, module.get_delta_weight(a)).to(h.dtype)
+            base = F.linear(h, module.get_base_layer().weight.to(h.dtype))
+            lora = (scale - 1) * base + scale * lora
+        out = out + lora.to(out.dtype)
     return out

@@ -21,7 +21,15 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import (
+    check_packed,
+    conv_with_state,
+    init_dt_bias,
+    packed_samples,
+    steps_fit,
+    store_sample_states,
+    zero_padding,
+)
 from .norms import RMSNorm
 from .ssm_config import Mamba1Config
 
@@ -32,7 +40,8 @@ def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Mamba1(nn.Module):
-    """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x));
+    """The Mamba block of Gu & Dao 2023 (figure 3): x, z = in_proj(u); x = SiLU(conv(x)) (or
+    ``cfg.activation``);
     Δ, B, C = x_proj(x) (the selection, section 3.2); y = S6(x) (Algorithm 2) * SiLU(z);
     out_proj(y). (batch, seqlen, d_model) -> (batch, seqlen, d_model). ``cfg``: the model's
     ``mamba1`` group."""
@@ -42,6 +51,7 @@ class Mamba1(nn.Module):
         self.d_model, self.d_inner, self.d_state = d_model, cfg.d_inner(d_model), cfg.d_state
         self.d_conv, self.dt_rank = cfg.d_conv, cfg.dt_rank_value(d_model)
         self.mixer_rms_eps = cfg.mixer_rms_eps
+        self.activation = cfg.activation  # after the conv (SiLU but in Jamba configs saying else)
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=cfg.bias)
         self.conv1d = nn.Conv1d(
             self.d_inner,
@@ -110,9 +120,12 @@ class Mamba1(nn.Module):
         continues from it and leaves the new conv and SSM state there. mask: (batch, seqlen), 0 at
         left padding, which then leaves the conv and SSM states as if the row started later.
         seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at every
-        sample."""
-        check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        sample; with a (fresh) state of one row per sample, each sample's final conv and SSM
+        states go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
+        packed = state is not None and seq_idx is not None
+        # a decode step or a few tokens: recurrent steps
+        if not packed and steps_fit(hidden, state, mask):
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
         # Activations stay (batch, seqlen, channels) in memory; the ops get (batch, channels,
@@ -122,7 +135,9 @@ class Mamba1(nn.Module):
         # the conv sees zeros left of a row
         x = zero_padding(x, mask)
         # (batch, seqlen, d_inner)
-        x = conv_with_state(x.transpose(1, 2), self.conv1d, state, seq_idx=seq_idx).transpose(1, 2)
+        x = conv_with_state(
+            x.transpose(1, 2), self.conv1d, state, self.activation, seq_idx=seq_idx
+        ).transpose(1, 2)
         # Δ B x = 0: h stays at its zero start
         x = zero_padding(x, mask)
         dt, B, C = self._select(x)
@@ -138,27 +153,40 @@ class Mamba1(nn.Module):
             z=z.transpose(1, 2),
             delta_bias=lora_aware.bias(self.dt_proj).float(),
             delta_softplus=True,
-            initial_state=None if state is None else state.ssm,
-            return_final_state=state is not None,
+            initial_state=None if state is None or packed else state.ssm,
+            return_final_state=state is not None and not packed,
             seq_idx=seq_idx,
+            return_sample_states=packed,
         )
-        if state is not None:
+        if packed:
+            out, finals = out
+            store_sample_states(state.ssm, finals, packed_samples(seq_idx)[0])
+        elif state is not None:
             out, h = out
             state.ssm.copy_(h)
         return self.out_proj(out.transpose(1, 2))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """One token: hidden (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence
-        length."""
-        x, z = self.in_proj(hidden[:, 0]).chunk(2, dim=-1)  # (batch, d_inner)
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: hidden (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far (k = 1: a decode step; k >
+        1: e.g. speculative decoding's verification of k drafted tokens). Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        x, z = self.in_proj(hidden[:, 0] if one else hidden).chunk(2, dim=-1)  # (b, [k,] d_inner)
         weight = rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w")
-        x = ops.causal_conv1d_update(
-            x, state.conv, weight, lora_aware.bias(self.conv1d), activation="silu"
-        )
+        conv_bias = lora_aware.bias(self.conv1d)
+        if one:
+            x = ops.causal_conv1d_update(
+                x, state.conv, weight, conv_bias, activation=self.activation
+            )
+        else:  # the conv takes (batch, dim, k)
+            x = ops.causal_conv1d_update(
+                x.transpose(1, 2), state.conv, weight, conv_bias, activation=self.activation
+            ).transpose(1, 2)
         dt, B, C = self._select(x)
-        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, d_inner)
+        dt = lora_aware.linear_no_bias(dt, self.dt_proj)  # (batch, [k,] d_inner)
         A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(
+        y = ops.selective_state_update(  # with a token axis: k steps
             state.ssm,
             x,
             dt,
@@ -170,4 +198,5 @@ class Mamba1(nn.Module):
             dt_bias=lora_aware.bias(self.dt_proj).float(),
             dt_softplus=True,
         )
-        return self.out_proj(y)[:, None]
+        out = self.out_proj(y)
+        return out[:, None] if one else out

@@ -20,7 +20,15 @@ from einops import rearrange
 from .. import ops
 from . import lora_aware
 from .cache import LayerState
-from .mixer_parts import check_packed, conv_with_state, init_dt_bias, zero_padding
+from .mixer_parts import (
+    check_packed,
+    conv_with_state,
+    init_dt_bias,
+    packed_samples,
+    steps_fit,
+    store_sample_states,
+    zero_padding,
+)
 from .norms import RMSNormGated
 from .ssm_config import Mamba2Config
 
@@ -95,9 +103,12 @@ class Mamba2(nn.Module):
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if
         given. mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the conv or
         SSM state. seq_idx: (batch, seqlen) sample index of packed rows: conv and scan restart at
-        every sample."""
-        check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        every sample; with a (fresh) state of one row per sample, each sample's final conv and SSM
+        states go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
+        packed = state is not None and seq_idx is not None
+        # a decode step or a few tokens: recurrent steps
+        if not packed and steps_fit(hidden, state, mask):
             return self.step(hidden, state)
         A = -torch.exp(self.A_log.float())  # (nheads,)
         z, xBC, dt = torch.split(
@@ -128,33 +139,47 @@ class Mamba2(nn.Module):
             rearrange(C, "b l (g n) -> b l g n", g=self.ngroups),
             self.chunk_size,
             D=self.D,
-            initial_states=None if state is None else state.ssm,
-            return_final_states=state is not None,
+            initial_states=None if state is None or packed else state.ssm,
+            return_final_states=state is not None and not packed,
             seq_idx=seq_idx,
+            return_sample_states=packed,
             **dt_args,
         )
-        if state is not None:
+        if packed:
+            out, finals = out
+            store_sample_states(state.ssm, finals, packed_samples(seq_idx)[0])
+        elif state is not None:
             out, h = out
             state.ssm.copy_(h)
         y = self.norm(rearrange(out, "b l h p -> b l (h p)"), z)
         return self.out_proj(y)
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
         z, xBC, dt = torch.split(
-            self.in_proj(hidden[:, 0]), [self.d_inner, self.conv_dim, self.nheads], dim=-1
-        )
-        xBC = ops.causal_conv1d_update(
-            xBC,
-            state.conv,
+            self.in_proj(hidden[:, 0] if one else hidden),
+            [self.d_inner, self.conv_dim, self.nheads],
+            dim=-1,
+        )  # (batch, [k,] ·)
+        conv = (
             rearrange(lora_aware.weight(self.conv1d, "conv1d"), "d 1 w -> d w"),
             lora_aware.bias(self.conv1d),
-            activation="silu",
         )
+        if one:
+            xBC = ops.causal_conv1d_update(xBC, state.conv, *conv, activation="silu")
+        else:  # the conv takes (batch, dim, k)
+            xBC = ops.causal_conv1d_update(
+                xBC.transpose(1, 2), state.conv, *conv, activation="silu"
+            ).transpose(1, 2)
         x, B, C = torch.split(
             xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
         )
         P, N = self.headdim, self.d_state
+        # A, Δ, its bias and D one per head, broadcast over headdim (and dstate) with stride 0: the
+        # layout mamba_ssm's Mamba2.step passes (the kernel's tie_hdim)
         A = (-torch.exp(self.A_log.float()))[:, None, None].expand(self.nheads, P, N)
         D = self.D if self.D.dim() == 2 else self.D[:, None].expand(self.nheads, P)
         dt_bias, softplus = self.dt_bias[:, None].expand(self.nheads, P), True
@@ -164,16 +189,16 @@ class Mamba2(nn.Module):
                 None,
                 False,
             )
-        y = ops.selective_state_update(
+        y = ops.selective_state_update(  # with a token axis: k steps
             state.ssm,
-            rearrange(x, "b (h p) -> b h p", p=P),
-            dt[:, :, None].expand(-1, -1, P),
+            x.unflatten(-1, (self.nheads, P)),
+            dt[..., None].expand(*dt.shape, P),
             A,
-            rearrange(B, "b (g n) -> b g n", g=self.ngroups),
-            rearrange(C, "b (g n) -> b g n", g=self.ngroups),
+            B.unflatten(-1, (self.ngroups, N)),
+            C.unflatten(-1, (self.ngroups, N)),
             D=D,
             dt_bias=dt_bias,
             dt_softplus=softplus,
         )
-        y = self.norm(rearrange(y, "b h p -> b (h p)"), z)
-        return self.out_proj(y)[:, None]
+        out = self.out_proj(self.norm(y.flatten(-2), z))
+        return out[:, None] if one else out

@@ -30,7 +30,14 @@ import torch.nn.functional as F
 
 from .. import ops
 from .cache import Mamba3State
-from .mixer_parts import KeepsFp32, check_packed, init_dt_bias
+from .mixer_parts import (
+    KeepsFp32,
+    check_packed,
+    init_dt_bias,
+    packed_samples,
+    steps_fit,
+    store_sample_states,
+)
 from .norms import RMSNorm, RMSNormGated
 from .ssm_config import Mamba3Config
 
@@ -179,9 +186,12 @@ class Mamba3(KeepsFp32, nn.Module):
         """hidden: (batch, seqlen, d_model) -> (batch, seqlen, d_model); continues from ``state`` if
         given. mask: (batch, seqlen), 0 at left padding, which then leaves no trace in the state.
         seq_idx: (batch, seqlen) sample index of packed rows: the scan (state, previous input,
-        angle) restarts at every sample."""
-        check_packed(state, mask, seq_idx)
-        if state is not None and hidden.shape[1] == 1 and mask is None:
+        angle) restarts at every sample; with a (fresh) state of one row per sample, each sample's
+        final angle, state, key and input go to its own row (a packed prefill)."""
+        check_packed(state, mask, seq_idx, per_sample=True)
+        packed = state is not None and seq_idx is not None
+        # a decode step or a few tokens: recurrent steps
+        if not packed and steps_fit(hidden, state, mask):
             return self.step(hidden, state)
         inputs, z = self._inputs(self.in_proj(hidden))
         if mask is not None:
@@ -190,15 +200,22 @@ class Mamba3(KeepsFp32, nn.Module):
             # unpadded row
             inputs["dt"] = inputs["dt"] * mask[:, :, None]
             inputs["x"] = inputs["x"] * mask[:, :, None, None].to(inputs["x"].dtype)
-        fresh = state is None or state.seen == 0
+        fresh = state is None or state.seen == 0 or packed
         out = ops.mamba3_scan(
             **self._gated(inputs, z),
             chunk_size=self.chunk_size,
             initial_states=None if fresh else state.tensors(),
-            return_final_states=state is not None,
+            return_final_states=state is not None and not packed,
             seq_idx=seq_idx,
+            return_sample_states=packed,
         )
-        if state is not None:
+        if packed:
+            out, finals = out
+            number, _, start, end = packed_samples(seq_idx)
+            for old, new in zip(state.tensors(), finals):
+                store_sample_states(old, new, number)
+            state.seen = int((end - start).max())
+        elif state is not None:
             out, final = out
             for old, new in zip(state.tensors(), final):
                 old.copy_(new)
@@ -206,8 +223,12 @@ class Mamba3(KeepsFp32, nn.Module):
         return self._output(out, z, hidden.dtype)
 
     def step(self, hidden: torch.Tensor, state: Mamba3State) -> torch.Tensor:
-        """One token: (batch, 1, d_model) -> (batch, 1, d_model), O(1) in the sequence length."""
-        inputs, z = self._inputs(self.in_proj(hidden[:, 0]))
-        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))
-        state.seen += 1
-        return self._output(y, z, hidden.dtype)[:, None]
+        """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
+        d_model) -> (batch, k, d_model), O(k) whatever the length so far. Equals k one-token
+        calls. One token goes through the ops without a token axis, as a decode step."""
+        one = hidden.shape[1] == 1
+        inputs, z = self._inputs(self.in_proj(hidden[:, 0] if one else hidden))
+        y = ops.mamba3_step(state.tensors(), **self._gated(inputs, z))  # with a token axis: k steps
+        state.seen += hidden.shape[1]
+        out = self._output(y, z, hidden.dtype)
+        return out[:, None] if one else out

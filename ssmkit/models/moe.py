@@ -55,13 +55,22 @@ class SparseMoE(nn.Module):
     ``router_logits`` for the LM to collect: the blocks' signature stays the dense one, and a
     recomputation under activation checkpointing (flag cleared by then) leaves nothing behind."""
 
-    def __init__(self, d_model: int, d_intermediate: int, num_experts: int, top_k: int):
+    def __init__(
+        self,
+        d_model: int,
+        d_intermediate: int,
+        num_experts: int,
+        top_k: int,
+        activation: str = "silu",
+    ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..num_experts={num_experts}; got {top_k}")
         self.num_experts, self.top_k = num_experts, top_k
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(d_model, d_intermediate) for _ in range(num_experts))
+        self.experts = nn.ModuleList(
+            GatedMLP(d_model, d_intermediate, activation=activation) for _ in range(num_experts)
+        )
         self.keep_router_logits = False
         self.router_logits: torch.Tensor | None = None
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import checks
+from ..ops.activations import activation
 from ..ops.hippo import S4D_INITS
 from ..ops.lti import METHODS as DISCRETIZATIONS
 from ..ops.mamba3_ref import A_ACTIVATIONS
@@ -162,10 +163,13 @@ class Mamba1Config(_MixerConfig):
     bias: bool = False  # bias of in_proj / out_proj
     mixer_rms_eps: float | None = None  # ssmkit: FalconMamba's weightless RMSNorm on Δ, B, C ...
     mixer_rms_weights: bool = False  # ... with learnable weights (Jamba's dt/b/c_layernorm)
+    activation: str = "silu"  # after the conv (mamba_ssm's Mamba.activation; Jamba: hidden_act),
+    # a name in ssmkit.ops.ACTIVATIONS (transformers' ACT2FN names); the gate z keeps SiLU
 
     def __post_init__(self):
         self._check_common()
         self._int("d_conv")
+        _field(self._name("activation"), activation, self.activation)  # a known name
         for field in ("conv_bias", "bias", "mixer_rms_weights"):
             self._bool(field)
         if self.dt_rank != "auto":

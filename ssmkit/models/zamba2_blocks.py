@@ -23,15 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.activations import activation
 from .cache import KVState, LayerState
 from .norms import RMSNorm
-
-ACT_FNS = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "relu": F.relu,
-}
 
 
 @dataclass
@@ -183,7 +177,7 @@ class Zamba2SharedMLP(nn.Module):
 
     def __init__(self, d_model: int, z: dict):
         super().__init__()
-        self.act = ACT_FNS[z["hidden_act"]]
+        self.hidden_act = z["hidden_act"]  # a name in ssmkit.ops.ACTIVATIONS
         self.gate_up_proj = nn.Linear(
             d_model, 2 * z["intermediate_size"], bias=z["add_bias_linear"]
         )
@@ -191,7 +185,7 @@ class Zamba2SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, adapters: Zamba2Adapters) -> torch.Tensor:
         gate, up = _plus(self.gate_up_proj, adapters.gate_up, x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(activation(self.hidden_act)(gate) * up)
 
 
 class Zamba2SharedBlock(nn.Module):

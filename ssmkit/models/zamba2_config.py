@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 from .. import checks
+from ..ops.activations import ACTIVATIONS as _ACT_FNS
 
-ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "silu", "relu")  # hidden_act of the shared MLP
+ACTIVATIONS = tuple(_ACT_FNS)  # hidden_act of the shared MLP: transformers' ACT2FN names
 
 ZAMBA2_DEFAULTS: dict = dict(
     hybrid_layer_ids=None,  # required: the layers whose Mamba input gets the shared block

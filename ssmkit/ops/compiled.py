@@ -14,7 +14,10 @@ What each saves is measured, as a ratio to the eager path, by
 The S6 math is :class:`~ssmkit.ops.s6.SelectiveScanFn`'s (its comments derive the backward); the
 loop over chunks, D, the gate and softplus stay in eager PyTorch, and only the state entering each
 chunk is saved. The last chunk is padded with Δ = 0 (Ā = 1, no input: the state passes through
-unchanged), so every chunk has one shape.
+unchanged), so every chunk has one shape. With per-sample states the chunks are also cut at every
+sample start (:func:`~ssmkit.ops.packing.sample_pieces`: a new sample's initial state replaces the
+carried one in its row between two chunks), and each shorter piece is padded the same way: no new
+shape, no recompile.
 
 Turn it on with ``ssmkit.ops.compile_scan(True)`` or ``SSMKIT_COMPILE_SCAN=1`` (the CLI reads the
 environment). It needs what inductor needs at run time -- a C++ compiler on CPU, Triton on GPU;
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import BackendError
+from .packing import sample_pieces
 
 LOG2_E = math.log2(math.e)
 CHUNK = 16  # unrolled steps per compiled chunk: compile time grows with it
@@ -168,85 +172,126 @@ def _padded(M: torch.Tensor, L_pad: int, value: float = 0.0) -> torch.Tensor:
 
 class CompiledScanFn(torch.autograd.Function):
     """Same contract as :class:`ssmkit.ops.s6.SelectiveScanFn` (all fp32): u, delta, z: (b, d, L);
-    A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None; h0: (b, d, n); keep: (b, L) or None.
-    Returns y: (b, d, L) and h_L: (b, d, n)."""
+    A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None; h0: (b, d, n); keep: (b, L) or None;
+    spans (the packed samples' rows and positions) and h_samples (n_samples, d, n) or None for
+    per-sample states. Returns y: (b, d, L), h_L: (b, d, n) and the samples' final states."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, softplus, keep=None):
+    def forward(
+        ctx,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        h0,
+        softplus,
+        keep=None,
+        spans=None,
+        h_samples=None,
+    ):
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
         state = (batch, groups, dim // groups, dstate)
         T = CHUNK
-        Lp = -(-L // T) * T
         # (b, ..., L) -> a contiguous (L, b, ...): the compiled loops read contiguous rows
         tm = lambda M: M.permute(-1, *range(M.dim() - 1)).contiguous()  # noqa: E731
         dt_raw = tm(delta) if delta_bias is None else tm(delta) + delta_bias
         dt = F.softplus(dt_raw) if softplus else dt_raw  # Δ: (L, b, d)
         grp = lambda M: M.reshape(M.shape[0], *state[:3])  # noqa: E731  (k, b, d) -> (k, b, g, c)
         u_t = tm(u)
-        dt_p, u_p = _padded(grp(dt), Lp), _padded(grp(u_t), Lp)  # padded steps: Δ = 0
-        B_p, C_p = _padded(tm(B), Lp), _padded(tm(C), Lp)
-        keep_p = _padded(u.new_ones(L, batch) if keep is None else keep.t().contiguous(), Lp, 1.0)
+        dt_g, u_g, B_t, C_t = grp(dt), grp(u_t), tm(B), tm(C)
+        keep_t = u.new_ones(L, batch) if keep is None else keep.t().contiguous()
         A2 = A.reshape(state[1:]) * LOG2_E
+        pieces = sample_pieces(spans, L, T)  # chunks of T steps, cut at sample starts if any
+        finals = u.new_zeros(0 if spans is None else len(spans[0]), *state[1:])
         # detached: this Function computes the gradients itself, and a start state that requires
         # grad (an initial state) would make dynamo compile every chunk function a second time
         h, starts, ys = h0.detach().reshape(state), [], []
-        for s in range(0, Lp, T):
+        for s, e, enter, leave in pieces:
+            if enter is not None:  # new samples begin in these rows, from their own states
+                rows, ids = enter
+                new = (
+                    h.new_zeros(len(rows), *state[1:])
+                    if h_samples is None
+                    else h_samples.detach()[ids].reshape(-1, *state[1:])
+                )
+                h = h.index_copy(0, rows, new)
             starts.append(h)
             y, h = run(
                 chunk_forward,
-                dt_p[s : s + T],
-                u_p[s : s + T],
+                _padded(dt_g[s:e], T),  # padded steps: Δ = 0
+                _padded(u_g[s:e], T),
                 A2,
-                B_p[s : s + T],
-                C_p[s : s + T],
+                _padded(B_t[s:e], T),
+                _padded(C_t[s:e], T),
                 h,
-                keep_p[s : s + T],
+                _padded(keep_t[s:e], T, 1.0),
             )
-            ys.append(y)
-        ys = torch.cat(ys)[:L].reshape(L, batch, dim)  # C h, before D and z
+            ys.append(y[: e - s])
+            if leave is not None:  # samples that end here: their final states
+                rows, ids = leave
+                finals[ids] = h[rows]
+        ys = torch.cat(ys).reshape(L, batch, dim)  # C h, before D and z
         pre = ys if D is None else ys + u_t * D  # skip connection
         z_t = None if z is None else tm(z)
         out = pre if z is None else pre * F.silu(z_t)  # gate
-        ctx.save_for_backward(u_t, dt_raw, A, D, z_t, pre, dt_p, u_p, B_p, C_p, keep_p, *starts)
+        ctx.save_for_backward(u_t, dt_raw, A, D, z_t, pre, dt_g, u_g, B_t, C_t, keep_t, *starts)
         ctx.softplus, ctx.delta_bias = softplus, delta_bias is not None
-        return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
+        ctx.pieces, ctx.sample_states = pieces, h_samples is not None
+        return (
+            out.permute(1, 2, 0),
+            h.reshape(batch, dim, dstate).clone(),
+            finals.reshape(finals.shape[0], dim, dstate),
+        )
 
     @staticmethod
-    def backward(ctx, dout, dh_last):
-        u_t, dt_raw, A, D, z_t, pre, dt_p, u_p, B_p, C_p, keep_p, *starts = ctx.saved_tensors
+    def backward(ctx, dout, dh_last, dfinals):
+        u_t, dt_raw, A, D, z_t, pre, dt_g, u_g, B_t, C_t, keep_t, *starts = ctx.saved_tensors
         L, batch, dim = u_t.shape
-        groups, dstate = B_p.shape[2], A.shape[1]
+        groups, dstate = B_t.shape[2], A.shape[1]
         state = (batch, groups, dim // groups, dstate)
-        T, Lp = CHUNK, dt_p.shape[0]
+        T = CHUNK
         dout = torch.zeros_like(u_t) if dout is None else dout.permute(2, 0, 1).contiguous()
         dz = None
         if z_t is not None:  # out = pre * silu(z)
             dz = torch.ops.aten.silu_backward(dout * pre, z_t)
             dout = dout * F.silu(z_t)
         dD = None if D is None else (dout * u_t).sum((0, 1))
-        dy_p = _padded(dout.reshape(L, *state[:3]), Lp)
+        dy = dout.reshape(L, *state[:3])
         A2 = A.reshape(state[1:]) * LOG2_E
         carry = u_t.new_zeros(state) if dh_last is None else dh_last.reshape(state)
+        d_samples = u_t.new_zeros(dfinals.shape[0], *state[1:]) if ctx.sample_states else None
         dA = torch.zeros_like(A2)
         parts = []
         for k in reversed(range(len(starts))):
-            sl = slice(k * T, k * T + T)
+            s, e, enter, leave = ctx.pieces[k]
+            if leave is not None and dfinals is not None:  # a sample's final state is h_{e-1}
+                rows, ids = leave
+                carry = carry.index_add(0, rows, dfinals[ids].reshape(-1, *state[1:]))
             carry, dB, dC, ddt, du, dA_k = run(
                 chunk_backward,
-                dt_p[sl],
-                u_p[sl],
+                _padded(dt_g[s:e], T),
+                _padded(u_g[s:e], T),
                 A2,
-                B_p[sl],
-                C_p[sl],
+                _padded(B_t[s:e], T),
+                _padded(C_t[s:e], T),
                 starts[k],
-                keep_p[sl],
-                dy_p[sl],
+                _padded(keep_t[s:e], T, 1.0),
+                _padded(dy[s:e], T),
                 carry,
             )
             dA = dA + dA_k
-            parts.append((dB, dC, ddt, du))
-        dB, dC, ddt, du = (torch.cat(p[::-1])[:L] for p in zip(*parts))
+            parts.append(tuple(M[: e - s] for M in (dB, dC, ddt, du)))
+            if enter is not None:  # a sample's initial state entered here, not the carried one
+                rows, ids = enter
+                if d_samples is not None:
+                    d_samples[ids] = carry[rows]
+                carry = carry.index_fill(0, rows, 0.0)
+        dB, dC, ddt, du = (torch.cat(p[::-1]) for p in zip(*parts))
         ddt, du = ddt.reshape(L, batch, dim), du.reshape(L, batch, dim)
         if D is not None:
             du = du + dout * D
@@ -266,4 +311,6 @@ class CompiledScanFn(torch.autograd.Function):
             carry.reshape(batch, dim, dstate),
             None,
             None,
+            None,
+            None if d_samples is None else d_samples.reshape(d_samples.shape[0], dim, dstate),
         )

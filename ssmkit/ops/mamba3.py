@@ -19,6 +19,14 @@ is a rank x rank matrix of q_{t,r}·k_{s,r'} under the same weight, computed as 
 Packed samples (``seq_idx``): every term is masked to one sample as in the SSD, the previous-input
 weight (1-λ_t) Δ_t is 0 at a sample's first step and the angle restarts there; see
 :mod:`ssmkit.ops.mamba3_ref`.
+
+Per-sample states (``initial_sample_states`` / ``return_sample_states``): the scan is linear in the
+memory h, and a sample's angle θ_0 turns its q and k alike, so within the sample q_t·k_s does not
+depend on it. So the zero-state packed scan gives every sample's own output, and the states add
+by linearity (:mod:`ssmkit.ops.sample_states`): the state entering a sample is h_0 + (1-λ_s) Δ_s
+x_{-1} k_{-1}ᵀ (its previous input enters its first step, as in :func:`mamba3_step`), decayed from
+the sample's first step and read by the q_t rotated from θ_0; the final memory sums the sample's
+inputs with the trapezoid's weights w_{ts}, and the final angle, k and v are those of its last step.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from . import backend as _backend
+from . import sample_states as _samples
 from .mamba3_ref import (
     TWO_PI,
     Mamba3States,
     angle_increments,
     check,
+    check_sample_tuple,
     finish,
     heads,
     mamba3_reference,
@@ -102,6 +112,88 @@ def _angles_packed(local, carry, reset, L):
     return rearrange(torch.remainder(theta, TWO_PI), "b c l h s -> b (c l) h s")[:, :L], carry
 
 
+def _with_sample_states(run, kw, initial_sample_states, return_sample_states, return_final_states):
+    """Per-sample states by linearity around a zero-state packed scan (the module docstring):
+    ``run(gated, ssm) -> (y0, the samples' final memory from zero states, angle 0 included, or
+    None)`` runs the backend
+    with the op's arguments ``kw`` (x ... mimo_o, chunk_size, seq_idx: :func:`_op_arguments`); with
+    ``gated`` False it leaves out z and mimo_o (y0 per rank: the initial states' term is added
+    before the gate). Returns what :func:`mamba3_scan` returns."""
+    x, dt, A, trap, B, C, angles = (kw[k] for k in ("x", "dt", "A", "trap", "B", "C", "angles"))
+    z, mimo_x, seq_idx = kw["z"], kw["mimo_x"], kw["seq_idx"]
+    b, L, h, p = x.shape
+    r, n_state = B.shape[2], B.shape[4]
+    T, h0, pairwise = b * L, initial_sample_states, mimo_x is None
+    smp = _samples.samples(seq_idx)
+    if h0 is not None:
+        check_sample_tuple(h0, smp.n, x, B, angles)
+        h0 = Mamba3States(*(widen(s) for s in h0))
+    want = return_sample_states or return_final_states
+    y, ssm = run(h0 is None, want)
+
+    dt, lam = widen(dt).reshape(T, h), torch.sigmoid(widen(trap)).reshape(T, h)
+    w, u, w_end = _samples.decays(widen(A).reshape(T, h) * dt, smp, dt.dtype)
+    # θ_t = θ_0 + the turns since the sample's first step (in fp64, as the decays)
+    theta = _samples.since_start(angle_increments(angles.reshape(T, h, -1), dt), smp)
+    if h0 is not None:
+        theta = theta + h0.angle.to(theta)[smp.idx.to(theta.device)]
+    theta = torch.remainder(theta, TWO_PI).to(dt)[:, None]  # (T, 1, h, S): every rank
+    cos_sin = (theta.cos(), theta.sin())
+    k = rotate(heads(B.reshape(T, *B.shape[2:]), h, kw["B_bias"]), theta, pairwise, cos_sin)
+    prev = (1 - lam) * dt  # (T, h): the weight of the previous input at each step
+    if h0 is not None:  # h_0 + (1-λ_s) Δ_s x_{-1} k_{-1}ᵀ, decayed from the first step s on
+        enter = h0.ssm + prev[smp.first][..., None, None] * torch.einsum(
+            "brhp,brhn->bhpn", project(h0.v, mimo_x), h0.k
+        )
+        q = rotate(heads(C.reshape(T, *C.shape[2:]), h, kw["C_bias"]), theta, pairwise, cos_sin)
+        read = _samples.read_states(q.reshape(T * r, h, n_state), enter, smp.repeat(r))
+        y = widen(y).reshape(T, r, h, p) + read.reshape(T, r, h, p) * w[:, None, :, None]
+        zf = None if z is None else z.reshape(T, h, p)
+        y = finish(y, None, None, zf, kw["mimo_z"], kw["mimo_o"], siso=pairwise)
+        y = y.reshape(b, L, *y.shape[1:]).to(x.dtype)
+    if not want:
+        return y
+    if ssm is None:  # Σ_s w_{e s} (α_{s+1}···α_e) x_s k_sᵀ over each sample and rank
+        first = torch.zeros(T, dtype=torch.bool, device=x.device)
+        first[smp.first] = True  # no previous input at a sample's first step
+        weight = u * (lam * dt + F.pad(prev.masked_fill(first[:, None], 0.0)[1:], (0, 0, 0, 1)))
+        v = project(x.reshape(T, h, p), mimo_x) * weight[:, None, :, None]
+        ssm = _samples.sum_outer(
+            v.reshape(T * r, h, p), k.reshape(T * r, h, n_state), smp.repeat(r)
+        )
+    elif h0 is not None:  # the backend's samples started from angle 0: turn their keys by θ_0
+        ssm = rotate(widen(ssm), h0.angle[:, :, None], pairwise)
+    if h0 is not None:
+        ssm = ssm + w_end[..., None, None] * enter
+    last = smp.last
+    states = Mamba3States(theta[last, 0], ssm, k[last], widen(x).reshape(T, h, p)[last])
+    if return_final_states:
+        rows = _samples.row_last(seq_idx)
+        states = Mamba3States(*(s[rows] for s in states))
+    return y, states
+
+
+def _torch_run(impl, kw):
+    """:func:`_with_sample_states`'s ``run`` for a torch path ``impl`` (mamba3_chunked's
+    signature)."""
+
+    def run(gated, ssm):
+        return impl(**(kw if gated else {**kw, "z": None, "mimo_o": None})), None
+
+    return run
+
+
+_OP_ARGUMENTS = (
+    *("x", "dt", "A", "trap", "B", "C", "angles", "B_bias", "C_bias", "D", "z"),
+    *("mimo_x", "mimo_z", "mimo_o", "chunk_size", "seq_idx"),
+)
+
+
+def _op_arguments(scope: dict) -> dict:
+    """The op's arguments but the state ones, from the caller's ``locals()``."""
+    return {k: scope[k] for k in _OP_ARGUMENTS}
+
+
 def mamba3_chunked(
     x,
     dt,
@@ -121,11 +213,25 @@ def mamba3_chunked(
     initial_states=None,
     return_final_states=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """Mamba-3 by chunks of ``chunk_size`` steps: the weighted quadratic form inside a chunk, the
     recurrence between chunks (the SSD's algorithm with Mamba-3's weights). Arguments and results as
-    :func:`~ssmkit.ops.mamba3_ref.mamba3_reference`; differentiable in everything (autograd)."""
+    :func:`~ssmkit.ops.mamba3_ref.mamba3_reference`; differentiable in everything (autograd).
+    Per-sample states are added by linearity (the module docstring)."""
     check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
+    if _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    ):
+        kw = _op_arguments(locals())
+        return _with_sample_states(
+            _torch_run(mamba3_chunked, kw),
+            kw,
+            initial_sample_states,
+            return_sample_states,
+            return_final_states,
+        )
     b, L, h, p = x.shape
     r = B.shape[2]
     Q = int(chunk_size)
@@ -257,6 +363,8 @@ def mamba3_cuda(
     initial_states=None,
     return_final_states=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """mamba_ssm's ``mamba3_siso_combined`` (rank 1) or ``mamba3_mimo`` (which takes no initial
     states).
@@ -265,8 +373,18 @@ def mamba3_cuda(
     sequence run from a zero state (angle, memory and previous input). So with ``seq_idx`` the rows
     are flattened into one sequence of batch·seqlen steps cut at every row start and sample start
     (:func:`ssmkit.ops.packing.cu_seqlens`, which reads seq_idx: a GPU sync). States are per sample
-    in that form: no initial or final states then (:func:`mamba3_scan` takes the torch path for
-    those)."""
+    in that form: no batch initial or final states then (:func:`mamba3_scan` takes the torch path
+    for those), but per-sample ones: SISO's kernel takes and returns one state per sequence
+    (differentiable); MIMO's takes none and returns its memory without a gradient, so its samples'
+    states are added by linearity in torch (the module docstring), the memory taken from the kernel
+    when no gradient is needed."""
+    if _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    ):
+        kw = _op_arguments(locals())
+        return _cuda_sample_states(
+            kw, initial_sample_states, return_sample_states, return_final_states
+        )
     if seq_idx is None:
         return _kernels(
             x,
@@ -316,6 +434,46 @@ def mamba3_cuda(
         cu_seqlens(seq_idx),
     )
     return y.reshape(b, L, *y.shape[2:])
+
+
+def _cuda_sample_states(kw, initial_sample_states, return_sample_states, return_final_states):
+    """:func:`mamba3_cuda` with per-sample states: the rows flattened to the kernels' varlen
+    form."""
+    x, B, angles, seq_idx = kw["x"], kw["B"], kw["angles"], kw["seq_idx"]
+    b, L = x.shape[:2]
+    cu = cu_seqlens(seq_idx)
+    flat = lambda t: None if t is None else t.reshape(1, b * L, *t.shape[2:])  # noqa: E731
+    timed = [flat(kw[k]) for k in ("x", "dt", "A", "trap", "B", "C", "angles")]
+    biases, zf = (kw["B_bias"], kw["C_bias"], kw["D"]), flat(kw["z"])
+    want = return_sample_states or return_final_states
+    if kw["mimo_x"] is None:  # the kernel's own per-sequence states
+        h0 = initial_sample_states
+        if h0 is not None:
+            check_sample_tuple(h0, len(cu) - 1, x, B, angles)
+        out = _kernels(*timed, *biases, zf, None, None, None, kw["chunk_size"], h0, want, cu)
+        y, states = out if want else (out, None)
+        y = y.reshape(x.shape)
+        if not want:
+            return y
+        if return_final_states:
+            rows = _samples.row_last(seq_idx)
+            states = Mamba3States(*(s[rows] for s in states))
+        return y, states
+    inputs = [t for k, t in kw.items() if isinstance(t, torch.Tensor) and k != "seq_idx"]
+    inputs += list(initial_sample_states or ())
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    mimo = (kw["mimo_x"], kw["mimo_z"], kw["mimo_o"])
+
+    def run(gated, ssm):
+        memory = ssm and not grad  # the kernel's final states have no backward
+        ungated = (zf, *mimo) if gated else (None, *mimo[:2], None)
+        out = _kernels(*timed, *biases, *ungated, kw["chunk_size"], None, memory, cu)
+        y, states = out if memory else (out, None)
+        return y.reshape(b, L, *y.shape[2:]), None if states is None else states.ssm
+
+    return _with_sample_states(
+        run, kw, initial_sample_states, return_sample_states, return_final_states
+    )
 
 
 def _kernels(
@@ -427,6 +585,8 @@ def mamba3_scan(
     return_final_states=False,
     backend=None,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """The Mamba-3 scan, dispatched to a backend (op "mamba3_siso" for rank 1, "mamba3_mimo" with
     mimo_x).
@@ -437,33 +597,45 @@ def mamba3_scan(
     (nheads,) or None; z like x or None; mimo_x, mimo_z, mimo_o (nheads, rank, headdim) for MIMO;
     initial_states: (angle, ssm, k, v) or None; seq_idx: (batch, seqlen) integer sample index of
     every position of packed rows, non-decreasing along each row, or None: every sample starts from
-    a zero state (:mod:`ssmkit.ops.packing`).
+    a zero state (:mod:`ssmkit.ops.packing`); initial_sample_states: with seq_idx only and instead
+    of initial_states, (angle, ssm, k, v) shaped as initial_states but with n_samples in place of
+    batch: every packed sample starts from its own state (samples numbered row-major as
+    :func:`ssmkit.ops.packing.sample_numbers`), as if it ran alone as a batch of one with that
+    initial_states.
     Returns y like x in x's dtype ((batch, seqlen, rank, nheads, headdim) for MIMO without mimo_o)
     and, with ``return_final_states``, the :class:`Mamba3States` after the last step (fp32 from the
-    torch paths).
+    torch paths); with ``return_sample_states`` (seq_idx only, not with return_final_states)
+    instead every sample's last states, each with leading dimension n_samples.
 
     ``chunk_size`` is the kernels' block length; the torch backend on a CPU uses chunks of at most
     :data:`CPU_CHUNK_SIZE` positions x rank (the same sums, fewer operations).
 
     With ``seq_idx`` the ``cuda`` backend runs the kernels' varlen form (see :func:`mamba3_cuda`);
     combined with initial_states or return_final_states an automatic choice takes the torch path, a
-    forced cuda backend raises :class:`~ssmkit.ops.BackendError`.
+    forced cuda backend raises :class:`~ssmkit.ops.BackendError`. Per-sample states run on every
+    backend.
     """
     mimo = mimo_x is not None
     name = _backend.select("mamba3_mimo" if mimo else "mamba3_siso", x, backend=backend)
     forced = backend or _backend.forced_backend()
+    per_sample = initial_sample_states is not None or return_sample_states
     if name == "cuda" and mimo and initial_states is not None and forced is None:
         name = "torch"  # the MIMO kernel cannot continue a sequence: no error unless forced
     if (
         name == "cuda"
         and seq_idx is not None
         and (initial_states is not None or return_final_states)
+        and not per_sample
         and forced is None
     ):
         name = "torch"  # the varlen kernels keep states per sample: no error unless forced
     if name == "torch" and x.device.type == "cpu":
         chunk_size = max(1, min(int(chunk_size), CPU_CHUNK_SIZE // B.shape[2]))
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
+    if per_sample:
+        extra.update(
+            initial_sample_states=initial_sample_states, return_sample_states=return_sample_states
+        )
     return _IMPLS[name](
         x,
         dt,
@@ -509,71 +681,132 @@ def mamba3_step(
     mimo_o=None,
     backend=None,
 ):
-    """One step of the recurrence for generation, O(1) in the length so far; ``states`` (angle, ssm,
-    k, v), shaped as :class:`Mamba3States`, are updated in place.
+    """One step of the recurrence for generation, O(1) in the length so far, or T steps in one call
+    (speculative decoding's verification step); ``states`` (angle, ssm, k, v), shaped as
+    :class:`Mamba3States`, are updated in place.
 
-    Shapes as :func:`mamba3_scan` without the time axis: x, z (batch, nheads, headdim); dt, A, trap
-    (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch, nheads, nangles). Returns y
-    (batch, nheads, headdim) in x's dtype ((batch, rank, nheads, headdim) for MIMO without mimo_o).
+    One token: the shapes of :func:`mamba3_scan` without the time axis: x, z (batch, nheads,
+    headdim); dt, A, trap (batch, nheads); B, C (batch, rank, ngroups, dstate); angles (batch,
+    nheads, nangles). Returns y (batch, nheads, headdim) in x's dtype ((batch, rank, nheads,
+    headdim) for MIMO without mimo_o).
+    T tokens: the shapes of :func:`mamba3_scan` with seqlen = T (x (batch, T, nheads, headdim),
+    ...), the time axis second as there and in FlashInfer's multi-token state update (mamba_ssm's
+    step kernel takes one token). Returns y (batch, T, ...), the same as T one-token calls.
+
     The ``cuda`` backend runs mamba_ssm's ``mamba3_step_fn`` (CuTe DSL) for the state update, as its
-    ``Mamba3.step`` does."""
-    angle, ssm, k_state, v_state = states
-    h = x.shape[1]
-    pairwise = mimo_x is None
+    ``Mamba3.step`` does: once per token."""
+    one = _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x)
+    h, pairwise = x.shape[-2], mimo_x is None
+    # what does not depend on the state, for every token at once
     dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
     Bh, Ch = heads(B, h, B_bias), heads(C, h, C_bias)
     turn = angle_increments(angles, dt)
-    name = _backend.select("mamba3_step", ssm, backend=backend)
-    if name == "cuda":
-        new_angle = torch.remainder(angle + turn, TWO_PI)
-        k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
-        q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
-        r, p = B.shape[1], x.shape[2]
-        ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
-        xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
-        outproj = (
-            ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+    if _backend.select("mamba3_step", states[1], backend=backend) == "cuda":
+        args = (states, D, mimo_x, mimo_z, mimo_o)
+        if one:
+            return _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, *args)
+        at = lambda t, i: None if t is None else t[:, i]  # noqa: E731
+        ys = [
+            _kernel_step(
+                x[:, i],
+                dt[:, i],
+                A[:, i],
+                lam[:, i],
+                Bh[:, i],
+                Ch[:, i],
+                turn[:, i],
+                at(z, i),
+                *args,
+            )
+            for i in range(x.shape[1])
+        ]  # one kernel call per token
+        return torch.stack(ys, dim=1)
+    timed = [t if t is None or not one else t[:, None] for t in (x, dt, A, lam, Bh, Ch, turn, z)]
+    x, dt, A, lam, Bh, Ch, turn, z = timed
+    current = Mamba3States(*(widen(s) for s in states))
+    ys = []
+    for i in range(x.shape[1]):
+        y, xr, current = step(
+            current,
+            x[:, i],
+            dt[:, i],
+            A[:, i],
+            lam[:, i],
+            Bh[:, i],
+            Ch[:, i],
+            turn[:, i],
+            mimo_x,
+            pairwise,
         )
-        zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
-        out = torch.empty(
-            (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
-            device=x.device,
-            dtype=x.dtype,
+        zi = None if z is None else z[:, i]
+        ys.append(finish(y, xr, D, zi, mimo_z, mimo_o, siso=pairwise).to(x.dtype))
+    for old, value in zip(states, current):
+        old.copy_(value)
+    return ys[0] if one else torch.stack(ys, dim=1)
+
+
+def _check_step(states, x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x) -> bool:
+    """The shapes of :func:`mamba3_step`'s arguments, those of the scan without (one token) or with
+    (T tokens) the time axis. Returns True for one token."""
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() not in (3, 4)
+        or (x.dim() == 4 and not x.shape[1])
+    ):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            "mamba3_step: x must be (batch, nheads, headdim) for one token or (batch, T >= 1, "
+            f"nheads, headdim) for T tokens; got {got}"
         )
-        fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
-        fn(
-            ssm,
-            k_state,
-            v_state,
-            A,
-            k,
-            q,
-            torch.zeros(h, device=x.device) if D is None else D,
-            x,
-            dt,
-            lam,
-            xproj,
-            outproj=outproj,
-            out=out,
-            z=z,
-            zproj=zproj,
-        )
-        angle.copy_(new_angle)
-        k_state.copy_(k)
-        v_state.copy_(x)
-        return out
-    y, xr, new = step(
-        Mamba3States(widen(angle), widen(ssm), widen(k_state), widen(v_state)),
+    one = x.dim() == 3
+    timed = [t[:, None] if one else t for t in (x, dt, A, trap, B, C, angles)]
+    try:
+        check(*timed, B_bias, C_bias, mimo_x, tuple(states))
+    except ValueError as err:
+        form = "one token: the scan's shapes without seqlen" if one else "T tokens: seqlen = T"
+        raise ValueError(f"mamba3_step ({form}): {err}") from None
+    return one
+
+
+def _kernel_step(x, dt, A, lam, Bh, Ch, turn, z, states, D, mimo_x, mimo_z, mimo_o):
+    """One token through mamba_ssm's ``mamba3_step_fn``: x, z (batch, nheads, headdim); dt, A, λ
+    (batch, nheads) in fp32, λ after its sigmoid; Bh, Ch (batch, rank, nheads, dstate) biased, not
+    yet rotated; turn (batch, nheads, nangles). The kernel takes k and q rotated by the new angle;
+    the angle, the previous key and input are kept here."""
+    angle, ssm, k_state, v_state = states
+    pairwise, h = mimo_x is None, x.shape[1]
+    new_angle = torch.remainder(angle + turn, TWO_PI)
+    k = rotate(Bh, new_angle[:, None], pairwise).to(k_state.dtype)
+    q = rotate(Ch, new_angle[:, None], pairwise).to(k_state.dtype)
+    r, p = Bh.shape[1], x.shape[2]
+    ones = torch.ones(r, h, p, device=x.device, dtype=x.dtype)
+    xproj = ones if pairwise else mimo_x.transpose(0, 1).contiguous()
+    outproj = ones if pairwise else None if mimo_o is None else mimo_o.transpose(0, 1).contiguous()
+    zproj = None if z is None else ones if pairwise else mimo_z.transpose(0, 1).contiguous()
+    out = torch.empty(
+        (x.shape[0], h, p) if outproj is not None else (x.shape[0], r, h, p),
+        device=x.device,
+        dtype=x.dtype,
+    )
+    fn = _backend.kernel_module("mamba3_step").mamba3_step_fn
+    fn(
+        ssm,
+        k_state,
+        v_state,
+        A,
+        k,
+        q,
+        torch.zeros(h, device=x.device) if D is None else D,
         x,
         dt,
-        A,
         lam,
-        Bh,
-        Ch,
-        turn,
-        mimo_x,
-        pairwise,
+        xproj,
+        outproj=outproj,
+        out=out,
+        z=z,
+        zproj=zproj,
     )
-    for old, value in zip(states, new):
-        old.copy_(value)
-    return finish(y, xr, D, z, mimo_z, mimo_o, siso=pairwise).to(x.dtype)
+    angle.copy_(new_angle)
+    k_state.copy_(k)
+    v_state.copy_(x)
+    return out

@@ -43,7 +43,11 @@ Packed samples (``seq_idx`` (batch, seqlen), :mod:`ssmkit.ops.packing`): where a
 the whole state (angle, ssm, k, v) is zeroed before the step, so the sample's first step sees no
 memory, no previous input for the trapezoid and an angle starting from 0, as if it ran alone
 (mamba_ssm's kernels do the same for each sequence of their varlen ``cu_seqlens`` form).
-``initial_states`` reach sample 0 only.
+``initial_states`` reach sample 0 only. ``initial_sample_states`` instead start every sample from
+its own (angle, ssm, k, v), each with leading dimension n_samples (numbered as
+:func:`ssmkit.ops.packing.sample_numbers`), and ``return_sample_states`` returns every sample's
+last (angle, ssm, k, v): what each sample gives run alone with that ``initial_states``, or stepped
+with ``mamba3_step`` from it (the previous input and angle of its state enter its first step).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .packing import check_seq_idx, resets
+from . import sample_states as _samples
+from .packing import check_sample_states, check_seq_idx, positions_in_sample, resets, sample_numbers
 from .precision import wide_dtype, widen
 
 TWO_PI = 2 * math.pi
@@ -186,6 +191,22 @@ def check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, 
     check_seq_idx(seq_idx, b, L)
 
 
+def check_sample_tuple(states, n: int, x, B, angles) -> None:
+    """``initial_sample_states`` must be (angle, ssm, k, v) with one state per packed sample each:
+    (n, nheads, nangles), (n, nheads, headdim, dstate), (n, rank, nheads, dstate), (n, nheads,
+    headdim); a ValueError names the part that is not."""
+    h, p, r, dstate = x.shape[2], x.shape[3], B.shape[2], B.shape[4]
+    if not isinstance(states, (tuple, list)) or len(states) != 4:
+        raise ValueError(
+            f"initial_sample_states must be the tuple (angle, ssm, k, v) with one state per packed "
+            f"sample (n_samples={n}) in each; got {type(states).__name__}"
+            + (f" of {len(states)}" if isinstance(states, (tuple, list)) else "")
+        )
+    shapes = ((h, angles.shape[3]), (h, p, dstate), (r, h, dstate), (h, p))
+    for name, state, shape in zip(Mamba3States._fields, states, shapes):
+        check_sample_states(state, n, shape, f"initial_sample_states.{name}")
+
+
 def zero_states(x: torch.Tensor, rank: int, dstate: int, nangles: int) -> Mamba3States:
     """The state before the first token: no angle, no memory, no previous input (fp32)."""
     b, h, p = x.shape[0], x.shape[-2], x.shape[-1]
@@ -239,13 +260,19 @@ def mamba3_reference(
     initial_states=None,
     return_final_states=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """The recurrence, one time step at a time (``chunk_size`` is ignored). Shapes: see the module
     docstring; returns y (batch, seqlen, nheads, headdim) in x's dtype ((batch, seqlen, rank,
     nheads, headdim) for MIMO without mimo_o), and with ``return_final_states`` the
     :class:`Mamba3States` after the last step. ``seq_idx`` (batch, seqlen) or None: the states are
-    zeroed before each packed sample's first step."""
+    zeroed before each packed sample's first step, or set to the sample's own with
+    ``initial_sample_states``; ``return_sample_states`` returns each sample's last states."""
     check(x, dt, A, trap, B, C, angles, B_bias, C_bias, mimo_x, initial_states, seq_idx)
+    per_sample = _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    )
     h, r, n = x.shape[2], B.shape[2], B.shape[4]
     pairwise = mimo_x is None
     dt, A, lam = widen(dt), widen(A), torch.sigmoid(widen(trap))
@@ -257,9 +284,30 @@ def mamba3_reference(
         else Mamba3States(*(widen(s) for s in initial_states))
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
+    if per_sample:  # every sample's own states (or zeros), set before its first step
+        number = sample_numbers(seq_idx)
+        n_samples = int(number[-1, -1]) + 1
+        start = positions_in_sample(seq_idx) == 0
+        ends = {}
+        for row, t in F.pad(start[:, 1:], (0, 1), value=True).nonzero().tolist():
+            ends.setdefault(t, []).append(row)
+        if initial_sample_states is None:
+            init = Mamba3States(*(s.new_zeros(n_samples, *s.shape[1:]) for s in states))
+        else:
+            check_sample_tuple(initial_sample_states, n_samples, x, B, angles)
+            init = Mamba3States(*(widen(s) for s in initial_sample_states))
+        finals = [None] * n_samples
     ys = []
     for t in range(x.shape[1]):
-        if keep is not None:  # a new sample: no angle, no memory, no previous input
+        if per_sample:
+            first = start[:, t]
+            states = Mamba3States(
+                *(
+                    torch.where(first.view(-1, *[1] * (s.dim() - 1)), s0[number[:, t]], s)
+                    for s, s0 in zip(states, init)
+                )
+            )
+        elif keep is not None:  # a new sample: no angle, no memory, no previous input
             states = Mamba3States(*(s * keep[:, t].view(-1, *[1] * (s.dim() - 1)) for s in states))
         y, xr, states = step(
             states,
@@ -274,5 +322,14 @@ def mamba3_reference(
             pairwise,
         )
         ys.append(finish(y, xr, D, None if z is None else z[:, t], mimo_z, mimo_o, siso=pairwise))
+        if per_sample:
+            for row in ends.get(t, ()):
+                finals[int(number[row, t])] = [s[row] for s in states]
     y = torch.stack(ys, dim=1).to(x.dtype)
+    if per_sample and (return_sample_states or return_final_states):
+        every = Mamba3States(*(torch.stack(s) for s in zip(*finals)))
+        if return_final_states:
+            last = _samples.row_last(seq_idx)
+            every = Mamba3States(*(s[last] for s in every))
+        return y, every
     return (y, states) if return_final_states else y

@@ -13,16 +13,16 @@ What the kernels do with it, and therefore every backend here:
   sample);
 * the scans: no decay and no input cross a change of ``seq_idx``: the state is zeroed before
   position t when ``seq_idx[t] != seq_idx[t-1]``;
-* ``initial_states`` belong to the sample numbered 0: they reach the positions before the first
-  change only when ``seq_idx[:, 0] == 0`` (mamba_ssm's state passing starts from ``seq_idx = 0``),
-  and the final state returned is the state after the row's last position, i.e. that of its last
-  sample. causal-conv1d refuses initial states and final states together with seq_idx (ssmkit's conv
-  takes neither).
+* ``initial_states`` (one per row) belong to the sample numbered 0: they reach the positions before
+  the first change only when ``seq_idx[:, 0] == 0`` (mamba_ssm's state passing starts from
+  ``seq_idx = 0``), and the final state returned is the state after the row's last position, i.e.
+  that of its last sample. causal-conv1d refuses initial states and final states together with
+  seq_idx; for states of every sample, see below.
 
 The ops check the shape and dtype of ``seq_idx`` but not its values (reading them would synchronise
-a GPU); :meth:`ssmkit.models.MambaLM.forward` checks that each row is non-negative and
-non-decreasing. Negative values, which causal-conv1d's kernel reads as padding (output 0), are not
-supported: give padding a sample index of its own (and labels -100). The kernels get seq_idx as
+a GPU); :meth:`ssmkit.models.MambaLM.forward` checks that each row is non-decreasing. The ops
+take no negative values; the model takes -1, causal-conv1d's mark for padding, and removes those
+positions before its layers (they change no state and take no loss). The kernels get seq_idx as
 int32; any integer dtype is accepted here. Glossary: ``reset`` (batch, seqlen) bool, the state is
 zeroed before position t; ``segment`` (batch, seqlen), the number of resets up to t: segment 0
 continues the initial state, positions of one segment are one sample.
@@ -32,10 +32,25 @@ Per-sample states (mamba_ssm's varlen ``initial_states`` / ``return_varlen_state
 row-major order, a new number at every row start and every change of ``seq_idx`` (the order of
 :func:`cu_seqlens`); :func:`sample_spans` gives each one's row and positions and
 :func:`sample_numbers` each position's number. An op given one state per sample starts every sample
-from its own state and can return every sample's final state.
+from its own state and can return every sample's final state. The ops' keywords, the same for every
+op and backend, valid only with ``seq_idx`` (:func:`sample_state_spans` checks them):
+
+* ``initial_sample_states``: (n_samples, *state) -- every sample, the first of each row included,
+  starts from its own state (a ValueError together with the op's per-row ``initial_state(s)``);
+* ``return_sample_states=True``: the op also returns the (n_samples, *state) final states, each
+  sample's state after its last position. A sample that started from the per-row initial state (no
+  ``initial_sample_states``) or from zeros ends where it would alone.
+
+The result equals each sample run alone as a batch-1 call from its state (outputs, final states and
+gradients, the initial states' included). State shapes: the conv (dim, width - 1), the last inputs
+left of the sample, as causal-conv1d's ``initial_states`` (a sample shorter than width - 1 keeps
+part of its initial conv state in its final one); the S6 scan (dim, dstate), fp32 as its final
+state.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +140,116 @@ def check_sample_states(states, n_samples: int, shape: tuple, name: str = "initi
         )
 
 
+def check_sample_state_keywords(
+    seq_idx: torch.Tensor | None,
+    initial_sample_states: torch.Tensor | None,
+    return_sample_states: bool,
+    initial_state: torch.Tensor | None = None,
+    initial_state_name: str = "initial_state",
+    return_final_state: bool = False,
+    final_state_name: str = "return_final_state",
+) -> bool:
+    """Whether an op runs with per-sample states (the convention above); a ValueError names a
+    combination that cannot be, without reading any values: sample states without ``seq_idx``;
+    ``initial_sample_states`` next to the op's per-row initial state (named
+    ``initial_state_name``), which it replaces; ``return_sample_states`` next to the op's per-row
+    final state (``final_state_name``): a row's final state is its last sample's."""
+    if initial_sample_states is None and not return_sample_states:
+        return False
+    if seq_idx is None:
+        given = (
+            "initial_sample_states" if initial_sample_states is not None else "return_sample_states"
+        )
+        raise ValueError(
+            f"{given} needs seq_idx (batch, seqlen), from which the packed samples are numbered; "
+            f"pass seq_idx, or {initial_state_name} for one sequence per row"
+        )
+    if initial_state is not None and initial_sample_states is not None:
+        raise ValueError(
+            f"{initial_state_name} and initial_sample_states cannot both be given: "
+            f"initial_sample_states holds every sample's state, the first of each row included "
+            f"(where {initial_state_name} would go); pass one of them"
+        )
+    if return_sample_states and return_final_state:
+        raise ValueError(
+            f"{final_state_name} and return_sample_states are exclusive: a row's final state is "
+            "that of its last sample, sample_states[sample_numbers(seq_idx)[:, -1]]"
+        )
+    return True
+
+
+def sample_state_spans(
+    seq_idx: torch.Tensor | None,
+    initial_sample_states: torch.Tensor | None,
+    return_sample_states: bool,
+    shape: tuple,
+    initial_state: torch.Tensor | None = None,
+    initial_state_name: str = "initial_state",
+    return_final_state: bool = False,
+):
+    """:func:`check_sample_state_keywords`, then None when no per-sample state is used, else
+    :func:`sample_spans` of ``seq_idx`` (one GPU sync) with ``initial_sample_states`` checked
+    against ``shape``, one sample's state."""
+    if not check_sample_state_keywords(
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        initial_state,
+        initial_state_name,
+        return_final_state,
+    ):
+        return None
+    spans = sample_spans(seq_idx)
+    if initial_sample_states is not None:
+        check_sample_states(initial_sample_states, len(spans[0]), tuple(shape))
+        if not initial_sample_states.dtype.is_floating_point:
+            raise ValueError(
+                f"initial_sample_states must be a floating-point tensor; got dtype "
+                f"{initial_sample_states.dtype}"
+            )
+    return spans
+
+
+class Piece(NamedTuple):
+    """Steps ``start:end`` of a chunked scan (see :func:`sample_pieces`). ``enter``: (rows, sample
+    numbers) of the samples that begin at ``start``; ``leave``: those that end at ``end`` (each
+    None when there are none)."""
+
+    start: int
+    end: int
+    enter: tuple[torch.Tensor, torch.Tensor] | None
+    leave: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def sample_pieces(spans, seqlen: int, most: int) -> list[Piece]:
+    """The steps 0..seqlen-1 of a chunked scan cut into pieces of at most ``most`` steps and at
+    every sample start of every row (``spans`` from :func:`sample_spans`, or None: chunks of
+    ``most`` only). Every sample then begins at a piece's first step and ends at a piece's last,
+    so per-sample states cost only the state hand-over between pieces: a piece's entering state is
+    the previous piece's final state, except in its ``enter`` rows, which take their new sample's
+    initial state (no cumulative decay over a sample is ever formed); the final state of a
+    ``leave`` row is its sample's. At most seqlen / most + n_samples pieces."""
+    cuts = set(range(0, seqlen, most))
+    enter: dict[int, list] = {}
+    leave: dict[int, list] = {}
+    device = None if spans is None else spans[0].device
+    if spans is not None:
+        for i, (r, s, e) in enumerate(zip(*(t.tolist() for t in spans))):
+            cuts.add(s)
+            enter.setdefault(s, []).append((r, i))
+            leave.setdefault(e, []).append((r, i))
+
+    def index(pairs):
+        if not pairs:
+            return None
+        return tuple(torch.tensor(c, dtype=torch.long, device=device) for c in zip(*pairs))
+
+    bounds = sorted(cuts) + [seqlen]
+    return [
+        Piece(s, e, index(enter.get(s)), index(leave.get(e))) for s, e in zip(bounds, bounds[1:])
+    ]
+
+
 def seq_idx_from_position_ids(position_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """seq_idx (batch, seqlen) int32 from position ids that restart at ``start`` for every packed
     sample (as transformers' ``DataCollatorWithFlattening`` writes them, ``position_ids_start`` 0 by
@@ -157,8 +282,11 @@ __all__ = [
     "cu_seqlens",
     "positions_in_sample",
     "resets",
+    "Piece",
     "sample_numbers",
+    "sample_pieces",
     "sample_spans",
+    "sample_state_spans",
     "segments",
     "seq_idx_from_position_ids",
 ]

@@ -35,7 +35,13 @@ seqlen)`` where channel d uses group ``d // (dim // ngroups)``.
 Packed samples: mamba_ssm's selective_scan_fn has no such input; here ``seq_idx`` (batch, seqlen),
 the same convention as the SSD's and the conv's (:mod:`ssmkit.ops.packing`), zeroes h_{t-1} where it
 changes: h_t = [same sample] Ā_t h_{t-1} + B̄_t x_t. ``initial_state`` reaches only sample 0; the
-final state is the last sample's.
+final state is the last sample's. Per-sample states (mamba_ssm's varlen ``initial_states`` /
+``return_varlen_states`` for its SSD): ``initial_sample_states`` (n_samples, dim, dstate) makes
+h_{t-1} at every sample's first step that sample's state instead of 0, and ``return_sample_states``
+returns h at every sample's last step, (n_samples, dim, dstate) fp32. The torch paths cut their
+chunks at every sample start (:func:`~ssmkit.ops.packing.sample_pieces`) and hand the state over
+between chunks, so each sample runs the very recurrence it runs alone: no decay accumulated over a
+sample (exp(A ΣΔ)) is ever formed, and no precision is lost on long samples.
 """
 
 from __future__ import annotations
@@ -48,11 +54,24 @@ import torch.nn.functional as F
 from . import backend as _backend
 from . import compiled as _compiled
 from . import s6_cpu as _s6_cpu
-from .packing import check_seq_idx, resets
+from .packing import check_seq_idx, resets, sample_numbers, sample_pieces, sample_state_spans
 from .precision import wide_dtype, widen
 
 
-def _check(u, delta, A, B, C, initial_state, seq_idx=None):
+def _check(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    initial_state,
+    seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
+    return_final_state=False,
+):
+    """The arguments checked; returns :func:`~ssmkit.ops.packing.sample_spans` when per-sample
+    states are used, else None."""
     if u.dim() != 3 or delta.shape != u.shape:
         raise ValueError(
             f"u and delta must both be (batch, dim, seqlen); got u {tuple(u.shape)}, "
@@ -82,6 +101,36 @@ def _check(u, delta, A, B, C, initial_state, seq_idx=None):
             f"got {tuple(initial_state.shape)}"
         )
     check_seq_idx(seq_idx, batch, seqlen)
+    return sample_state_spans(
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        (dim, dstate),
+        initial_state,
+        "initial_state",
+        return_final_state,
+    )
+
+
+def _sample_inits(spans, seq_idx, initial_state, initial_sample_states):
+    """(n_samples, dim, dstate) in the scan's precision, every sample's initial state: the given
+    ones; else ``initial_state`` for the first sample of each row that starts with sample 0 (the
+    per-row convention) and zeros for the others; None when all are zeros."""
+    if initial_sample_states is not None:
+        return widen(initial_sample_states)
+    if initial_state is None:
+        return None
+    h = widen(initial_state)
+    first = (spans[1] == 0).nonzero().reshape(-1)  # each row's first sample, in row order
+    gets = seq_idx[:, 0] == 0
+    return h.new_zeros(len(spans[0]), *h.shape[1:]).index_put((first[gets],), h[gets])
+
+
+def _results(y, h, finals, return_final_state, return_sample_states):
+    """y, then the row's final state or the samples' final states where asked for (never both:
+    :func:`~ssmkit.ops.packing.check_sample_state_keywords`)."""
+    out = (y, *((h,) if return_final_state else ()), *((finals,) if return_sample_states else ()))
+    return out if len(out) > 1 else y
 
 
 def _grouped(M: torch.Tensor) -> torch.Tensor:
@@ -124,13 +173,28 @@ def selective_scan_reference(
     initial_state=None,
     return_final_state=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """The literal recurrence (Algorithm 2). Slow; the oracle for the other backends.
 
     Returns ``y: (batch, dim, seqlen)`` in u's dtype, and ``h_L: (batch, dim, dstate)`` (fp32)
-    when ``return_final_state``. With ``seq_idx`` h_{t-1} is zeroed where a new sample starts.
+    when ``return_final_state``, then the samples' final states (n_samples, dim, dstate) when
+    ``return_sample_states``. With ``seq_idx`` h_{t-1} is zeroed where a new sample starts, or set
+    to the sample's own initial state (``initial_sample_states``).
     """
-    _check(u, delta, A, B, C, initial_state, seq_idx)
+    spans = _check(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
+    )
     batch, dim, seqlen = u.shape
     delta = _discretize_delta(delta, delta_bias, delta_softplus)
     Bg, Cg = widen(_grouped(B)), widen(_grouped(C))
@@ -141,16 +205,30 @@ def selective_scan_reference(
     A, x = widen(A), widen(u)
     h = x.new_zeros(batch, dim, A.shape[1]) if initial_state is None else widen(initial_state)
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0 where a new sample starts
-    ys = []
+    if spans is not None:  # per-sample states: every sample starts from its own
+        keep, h = None, x.new_zeros(batch, dim, A.shape[1])
+        inits = _sample_inits(spans, seq_idx, initial_state, initial_sample_states)
+        inits = x.new_zeros(len(spans[0]), dim, A.shape[1]) if inits is None else inits
+        number = sample_numbers(seq_idx)  # (batch, seqlen)
+        begins = number != F.pad(number[:, :-1], (1, 0), value=-1)  # a sample's first step
+        ends = number != F.pad(number[:, 1:], (0, 1), value=-1)  # its last
+    ys, finals = [], []
     for t in range(seqlen):
         if keep is not None:
             h = keep[:, t, None, None] * h  # a new sample: h_{t-1} = 0
+        if spans is not None:  # a new sample: h_{t-1} = its initial state
+            h = torch.where(begins[:, t, None, None], inits[number[:, t]], h)
         dA = torch.exp(delta[:, :, t, None] * A)  # Ā_t = exp(Δ_t A)      (ZOH)
         dB = delta[:, :, t, None] * Bd[:, :, :, t]  # B̄_t = Δ_t B_t
         h = dA * h + dB * x[:, :, t, None]  # h_t = Ā_t h_{t-1} + B̄_t x_t
         ys.append((h * Cd[:, :, :, t]).sum(-1))  # y_t = C_t^T h_t
+        if return_sample_states:  # the samples that end at t: their final states
+            finals.append((number[ends[:, t], t], h[ends[:, t]]))
     y = _skip_and_gate(torch.stack(ys, dim=-1), u, D, z).to(u.dtype)
-    return (y, h) if return_final_state else y
+    if return_sample_states:
+        numbers, states = (torch.cat(part) for part in zip(*finals))
+        finals = states[numbers.argsort()]
+    return _results(y, h, finals, return_final_state, return_sample_states)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,13 +288,32 @@ class SelectiveScanFn(torch.autograd.Function):
     """The torch backend's fused S6 scan, all fp32.
 
     u, delta, z: (b, d, L); A: (d, n); B, C: (b, g, n, L); D, delta_bias: (d,) or None;
-    h0: (b, d, n); keep: (b, L) fp32, 0 where a packed sample starts, or None. Returns y: (b, d, L)
-    and h_L: (b, d, n). Inside, every sequence is time-major,
-    (L, b, ...), and a chunk of steps s..e-1 is the view [s:e] reshaped to (k, b, g, d / g).
+    h0: (b, d, n); keep: (b, L) fp32, 0 where a packed sample starts, or None. Per-sample states:
+    spans, :func:`~ssmkit.ops.packing.sample_spans` of the packed rows (keep None, h0 zeros), and
+    h_samples: (n_samples, d, n) or None (zeros). Returns y: (b, d, L), h_L: (b, d, n) and the
+    samples' final states (n_samples, d, n) (empty without spans). Inside, every sequence is
+    time-major, (L, b, ...), and a chunk of steps s..e-1 is the view [s:e] reshaped to (k, b, g,
+    d / g). With spans, chunks are also cut at every sample start and a new sample's initial state
+    replaces the carried one in its row.
     """
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, softplus, keep=None):
+    def forward(
+        ctx,
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        h0,
+        softplus,
+        keep=None,
+        spans=None,
+        h_samples=None,
+    ):
         batch, dim, L = u.shape
         groups, dstate = B.shape[1], A.shape[1]
         state = (batch, groups, dim // groups, dstate)
@@ -229,10 +326,19 @@ class SelectiveScanFn(torch.autograd.Function):
         dA, H = u.new_empty(T, *state), u.new_empty(T + 1, *state)
         ys = u.new_empty(L, batch, dim)  # C h, before D and z
         keep_t = None if keep is None else keep.t().contiguous()  # (L, b)
+        pieces = sample_pieces(spans, L, T)  # chunks of at most T steps, cut at sample starts
+        finals = u.new_zeros(0 if spans is None else len(spans[0]), *state[1:])
         starts, h = [], h0.reshape(state)
-        for s in range(0, L, T):
-            e = min(L, s + T)
+        for s, e, enter, leave in pieces:
             k = e - s
+            if enter is not None:  # new samples begin in these rows, from their own states
+                rows, ids = enter
+                new = (
+                    h.new_zeros(len(rows), *state[1:])
+                    if h_samples is None
+                    else h_samples[ids].reshape(-1, *state[1:])
+                )
+                h = h.index_copy(0, rows, new)
             starts.append(h.clone())
             h = _chunk_states(
                 grp(dt[s:e]),
@@ -247,6 +353,9 @@ class SelectiveScanFn(torch.autograd.Function):
             grp(ys[s:e]).copy_(
                 torch.einsum("tbgcn,tbgn->tbgc", H[1 : k + 1], C_t[s:e])
             )  # y_t = C_t^T h_t
+            if leave is not None:  # samples that end here: their final states
+                rows, ids = leave
+                finals[ids] = h[rows]
         pre = ys if D is None else ys + u_t * D  # skip connection
         z_t = None if z is None else z.permute(2, 0, 1)
         out = pre if z is None else pre * F.silu(z_t)  # gate
@@ -255,8 +364,13 @@ class SelectiveScanFn(torch.autograd.Function):
         ctx.save_for_backward(
             u_t, dt_raw, A, B_t, C_t, D, z_t, delta_bias, dt, pre, dA, H, keep_t, *starts
         )
-        ctx.T, ctx.softplus = T, softplus
-        return out.permute(1, 2, 0), h.reshape(batch, dim, dstate).clone()
+        ctx.T, ctx.softplus, ctx.pieces = T, softplus, pieces
+        ctx.sample_states = h_samples is not None
+        return (
+            out.permute(1, 2, 0),
+            h.reshape(batch, dim, dstate).clone(),
+            finals.reshape(finals.shape[0], dim, dstate),
+        )
 
     # Backward, derived. Per batch row, channel d and state index n (A is diagonal, so all is
     # elementwise in (d, n)); t = 0 .. L-1, h_{-1} = h0; dX means ∂L/∂X. The forward is
@@ -293,8 +407,12 @@ class SelectiveScanFn(torch.autograd.Function):
     # ∂Ā/∂(ΔA). dA_param sums over (t, b) per chunk, then chunk by chunk from the last; dD and
     # dbias sum over all (L, b) at once. dH_ becomes dDeltaA in place only after dB, dBx and
     # carry have read it, and dDeltaA is scaled by A in place only after dA_param has read it.
+    # Per-sample states: a sample's final state h_e is one more output, so its gradient joins
+    # dh_{e-1} at the end of the chunk it ends (carry); a sample's initial state stands where the
+    # carried state would, so dL/d(initial state) is the carry at its chunk's start, and nothing
+    # flows on into the previous sample of that row.
     @staticmethod
-    def backward(ctx, dout, dh_last):
+    def backward(ctx, dout, dh_last, dfinals):
         (
             u_t,
             dt_raw,
@@ -337,9 +455,15 @@ class SelectiveScanFn(torch.autograd.Function):
         work, dH = u_t.new_empty(T, *state), u_t.new_empty(T, *state)
         if len(starts) > 1:  # room to recompute a chunk
             dA, H = u_t.new_empty(T, *state), u_t.new_empty(T + 1, *state)
+        d_samples = None
+        if ctx.sample_states:
+            d_samples = u_t.new_zeros(dfinals.shape[0], *state[1:])
         for k in reversed(range(len(starts))):
-            s, e = k * T, min(L, k * T + T)
+            s, e, enter, leave = ctx.pieces[k]
             n = e - s
+            if leave is not None and dfinals is not None:  # dL/dh_{e-1} += dL/d(final state)
+                rows, ids = leave
+                carry = carry.index_add(0, rows, dfinals[ids].reshape(-1, *state[1:]))
             dt_c, u_c, dy_c, B_c = grp(dt[s:e]), grp(u_t[s:e]), grp(dout[s:e]), B_t[s:e]
             dH_, work_ = dH[:n], work[:n]
             if k == len(starts) - 1:
@@ -356,6 +480,11 @@ class SelectiveScanFn(torch.autograd.Function):
             for t in range(n - 2, -1, -1):
                 torch.addcmul(dHs[t], dAs[t + 1], dHs[t + 1], out=dHs[t])
             carry = dA_[0] * dH_[0]  # dL/dh_{s-1}
+            if enter is not None:  # a sample's initial state entered here, not the carried one
+                rows, ids = enter
+                if d_samples is not None:
+                    d_samples[ids] = carry[rows]
+                carry = carry.index_fill(0, rows, 0.0)
             # the rest is parallel over the chunk; since Ā = exp(Δ A), dL/d(ΔA) = dL/dĀ * Ā
             dB[s:e] = torch.einsum("tbgcn,tbgc->tbgn", dH_, dt_c * u_c)
             dC[s:e] = torch.einsum("tbgcn,tbgc->tbgn", H_[1:], dy_c)
@@ -381,6 +510,8 @@ class SelectiveScanFn(torch.autograd.Function):
             carry.reshape(batch, dim, dstate),
             None,
             None,
+            None,
+            None if d_samples is None else d_samples.reshape(d_samples.shape[0], dim, dstate),
         )
 
 
@@ -397,23 +528,41 @@ def selective_scan_torch(
     initial_state=None,
     return_final_state=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """Fast pure-PyTorch selective scan (:class:`SelectiveScanFn`); same arguments and results as
     the reference. Without ``seq_idx`` the scan runs exactly as before (no reset factor
     anywhere)."""
-    _check(u, delta, A, B, C, initial_state, seq_idx)
+    spans = _check(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
+    )
     batch, dim, _ = u.shape
     f = lambda t: None if t is None else widen(t)  # noqa: E731
     h0 = (
         u.new_zeros(batch, dim, A.shape[1], dtype=wide_dtype(u))
-        if initial_state is None
+        if initial_state is None or spans is not None
         else widen(initial_state)
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # (b, L)
+    inits = None
+    if spans is not None:  # per-sample states: handed over at sample starts, no reset factor
+        keep = None
+        inits = _sample_inits(spans, seq_idx, initial_state, initial_sample_states)
+        inits = None if inits is None else inits.to(h0.dtype)
     fn = (
         _compiled.CompiledScanFn if _compiled.enabled() else SelectiveScanFn
     )  # opt-in: compiled chunks
-    y, h = fn.apply(
+    y, h, finals = fn.apply(
         widen(u),
         widen(delta),
         widen(A),
@@ -425,6 +574,8 @@ def selective_scan_torch(
         h0,
         delta_softplus,
         keep,
+        spans,
+        inits,
     )
     # the scan works time-major; y comes back in u's layout (contiguous, or a channels-last view as
     # the mixers pass), like the reference and the kernel: one copy, which the next matmul would
@@ -432,7 +583,7 @@ def selective_scan_torch(
     channels_last = u.stride(1) == 1 and u.shape[1] > 1
     y = (y.transpose(1, 2) if channels_last else y).to(u.dtype).contiguous()
     y = y.transpose(1, 2) if channels_last else y
-    return (y, h) if return_final_state else y
+    return _results(y, h, finals, return_final_state, return_sample_states)
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,8 +604,23 @@ def selective_scan_cuda(
     initial_state=None,
     return_final_state=False,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
-    """mamba_ssm's ``selective_scan_fn`` (no initial state and no seq_idx support there)."""
+    """mamba_ssm's ``selective_scan_fn`` (no initial state and no seq_idx support there, hence no
+    per-sample states either)."""
+    _check(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        initial_state,
+        seq_idx,
+        initial_sample_states,
+        return_sample_states,
+        return_final_state,
+    )
     if initial_state is not None:
         raise _backend.BackendError(
             "the cuda selective_scan kernel has no initial_state; use backend 'torch'"
@@ -545,6 +711,8 @@ def selective_scan(
     return_final_state=False,
     backend=None,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """The Mamba-1 selective scan (Algorithm 2), dispatched to a backend.
 
@@ -555,14 +723,20 @@ def selective_scan(
         initial_state: (batch, dim, dstate) or None;
         seq_idx: (batch, seqlen) integer sample index of every position of packed rows,
         non-decreasing along each row, or None: the state is zeroed where it changes
-        (:mod:`ssmkit.ops.packing`).
+        (:mod:`ssmkit.ops.packing`);
+        initial_sample_states: (n_samples, dim, dstate) or None, only with seq_idx: the state each
+        packed sample starts from (numbered as :func:`~ssmkit.ops.packing.sample_numbers`; not
+        together with ``initial_state``).
     Returns:
         y: (batch, dim, seqlen) in u's dtype; with ``return_final_state`` also
-        h_L: (batch, dim, dstate) in fp32.
+        h_L: (batch, dim, dstate) in fp32; with ``return_sample_states`` (only with seq_idx) then
+        every sample's final state, (n_samples, dim, dstate) in fp32. Each sample's outputs, final
+        state and gradients are those of the sample run alone from its initial state.
 
     With ``seq_idx`` the ``cuda`` backend (automatic or forced) runs the ``torch`` path instead:
-    mamba_ssm's selective_scan_fn has no reset input (the reset is never dropped). On CPU tensors
-    the automatic choice is the fused C++ kernel (:mod:`ssmkit.ops.s6_cpu`) where it builds.
+    mamba_ssm's selective_scan_fn has no reset input (the reset is never dropped), nor per-sample
+    states. On CPU tensors the automatic choice is the fused C++ kernel (:mod:`ssmkit.ops.s6_cpu`)
+    where it builds; per-sample states run the torch path.
     """
     name = _backend.select("selective_scan", u, backend=backend)
     if name == "cuda" and seq_idx is not None:
@@ -574,14 +748,18 @@ def selective_scan(
     ):
         name = "torch"  # the kernel cannot start from a state; the torch path can
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
+    if initial_sample_states is not None or return_sample_states:
+        extra.update(
+            seq_idx=seq_idx,
+            initial_sample_states=initial_sample_states,
+            return_sample_states=return_sample_states,
+        )
+    if name == "cpu" and set(extra) - {"seq_idx"}:
+        name = "torch"  # per-sample states: the torch path adds them (sample_pieces), forced or not
     if (
         name == "cpu"
         and not (backend or _backend.forced_backend())
-        and (
-            set(extra) - {"seq_idx"}
-            or _s6_cpu.unsupported(u, A, B, initial_state)
-            or _compiled.enabled()
-        )
+        and (_s6_cpu.unsupported(u, A, B, initial_state) or _compiled.enabled())
     ):
         # what the fused CPU kernel does not take (float64, ...; forced, it says so), and the
         # opt-in compiled torch path, which an explicit compile_scan(True) asks for

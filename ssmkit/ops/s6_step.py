@@ -8,6 +8,13 @@ $$ h_t = \exp(\Delta_t A)\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad
 with the state updated in place. Mamba-2 uses it with one scalar A (and Δ) per head broadcast over
 (headdim, dstate), mamba_ssm's ``selective_state_update`` layout; the cuda backend calls that
 kernel.
+
+Several tokens in one call (speculative decoding's verification step): every per-token argument
+takes a token axis T after the batch axis, x (batch, T, dim) or (batch, T, nheads, headdim), B and
+C (batch, T, [ngroups,] dstate): FlashInfer's multi-token ``selective_state_update`` layout
+(mamba_ssm's kernel takes one token; vLLM's flattens the tokens of all sequences with
+``cu_seqlens``). The call equals T one-token calls; the cuda backend makes them, one kernel call per
+token.
 """
 
 from __future__ import annotations
@@ -21,20 +28,54 @@ from . import backend as _backend
 def selective_state_update(
     state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, backend=None
 ):
-    """One step of the recurrence, updating ``state`` in place (generation, O(1) per token).
+    """One step of the recurrence, updating ``state`` in place (generation, O(1) per token), or T
+    steps in one call.
 
     Mamba-1 shapes: state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate);
     B, C (batch, dstate) or (batch, ngroups, dstate); D, dt_bias (dim,).
     Mamba-2 shapes: state (batch, nheads, headdim, dstate); x, dt, z (batch, nheads, headdim);
     A (nheads, headdim, dstate); B, C (batch, ngroups, dstate); D, dt_bias (nheads, headdim).
+    T tokens: x, dt, z (batch, T, dim) or (batch, T, nheads, headdim); B, C (batch, T, dstate) or
+    (batch, T, ngroups, dstate); the others as above. The same as T one-token calls in a row.
     Returns y shaped like x.
     """
+    tokens = x.dim() == state.dim()  # a token axis: T one-token steps
+    if tokens:
+        _check_tokens(state, x, dt, A, B, C, D, z, dt_bias)
     name = _backend.select("selective_state_update", state, backend=backend)
+    if not tokens:
+        if name != "cuda":
+            _check_step(state, x, dt, A, B, C, D, z, dt_bias)
+        return _update(name, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    ys = [
+        _update(
+            name,
+            state,
+            x[:, t],
+            dt[:, t],
+            A,
+            B[:, t],
+            C[:, t],
+            D,
+            None if z is None else z[:, t],
+            dt_bias,
+            dt_softplus,
+        )
+        for t in range(x.shape[1])
+    ]  # on cuda one kernel call per token: mamba_ssm's takes one
+    return torch.stack(ys, dim=1)
+
+
+def _update(name, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    """One token on backend ``name`` (shapes checked), the state updated in place."""
     if name == "cuda":
         fn = _backend.kernel_module("selective_state_update").selective_state_update
+        if dt_bias is None:
+            # the kernel reads dt_bias.stride(-1) whenever A and Δ are broadcast per head (its
+            # tie_hdim test), None or not: a zero bias of stride 0 adds nothing
+            dt_bias = torch.zeros((), device=x.device).expand(x.shape[1:])
         return fn(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     heads = state.dim() == 4
-    _check_step(state, x, dt, A, B, C, D, z, dt_bias)
     if name == "torch" and _in_place_ok(state, x, dt, A, B, C, D, z, dt_bias):
         return _state_update_in_place(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     if not heads:  # Mamba-1 as a single "head" whose headdim is dim: (batch, 1, dim, dstate)
@@ -64,6 +105,34 @@ def selective_state_update(
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y if heads else y.squeeze(1)
+
+
+def _check_tokens(state, x, dt, A, B, C, D, z, dt_bias):
+    """The shapes of :func:`selective_state_update`'s T-token form: x (batch, T, ...) and the
+    per-token arguments with the same (batch, T) in front, the rest as for one token."""
+    batch, T = x.shape[:2]
+    layout = (
+        "T tokens: x, dt, z (batch, T, dim) or (batch, T, nheads, headdim); "
+        "B, C (batch, T, dstate) or (batch, T, ngroups, dstate)"
+    )
+    if T == 0:
+        raise ValueError(f"x must hold at least one token ({layout}); got {tuple(x.shape)}")
+    for name, t in (("dt", dt), ("z", z)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(
+                f"{name} must be shaped as x {tuple(x.shape)} ({layout}); got {tuple(t.shape)}"
+            )
+    for name, M in (("B", B), ("C", C)):
+        if M.dim() not in (3, 4) or tuple(M.shape[:2]) != (batch, T):
+            raise ValueError(
+                f"{name} must be (batch={batch}, T={T}, [ngroups,] dstate) ({layout}); "
+                f"got {tuple(M.shape)}"
+            )
+    try:  # the rest as for one token
+        z0 = None if z is None else z[:, 0]
+        _check_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, z0, dt_bias)
+    except ValueError as err:
+        raise ValueError(f"{err} (per token; {layout})") from None
 
 
 def _shared(M, heads: bool, nheads: int, hdim: int) -> torch.Tensor:

@@ -30,6 +30,12 @@ Packed samples (``seq_idx``, :mod:`ssmkit.ops.packing`): h_{t-1} is replaced by 
 changes, so no decay and no input cross a sample boundary; in the dual form L_ts = 0 unless s and t
 are one sample. ``initial_states`` reach only sample 0 (when the row starts with it), and the final
 state is the last sample's: mamba_ssm's semantics.
+
+Per-sample states (mamba_ssm's varlen ``return_varlen_states``): ``initial_sample_states`` (n,
+nheads, headdim, dstate) gives every packed sample its own h_{-1}, ``return_sample_states`` returns
+every sample's last h, numbered as :func:`ssmkit.ops.packing.sample_numbers`. The reference runs the
+recurrence from each sample's state; the other views add the states by linearity to their
+zero-state packed scan (:mod:`ssmkit.ops.sample_states`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,16 @@ from einops import rearrange
 
 from . import backend as _backend
 from . import compiled as _compiled
-from .packing import check_seq_idx, resets, segments
+from . import sample_states as _samples
+from .packing import (
+    check_sample_states,
+    check_seq_idx,
+    cu_seqlens,
+    positions_in_sample,
+    resets,
+    sample_numbers,
+    segments,
+)
 from .precision import widen
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -124,6 +139,56 @@ def _skip_and_gate(y, x, D, z):
     return y
 
 
+def _with_sample_states(
+    run, x, dt, A, B, C, kw, initial_sample_states, return_sample_states, return_final_states
+):
+    """Per-sample states by linearity (:mod:`ssmkit.ops.sample_states`) around a zero-state packed
+    scan: ``run(z, finals) -> (y0, sample final states from zero or None)`` runs the backend with
+    the op's keywords ``kw`` (D, z, dt_bias, dt_softplus, dt_limit, seq_idx) but the gate z it is
+    given (None while an initial state's term is still to be added before the gate). Returns what
+    :func:`ssd_scan` returns."""
+    z, seq_idx = kw["z"], kw["seq_idx"]
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    T, h0 = batch * seqlen, initial_sample_states
+    smp = _samples.samples(seq_idx)
+    if h0 is not None:
+        check_sample_states(h0, smp.n, (nheads, headdim, dstate))
+    want = return_sample_states or return_final_states
+    y, finals = run(z if h0 is None else None, want)
+    dt = discretize_dt(dt, kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"])
+    w, u, w_end = _samples.decays((dt * widen(A)).reshape(T, nheads), smp, dt.dtype)
+    if h0 is not None:  # + w_t C_t h0: h0 decayed from the sample's start, read by C
+        h0 = widen(h0)
+        Ch0 = _samples.read_states(
+            widen(C).reshape(T, ngroups, dstate), h0.reshape(smp.n, ngroups, -1, dstate), smp
+        )
+        y = widen(y) + (Ch0.reshape(T, nheads, headdim) * w[..., None]).reshape(x.shape)
+        y = _skip_and_gate(y, x, None, z).to(x.dtype)
+    if not want:
+        return y
+    if finals is None:  # Σ_s (a_{s+1}···a_e) Δ_s x_s B_sᵀ over each sample
+        v = widen(x).reshape(T, nheads, headdim) * (u * dt.reshape(T, nheads))[..., None]
+        finals = _samples.sum_outer(
+            v.reshape(T, ngroups, -1), widen(B).reshape(T, ngroups, dstate), smp
+        ).reshape(smp.n, nheads, headdim, dstate)
+    if h0 is not None:
+        finals = finals + w_end[..., None, None] * h0
+    return y, (finals if return_sample_states else finals[_samples.row_last(seq_idx)])
+
+
+def _torch_run(impl, x, dt, A, B, C, chunk_size, kw):
+    """:func:`_with_sample_states`'s ``run`` for a torch path ``impl`` (ssd_chunked's
+    signature)."""
+    return lambda z, finals: (impl(x, dt, A, B, C, chunk_size, **{**kw, "z": z}), None)
+
+
+def _op_keywords(D, z, dt_bias, dt_softplus, dt_limit, seq_idx):
+    return dict(
+        D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # reference: the recurrence, one step at a time
 # --------------------------------------------------------------------------------------------
@@ -144,10 +209,16 @@ def ssd_reference(
     return_final_states=False,
     dt_limit=(0.0, math.inf),
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t B_t^T, y_t = h_t C_t (h_{t-1} = 0 where ``seq_idx``
-    changes). ``chunk_size`` is ignored here."""
+    changes, or the sample's own state with ``initial_sample_states``). ``chunk_size`` is ignored
+    here."""
     _check(x, dt, A, B, C, initial_states, seq_idx)
+    per_sample = _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    )
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), widen(x)
@@ -157,14 +228,36 @@ def ssd_reference(
         else widen(initial_states)
     )
     keep = None if seq_idx is None else (~resets(seq_idx)).float()  # 0: a new sample starts at t
+    if per_sample:  # h_{-1} of every sample: its own state (or 0), set at its first step
+        number = sample_numbers(seq_idx)
+        n_samples = int(number[-1, -1]) + 1
+        start = positions_in_sample(seq_idx) == 0
+        last = F.pad(start[:, 1:], (0, 1), value=True)  # the next step starts a sample
+        ends = {}
+        for r, t in last.nonzero().tolist():
+            ends.setdefault(t, []).append(r)
+        if initial_sample_states is None:
+            init = h.new_zeros(n_samples, *h.shape[1:])
+        else:
+            check_sample_states(initial_sample_states, n_samples, tuple(h.shape[1:]))
+            init = widen(initial_sample_states)
+        finals = [None] * n_samples
     ys = []
     for t in range(seqlen):
         a = torch.exp(dt[:, t] * widen(A))  # a_t: (batch, nheads)
-        if keep is not None:
+        if per_sample:
+            h = torch.where(start[:, t, None, None, None], init[number[:, t]], h)
+        elif keep is not None:
             h = keep[:, t, None, None, None] * h
         h = a[:, :, None, None] * h + torch.einsum("bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
         ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))  # y_t = h_t C_t
+        if per_sample:
+            for r in ends.get(t, ()):
+                finals[int(number[r, t])] = h[r]
     y = _skip_and_gate(torch.stack(ys, dim=1), x, D, z).to(x.dtype)
+    if per_sample and (return_sample_states or return_final_states):
+        states = torch.stack(finals)
+        return y, (states if return_sample_states else states[_samples.row_last(seq_idx)])
     return (y, h) if return_final_states else y
 
 
@@ -202,10 +295,30 @@ def ssd_quadratic(
     return_final_states=False,
     dt_limit=(0.0, math.inf),
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """y = (L ∘ C Bᵀ)(Δ x) over the whole sequence: O(seqlen²) memory, the "attention" view. With
-    ``seq_idx`` L is block diagonal: L_ts = 0 unless s and t are one sample."""
+    ``seq_idx`` L is block diagonal: L_ts = 0 unless s and t are one sample; per-sample states are
+    added by linearity."""
     _check(x, dt, A, B, C, initial_states, seq_idx)
+    if _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    ):
+        kw = _op_keywords(D, z, dt_bias, dt_softplus, dt_limit, seq_idx)
+        run = _torch_run(ssd_quadratic, x, dt, A, B, C, chunk_size, kw)
+        return _with_sample_states(
+            run,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            kw,
+            initial_sample_states,
+            return_sample_states,
+            return_final_states,
+        )
     batch, seqlen, nheads, headdim = x.shape
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     Bh, Ch, xf = _heads_view(B, nheads), _heads_view(C, nheads), widen(x)
@@ -250,6 +363,8 @@ def ssd_chunked(
     return_final_states=False,
     dt_limit=(0.0, math.inf),
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """SSD by chunks of ``chunk_size``: quadratic inside a chunk, recurrence between chunks.
 
@@ -257,9 +372,26 @@ def ssd_chunked(
     ``seq_idx`` every term is masked to one sample, as mamba_ssm's kernels do: inside a chunk (s, t)
     pairs of one sample, a chunk's own state from its last sample's steps, the state entering a
     chunk only to the steps of the sample it belongs to and across a chunk only when no sample
-    starts in it.
+    starts in it. Per-sample states are added by linearity (:mod:`ssmkit.ops.sample_states`).
     """
     _check(x, dt, A, B, C, initial_states, seq_idx)
+    if _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    ):
+        kw = _op_keywords(D, z, dt_bias, dt_softplus, dt_limit, seq_idx)
+        run = _torch_run(ssd_chunked, x, dt, A, B, C, chunk_size, kw)
+        return _with_sample_states(
+            run,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            kw,
+            initial_sample_states,
+            return_sample_states,
+            return_final_states,
+        )
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     Q = int(chunk_size)
@@ -359,11 +491,60 @@ def ssd_cuda(
     return_final_states=False,
     dt_limit=(0.0, math.inf),
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """mamba_ssm's ``mamba_chunk_scan_combined`` (``seq_idx`` passed as the int32, contiguous
-    (batch, seqlen) tensor its Triton kernels read)."""
+    (batch, seqlen) tensor its Triton kernels read).
+
+    Per-sample states: its initial states are one per row (for the row's sample 0), so the kernel
+    runs the samples from zero states and their initial states are added by linearity in torch
+    (:mod:`ssmkit.ops.sample_states`). The samples' final states come from its varlen form (the rows
+    flattened to batch 1, ``cu_seqlens`` and ``return_varlen_states``) when no gradient is needed;
+    that output has no backward, so under autograd they are summed in torch."""
     fn = _backend.kernel_module("ssd_scan").mamba_chunk_scan_combined
-    extra = {} if seq_idx is None else {"seq_idx": seq_idx.to(torch.int32).contiguous()}
+    if _samples.check_mode(
+        seq_idx, initial_states, initial_sample_states, return_sample_states, return_final_states
+    ):
+        inputs = (x, dt, A, B, C, D, z, dt_bias, initial_sample_states)
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+        kw = _op_keywords(D, z, dt_bias, dt_softplus, dt_limit, seq_idx)
+
+        def run(gate, finals):
+            common = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
+            if not finals or grad:
+                y = fn(x, dt, A, B, C, chunk_size, z=gate, seq_idx=_int32(seq_idx), **common)
+                return y, None
+            b, L = seq_idx.shape
+            flat = lambda t: None if t is None else t.reshape(1, b * L, *t.shape[2:])  # noqa: E731
+            y, states = fn(
+                flat(x),
+                flat(dt),
+                A,
+                flat(B),
+                flat(C),
+                chunk_size,
+                z=flat(gate),
+                seq_idx=_int32(sample_numbers(seq_idx).reshape(1, b * L)),
+                cu_seqlens=cu_seqlens(seq_idx),
+                return_varlen_states=True,
+                **common,
+            )
+            return y.reshape(x.shape), states
+
+        return _with_sample_states(
+            run,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            kw,
+            initial_sample_states,
+            return_sample_states,
+            return_final_states,
+        )
+    extra = {} if seq_idx is None else {"seq_idx": _int32(seq_idx)}
     return fn(
         x,
         dt,
@@ -380,6 +561,11 @@ def ssd_cuda(
         return_final_states=return_final_states,
         **extra,
     )
+
+
+def _int32(seq_idx):
+    """seq_idx as the kernels read it: int32, contiguous."""
+    return seq_idx.to(torch.int32).contiguous()
 
 
 _IMPLS = {"reference": ssd_reference, "torch": ssd_chunked, "cuda": ssd_cuda}
@@ -401,6 +587,8 @@ def ssd_scan(
     dt_limit=(0.0, math.inf),
     backend=None,
     seq_idx=None,
+    initial_sample_states=None,
+    return_sample_states=False,
 ):
     """The Mamba-2 SSD scan, dispatched to a backend.
 
@@ -411,13 +599,21 @@ def ssd_scan(
         initial_states: (batch, nheads, headdim, dstate) or None;
         seq_idx: (batch, seqlen) integer sample index of every position of packed rows,
         non-decreasing along each row, or None: the state restarts at every sample
-        (:mod:`ssmkit.ops.packing`).
+        (:mod:`ssmkit.ops.packing`);
+        initial_sample_states: (n_samples, nheads, headdim, dstate) or None, with seq_idx only and
+        instead of initial_states: every packed sample starts from its own state (samples numbered
+        row-major as :func:`ssmkit.ops.packing.sample_numbers`), as if it ran alone as a batch of
+        one with that initial state (mamba_ssm's varlen ``initial_states``).
     Returns:
         y like x (x's dtype); with ``return_final_states`` also the final state
-        (batch, nheads, headdim, dstate) in fp32.
+        (batch, nheads, headdim, dstate) in fp32; with ``return_sample_states`` (seq_idx only, not
+        with return_final_states) instead every sample's final state (n_samples, nheads, headdim,
+        dstate) in fp32 (mamba_ssm's ``return_varlen_states``).
 
     ``chunk_size`` is the kernels' block length; the torch backend on a CPU uses at most
-    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations).
+    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations). Per-sample states cost two more
+    passes over the tokens, each one (headdim x dstate) product per token and head
+    (:mod:`ssmkit.ops.sample_states`).
     """
     name = _backend.select("ssd_scan", x, backend=backend)
     if name == "torch" and x.device.type == "cpu":
@@ -426,6 +622,32 @@ def ssd_scan(
     impl = _IMPLS[name]
     if name == "torch" and _compiled.enabled():  # opt-in: the whole chunked SSD compiled
         impl = functools.partial(_compiled.run, ssd_chunked)
+        if _samples.check_mode(
+            seq_idx,
+            initial_states,
+            initial_sample_states,
+            return_sample_states,
+            return_final_states,
+        ):  # the zero-state scan compiled; the samples' terms, which read seq_idx, eager
+            _check(x, dt, A, B, C, None, seq_idx)
+            kw = _op_keywords(D, z, dt_bias, dt_softplus, dt_limit, seq_idx)
+            run = _torch_run(impl, x, dt, A, B, C, chunk_size, kw)
+            return _with_sample_states(
+                run,
+                x,
+                dt,
+                A,
+                B,
+                C,
+                kw,
+                initial_sample_states,
+                return_sample_states,
+                return_final_states,
+            )
+    if initial_sample_states is not None or return_sample_states:
+        extra.update(
+            initial_sample_states=initial_sample_states, return_sample_states=return_sample_states
+        )
     return impl(
         x,
         dt,

@@ -9,7 +9,8 @@
     fit = ssmkit.train.train_on_task(model, ssmkit.data.make_task("mqar"), steps=200)  # synthetic
 
 Fine-tuning from a run config (configs/cpu-tiny-lora.yaml): ``base:`` a pretrained checkpoint
-(instead of ``model``), ``lora: {r, alpha, dropout, target_modules}`` (None: full fine-tuning),
+(instead of ``model``), ``lora: {r, alpha, dropout, target_modules, modules_to_save, use_dora}``
+(None: full fine-tuning),
 ``freeze_embedding``, ``precision: bf16-pure`` (bf16 weights, no fp32 master),
 ``data: sft-arith | sft-docstrings | "sft:PATH.jsonl"`` (packed SFT samples; the Trainer passes
 their seq_idx to the model). A LoRA run's checkpoints hold only the adapter (peft's format) and its

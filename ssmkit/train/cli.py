@@ -1,12 +1,22 @@
-"""``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N]``.
+"""``ssmkit train --config FILE [--set key=value ...] [--resume] [--nproc N] [--nnodes M
+--rdzv-endpoint HOST:PORT [--rdzv-id ID] [--rdzv-timeout S]]``.
 
-``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc_per_node N``) in this
-process; under torchrun already (or on several nodes, with torchrun's own
-``--nnodes``/``--rdzv-endpoint``), run ``python -m ssmkit.train`` directly. A user's error (bad
-config, a locked or foreign out_dir, a corrupt checkpoint, a full disk) is one line on stderr: exit
-status 2 for a bad config or ``--nproc``, 1 otherwise. Under ``--nproc`` each rank's line is
-collected and printed once at the end, instead of torchrun's traceback. The options are declared
-once, in :func:`add_arguments` (``ssmkit train`` takes them from there too).
+``--nproc N`` (N > 1) runs torchrun's launcher (``--standalone --nproc-per-node N``) in this
+process. ``--nnodes M`` (M > 1): the same command runs on each of M machines (Slurm's ``srun`` in
+scripts/slurm/train.sbatch), and each launches its N processes after torchrun's c10d rendezvous at
+``--rdzv-endpoint`` (a port on one of the machines, the same for all) has gathered all M:
+
+    torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        --rdzv-id ID --rdzv-conf join_timeout=S,read_timeout=S -m ssmkit.train ...
+
+The rendezvous assigns the machines' ranks (RANK counts over all machines, LOCAL_RANK within one);
+a machine that is not there within ``--rdzv-timeout`` seconds fails the others with one line naming
+the endpoint. Under torchrun already, run ``python -m ssmkit.train`` directly (the launcher
+options are then ignored). A user's error (bad config, a locked or foreign out_dir, a corrupt
+checkpoint, a full disk) is one line on stderr: exit status 2 for a bad config or launcher option, 1
+otherwise. Under the launcher each rank's line is collected and printed once at the end, instead of
+torchrun's traceback. The options are declared once, in :func:`add_arguments` (``ssmkit train``
+takes them from there too).
 """
 
 from __future__ import annotations
@@ -15,29 +25,57 @@ import argparse
 import gc
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 RANK_ERRORS = "SSMKIT_RANK_ERRORS"  # a directory where each rank leaves its one-line error
+RDZV_ID = "ssmkit"  # the rendezvous' name when --rdzv-id is not given (Slurm: the job id)
+RDZV_TIMEOUT = 600.0  # seconds to wait for every machine: torchrun's own join_timeout
 
 
-def _launch(nproc: int, rest: list[str]) -> int:
-    """Run ``python -m ssmkit.train REST`` in ``nproc`` processes; returns the exit status."""
+def torchrun_args(
+    nproc: int,
+    nnodes: int | str = 1,
+    endpoint: str | None = None,
+    rdzv_id: str = RDZV_ID,
+    timeout: float = RDZV_TIMEOUT,
+) -> list[str]:
+    """torchrun's options for ``nproc`` processes on this machine, one of ``nnodes``: standalone
+    (a rendezvous of its own) for one machine; for several, torchrun's c10d rendezvous at
+    ``endpoint`` (``HOST:PORT``) under ``rdzv_id``, waiting ``timeout`` seconds for every machine
+    (``join_timeout``) and for the rendezvous' store (``read_timeout``: a machine started before the
+    one that hosts it waits that long). ``nnodes`` may be a shell variable (``"$SLURM_NNODES"``) for
+    a command shown, not run."""
+    if nnodes == 1:
+        return ["--standalone", f"--nproc-per-node={nproc}"]
+    wait = f"{timeout:g}"
+    return [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf=join_timeout={wait},read_timeout={wait}",
+    ]
+
+
+def _launch(launcher: list[str], rest: list[str], nproc: int, where: str | None = None) -> int:
+    """Run ``torchrun LAUNCHER -m ssmkit.train REST`` in this process (torchrun's own code, not a
+    subprocess); returns the exit status. ``where``: the rendezvous of several machines in words
+    (for the messages; None: this machine alone)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     errors = Path(tempfile.mkdtemp(prefix="ssmkit-ranks-"))
     os.environ[RANK_ERRORS] = str(errors)
-    args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc_per_node={nproc}", "-m", "ssmkit.train", *rest]
-    )
-    print(
-        f"launching {nproc} processes: "
-        f"torchrun --standalone --nproc_per_node={nproc} -m ssmkit.train {' '.join(rest)}",
-        flush=True,
-    )
+    words = [*launcher, "-m", "ssmkit.train", *rest]
+    args = get_args_parser().parse_args(words)
+    plural = "es" if nproc > 1 else ""
+    print(f"launching {nproc} process{plural}: torchrun {' '.join(words)}", flush=True)
     logging.getLogger("torch.distributed.elastic").setLevel(
         logging.CRITICAL
     )  # we report failures below
@@ -46,7 +84,7 @@ def _launch(nproc: int, rest: list[str]) -> int:
         return 0
     except ChildFailedError as exc:
         lines = []
-        for rank, failure in sorted(exc.failures.items()):
+        for rank, failure in sorted(exc.failures.items()):  # global ranks
             own = errors / f"rank_{rank}.txt"
             why = (
                 own.read_text().strip()
@@ -57,7 +95,19 @@ def _launch(nproc: int, rest: list[str]) -> int:
             )
             lines.append(f"  rank {rank}: {why}")
         print(
-            f"ssmkit train: {len(lines)} of {nproc} processes failed:\n" + "\n".join(lines),
+            f"ssmkit train: {len(lines)} of {nproc} processes"
+            f"{' on this machine' if where else ''} failed:\n" + "\n".join(lines),
+            file=sys.stderr,
+        )
+        return 1
+    except RendezvousError as exc:  # a machine missing, the endpoint unreachable
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(
+            f"ssmkit train: the rendezvous {where or 'of this machine'} failed "
+            f"({type(exc).__name__}: {first}); "
+            "check that every machine runs the same command with the same --nnodes, "
+            "--rdzv-endpoint and --rdzv-id, that the endpoint's host is one of them and its port "
+            "is free there and reachable from the others, or raise --rdzv-timeout",
             file=sys.stderr,
         )
         return 1
@@ -96,18 +146,83 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=1, help="processes on this machine (launches torchrun)"
     )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines that run this same command together (each with --nproc processes)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: where the machines meet (torchrun's c10d rendezvous), a free "
+        "port on one of them, e.g. the first node of a Slurm job",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        default=RDZV_ID,
+        help=f"with --nnodes > 1: the run's name at the rendezvous, the same on every machine "
+        f"(Slurm: the job id; default {RDZV_ID})",
+    )
+    p.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=RDZV_TIMEOUT,
+        metavar="SECONDS",
+        help=f"with --nnodes > 1: how long to wait for every machine before failing "
+        f"(default {RDZV_TIMEOUT:g})",
+    )
     return p
 
 
+def _launcher(args) -> tuple[list[str], str | None] | None:
+    """torchrun's options for the launcher options of ``args`` and the rendezvous in words, or None
+    to train in this process (one process on one machine, or under torchrun already); a bad option
+    exits with status 2."""
+    from .. import checks
+
+    try:
+        nproc, nnodes = args.nproc, args.nnodes  # ints: argparse's type
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1 (processes on this machine); got {nproc}")
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1 (machines in the run); got {nnodes}")
+        if nnodes > 1:
+            if args.rdzv_endpoint is None:
+                raise ValueError(
+                    f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: where the machines meet "
+                    "(a free port on one of them, the same on every machine)"
+                )
+            checks.endpoint(args.rdzv_endpoint, "--rdzv-endpoint")
+            checks.number(args.rdzv_timeout, "--rdzv-timeout", low=0, low_open=True)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.rdzv_id or ""):
+                raise ValueError(
+                    f"--rdzv-id must be letters, digits, '_', '.' or '-' (e.g. a Slurm job id); "
+                    f"got {args.rdzv_id!r}"
+                )
+    except ValueError as exc:
+        _fail(2, str(exc))
+    if "LOCAL_RANK" in os.environ or (nproc == 1 and nnodes == 1):
+        return None
+    launcher = torchrun_args(nproc, nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout)
+    where = (
+        None
+        if nnodes == 1
+        else f"of {nnodes} machines at {args.rdzv_endpoint} (id {args.rdzv_id}, "
+        f"waited up to {args.rdzv_timeout:g} s)"
+    )
+    return launcher, where
+
+
 def run(args) -> int:
-    """Train as ``args`` says (under ``--nproc N``: launch N processes that do); returns the exit
-    status. A user's error is one line on stderr (:func:`_fail`)."""
-    if args.nproc < 1:
-        _fail(2, f"--nproc must be >= 1 (processes on this machine); got {args.nproc}")
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    """Train as ``args`` says (under ``--nproc N`` or ``--nnodes M``: launch the N processes of
+    this machine that do); returns the exit status. A user's error is one line on stderr
+    (:func:`_fail`)."""
+    launch = _launcher(args)
+    if launch is not None:
         sets = [word for item in args.overrides for word in ("--set", item)]
         resume = ["--resume"] if args.resume else []
-        return _launch(args.nproc, ["--config", args.config, *sets, *resume])
+        return _launch(launch[0], ["--config", args.config, *sets, *resume], args.nproc, launch[1])
 
     from ..io import Stopped
     from .config import TrainConfig

@@ -36,7 +36,8 @@ CHOICES = {
     "strategy": ("single", "ddp", "fsdp"),
     "tracking": ("none", "wandb"),
 }
-LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")  # the `lora:` mapping
+# the `lora:` mapping (use_dora: DoRA's magnitude vectors too, ssmkit.finetune.lora)
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save", "use_dora")
 # keys that take sub-keys in overrides: lora.r=8, model_overrides.d_model=128 and, nested,
 # model_overrides.mamba2.d_state=64
 SUB_KEYS = ("model_overrides", "lora")
@@ -219,6 +220,11 @@ class TrainConfig:
             checks.is_number(lora["dropout"]) and 0 <= lora["dropout"] < 1
         ):
             raise ValueError(f"lora.dropout must be a number in [0, 1); got {lora['dropout']!r}")
+        if "use_dora" in lora:  # "true" from --set lora.use_dora=true becomes True
+            self.lora = lora = {
+                **lora,
+                "use_dora": checks.boolean(lora["use_dora"], "lora.use_dora"),
+            }
         for key in ("target_modules", "modules_to_save"):
             value = lora.get(key)
             if value is not None and not (

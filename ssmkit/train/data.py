@@ -43,18 +43,28 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")[-80:]
 
 
-def _rank0_first(d: Dist, fn):
-    """``fn()`` on rank 0, then on the other ranks (which find its work done: prepared shards,
-    verified checksums); an error on rank 0 stops every rank instead of leaving them waiting."""
-    error = result = None
-    if d.is_main:
-        try:
-            result = fn()
-        except Exception as exc:
-            error = exc
-    if d.any(error is not None):
-        raise error or ValueError("rank 0 stopped while preparing the data (see its message)")
-    return result if d.is_main else fn()
+def _in_turn(d: Dist, fn):
+    """``fn()`` on rank 0, then on the first process (LOCAL_RANK 0) of each other machine, then on
+    the other ranks (a collective: every rank calls it). Each turn finds the work of the turns
+    before done where it can see it: with ``$SSMKIT_CACHE`` on a filesystem the machines share, rank
+    0's prepared shards and verified checksums; with a cache on each machine's own disk, the first
+    process of a machine prepares that machine's copy. No two machines prepare at once, so a
+    shared cache needs no lock that works across machines (``flock`` over NFS or Lustre may not);
+    the directory lock still keeps other jobs out. An error in a turn stops every rank instead of
+    leaving them waiting."""
+    result = None
+    turns = (d.is_main, d.local_rank == 0 and not d.is_main, d.local_rank != 0)
+    for turn, mine in enumerate(turns):
+        error = None
+        if mine:
+            try:
+                result = fn()
+            except Exception as exc:
+                error = exc
+        if d.any(error is not None):
+            who = ("rank 0", "the first process of another machine", "another rank")[turn]
+            raise error or ValueError(f"{who} stopped while preparing the data (see its message)")
+    return result
 
 
 # --- SFT ------------------------------------------------------------------------------------------
@@ -119,7 +129,7 @@ def prepare_sft_data(
     cfg: TrainConfig, source: str, dist: Dist | None = None
 ) -> tuple[Path, Path | None]:
     """Prepared SFT directories (train, validation or None) for ``source`` (see the module
-    docstring); rank 0 prepares, the other ranks find its work done."""
+    docstring); rank 0 prepares, the other ranks find its work done (:func:`_in_turn`)."""
     from ..data.sft import SFT_SOURCES, prepare_sft
 
     base = cache_dir() / "sft" / _sft_key(source, cfg.tokenizer)
@@ -133,7 +143,7 @@ def prepare_sft_data(
         if has_val:
             prepare_sft(source, base / "val", tokenizer=cfg.tokenizer, split="val")
 
-    _rank0_first(dist or Dist(), work)
+    _in_turn(dist or Dist(), work)
     if cfg.val_data is not None:
         return base / "train", _sft_val(cfg, dist)
     return base / "train", base / "val" if has_val else None
@@ -152,9 +162,7 @@ def _sft_val(cfg: TrainConfig, dist: Dist | None) -> Path:
             "'sft:PATH.jsonl' (the validation data of an SFT run)"
         )
     out = cache_dir() / "sft" / _sft_key(path, cfg.tokenizer) / "train"
-    _rank0_first(
-        dist or Dist(), lambda: prepare_sft(path, out, tokenizer=cfg.tokenizer, split="train")
-    )
+    _in_turn(dist or Dist(), lambda: prepare_sft(path, out, tokenizer=cfg.tokenizer, split="train"))
     return out
 
 
@@ -166,7 +174,8 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
     SFT source is prepared by :func:`prepare_sft_data`; any other source is prepared once into
     ``$SSMKIT_CACHE/shards/``. The cache entry is keyed by the source's content
     (:func:`ssmkit.data.source_fingerprint`: an edited local corpus is prepared afresh), and a
-    process preparing the same entry is waited for. Under torchrun rank 0 prepares."""
+    process preparing the same entry is waited for. Under torchrun rank 0 prepares, then the first
+    process of each other machine (which finds it prepared on a shared cache): :func:`_in_turn`."""
     if (Path(cfg.data) / "index.json").exists():
         if cfg.val_data and is_sft_dir(cfg.data):
             return Path(cfg.data), _sft_val(cfg, dist)  # a prepared dir, or sft:VAL.jsonl
@@ -179,7 +188,7 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
     base = cache_dir() / "shards" / f"{_slug(cfg.data)}-{_slug(cfg.tokenizer)}{budget}-{content}"
 
     def work():
-        if dist is not None and not dist.is_main:
+        if dist is not None and dist.local_rank != 0:  # one process a machine prepares
             return
         prepare(
             cfg.data,
@@ -204,7 +213,7 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
                 lock_wait=PREPARE_WAIT,
             )
 
-    _rank0_first(dist or Dist(), work)
+    _in_turn(dist or Dist(), work)
     return base / "train", Path(cfg.val_data) if cfg.val_data else base / "validation"
 
 
@@ -213,15 +222,15 @@ def prepare_data(cfg: TrainConfig, dist: Dist | None = None) -> tuple[Path, Path
 
 def make_loader(data, cfg: TrainConfig, d: Dist, seed: int):
     """The training loader for a prepared directory: an SFTLoader for SFT data, else a TokenLoader
-    (each opened, and its files verified, on rank 0 first)."""
+    (each opened, and its files verified, on rank 0 first: :func:`_in_turn`)."""
     if is_sft_dir(data):
         from ..data.sft import SFTLoader
 
-        return _rank0_first(
+        return _in_turn(
             d,
             lambda: SFTLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=seed),
         )
-    return _rank0_first(
+    return _in_turn(
         d, lambda: TokenLoader(data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=seed)
     )
 
@@ -239,8 +248,8 @@ def make_val(val_data, cfg: TrainConfig, d: Dist, train_is_sft: bool):
     if train_is_sft:
         from ..data.sft import open_sft
 
-        return _rank0_first(d, lambda: open_sft(val_data))
-    return _rank0_first(
+        return _in_turn(d, lambda: open_sft(val_data))
+    return _in_turn(
         d, lambda: TokenLoader(val_data, cfg.seq_len, cfg.micro_batch, d.rank, d.world_size, seed=0)
     )
 

@@ -1,7 +1,12 @@
 """Processes and devices: one process, or several under ``torchrun`` with DDP or FSDP2.
 
-``torchrun --nproc_per_node N -m ssmkit.train --config ...`` sets RANK, WORLD_SIZE and LOCAL_RANK;
-:func:`setup` joins the process group (nccl on CUDA, gloo on CPU). :func:`wrap` then applies
+``torchrun --nproc-per-node N -m ssmkit.train --config ...`` sets RANK (over every machine),
+WORLD_SIZE, LOCAL_RANK (within this machine) and GROUP_RANK (the machine's); :func:`setup` joins the
+process group (nccl on CUDA, gloo on CPU). LOCAL_RANK picks this process's GPU; RANK decides who
+writes: rank 0 alone writes the run's files (metrics, config, the checkpoint's model, manifest and
+``latest``), while every rank writes its part of a checkpoint (its DCP shard, its RNG state) into
+the same ``out_dir``, which several machines must therefore share. Data preparation goes machine by
+machine (``ssmkit.train.data._in_turn``). :func:`wrap` then applies
 
 - ``ddp``:  ``DistributedDataParallel``: every rank holds the whole model, gradients all-reduced;
 - ``fsdp``: FSDP2's ``fully_shard`` on every block, then on the root, so each rank holds 1/N of
@@ -55,6 +60,23 @@ class Dist:
         value = torch.tensor(float(flag), device=self.device)
         dist.all_reduce(value)
         return value.item() > 0
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` (a small picklable value) on every rank (a collective)."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (a small picklable value), in rank order, on every rank (a
+        collective)."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.enabled:
@@ -115,11 +137,23 @@ def wrap(model: nn.Module, strategy: str, precision: str, d: Dist) -> nn.Module:
                 f"fsdp needs the model's blocks (model.backbone.layers or model.model.layers); "
                 f"{type(model).__name__} has neither"
             )
+        # fully_shard replaces every parameter by a sharded one (a DTensor), without the tags the
+        # mixers put on theirs (``_no_weight_decay`` on A_log, D, dt_bias: .optim reads it, so A_log
+        # would decay under FSDP): carried over by name, which sharding keeps
+        tags = {n: _tags(p) for n, p in model.named_parameters(remove_duplicate=False)}
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            for key, value in tags.get(n, {}).items():
+                setattr(p, key, value)
         return model
     return model
+
+
+def _tags(p: torch.Tensor) -> dict:
+    """The ``_no_*`` attributes set on a parameter (``_no_weight_decay``, ``_no_reinit``)."""
+    return {k: v for k, v in vars(p).items() if k.startswith("_no_")}
 
 
 def held_mb(model: nn.Module, optimizer) -> float:

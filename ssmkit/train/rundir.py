@@ -20,6 +20,9 @@ Rules, each with a test that injects the fault:
   new run's first checkpoint is committed. If the new run fails before that, the old run is put
   back (at once for an exception; at the next start after a kill).
 * A commit sequence that a crash interrupted is finished or undone first (checkpoint.recover).
+* Every rank sees one ``out_dir``: each writes its part of every checkpoint there, so a directory
+  that another machine cannot see (its own disk, a relative path from elsewhere) is refused when
+  the run starts, naming the ranks and hosts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import contextlib
 import json
 import os
 import shutil
+import socket
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -37,6 +42,7 @@ from . import checkpoint
 from .distributed import Dist
 
 PREVIOUS, OWNER = ".previous-run", ".ssmkit-run.json"
+SHARED_WAIT = 10.0  # seconds a rank waits to see the owner file rank 0 wrote (NFS attribute caches)
 RUN_FILES = (
     "checkpoints",
     "metrics.jsonl",
@@ -84,6 +90,36 @@ class RunDir:
             except (ValueError, OSError) as exc:
                 error = exc
         self._agree(error, f"cannot use {self.path}")
+        self._check_shared()
+
+    def _check_shared(self, wait: float = SHARED_WAIT):
+        """Refuse an ``out_dir`` that is not one directory for every rank: each rank writes its part
+        of every checkpoint there (its DCP shard, its RNG state), so on several machines it must be
+        on a filesystem they share (a relative path from another working directory, or a
+        machine's own disk, would leave each checkpoint incomplete on rank 0's side). Every rank
+        reads the owner file rank 0 has just written, allowing ``wait`` seconds for a network
+        filesystem's caches (a collective)."""
+        if self.d.world_size == 1:
+            return
+        expected, deadline = self.d.broadcast(self.run_id), time.monotonic() + wait
+        while True:
+            try:
+                seen = json.loads((self.path / OWNER).read_text()).get("run_id")
+            except (OSError, ValueError, AttributeError):
+                seen = None
+            if seen == expected or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        views = self.d.gather((seen == expected, socket.gethostname()))
+        blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+        if blind:
+            raise ValueError(
+                f"out_dir {self.path} is not the same directory on every rank: "
+                f"{', '.join(blind[:4])}{' ...' if len(blind) > 4 else ''} cannot see the run "
+                f"rank 0 ({views[0][1]}) started there. Every rank writes its part of each "
+                "checkpoint into out_dir, so with several machines it must be on a filesystem "
+                "they all share (give an absolute path there)"
+            )
 
     def _claim(self, resume: bool, overwrite: bool):
         for p in self.path.glob(".*.tmp-*"):  # write_atomically's leftovers after a kill

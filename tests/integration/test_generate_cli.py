@@ -29,11 +29,12 @@ def run(trained_run):
 
 
 def oracle(model_dir, prompt: str, n: int) -> str:
-    """What the command must print: greedy ssmkit.generate on the saved weights, decoded."""
+    """What the command must print: greedy ssmkit.generate on the saved weights, decoded ('' starts
+    from the end-of-text token)."""
     model, tok = ssmkit.from_pretrained(model_dir), get_tokenizer(model_dir)
     ids = ssmkit.generate(
         model,
-        torch.tensor([tok.encode(prompt)]),
+        torch.tensor([tok.encode(prompt) or [tok.eos_token_id]]),
         max_new_tokens=n,
         temperature=0,
         eos_token_id=tok.eos_token_id,
@@ -123,6 +124,34 @@ def test_every_way_of_naming_the_checkpoint_gives_the_same_text(run, capsys):
         capsys=capsys,
     )
     assert other_seed.startswith("The ")
+
+
+def test_several_prompts_are_generated_together_one_json_line_each(run, tmp_path, capsys):
+    """Repeated --prompt and --prompts-file lines go through generate's packed path together; each
+    JSON line's text is what that prompt gives alone (greedy, the oracle)."""
+    import json
+
+    model_dir = run / "checkpoints" / "step_00000002" / "model"
+    prompts = ["def", "The for statement", "", "x = [i for i in"]
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts[2:]) + "\n", encoding="utf-8")
+    out = ssmkit_generate(
+        run,
+        *("--prompt", prompts[0], "--prompt", prompts[1]),
+        *("--prompts-file", file, "--max-new-tokens", "6", "--temperature", "0"),
+        capsys=capsys,
+    )
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    for line in lines:
+        assert line["text"] == oracle(model_dir, line["prompt"], 6), line
+    with pytest.raises(SystemExit) as exc:
+        ssmkit_generate(run, capsys=capsys)
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "--prompt TEXT (repeatable) or --prompts-file" in err
+    with pytest.raises(SystemExit):
+        ssmkit_generate(run, "--prompts-file", tmp_path / "missing.txt", capsys=capsys)
+    assert "missing.txt: no such file or directory" in capsys.readouterr().err
 
 
 def test_without_tokenizer_files_it_says_which_to_pass(run, tmp_path, capsys):

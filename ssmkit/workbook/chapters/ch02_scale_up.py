@@ -342,8 +342,11 @@ def strategy_metrics(runs: dict[str, dict], mem: list[dict], reference: str = ON
 def slurm_command(name: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=()) -> str:
     """The commands that run the run config ``configs/<name>.yaml`` for real: on one node with
     ``ssmkit train --nproc`` (torchrun's standalone launcher), and on ``nodes`` nodes through Slurm
-    (scripts/slurm/train.sbatch: one torchrun per node, joined by torchrun's c10d rendezvous on the
-    first node; requeue-safe with ``--resume``). ``sets``: ``key=value`` overrides (``--set``)."""
+    (scripts/slurm/train.sbatch: ``ssmkit train --nnodes`` on every node, which runs torchrun joined
+    by its c10d rendezvous on the first node; requeue-safe with ``--resume``). ``sets``:
+    ``key=value`` overrides (``--set``)."""
+    from ...train.cli import torchrun_args
+
     nodes = checks.integer(nodes, "nodes", minimum=1)
     gpus_per_node = checks.integer(gpus_per_node, "gpus_per_node", minimum=1)
     config = f"configs/{name}.yaml"
@@ -353,6 +356,8 @@ def slurm_command(name: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=())
             + ", ".join(sorted(p.stem for p in (PROJECT_ROOT / "configs").glob("*.yaml")))
         )
     extra = "".join(f" --set {item}" for item in sets)
+    endpoint = "$HEAD:29500"  # the script's: the first node of the allocation
+    torchrun = " ".join(torchrun_args(gpus_per_node, "$SLURM_NNODES", endpoint, "$SLURM_JOB_ID"))
     return "\n".join(
         [
             f"# one node, {gpus_per_node} GPUs:",
@@ -362,9 +367,10 @@ def slurm_command(name: str, *, nodes: int = 1, gpus_per_node: int = 8, sets=())
             f"sbatch --nodes={nodes} --gres=gpu:{gpus_per_node} "
             f"scripts/slurm/train.sbatch {config}{extra}",
             "# ... which runs on every node (the rendezvous on the first node assigns the ranks):",
-            f"srun torchrun --nnodes=$SLURM_NNODES --nproc_per_node={gpus_per_node} "
-            f"--rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 "
-            f"-m ssmkit.train --config {config} --resume{extra}",
+            f"srun ssmkit train --config {config} --resume --nnodes $SLURM_NNODES "
+            f"--nproc {gpus_per_node} --rdzv-endpoint {endpoint} --rdzv-id $SLURM_JOB_ID{extra}",
+            "# ... that is, torchrun on each node:",
+            f"torchrun {torchrun} -m ssmkit.train --config {config}{extra} --resume",
         ]
     )
 

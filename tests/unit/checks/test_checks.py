@@ -64,3 +64,12 @@ def test_unknown_key_names_the_near_miss_or_a_short_list():
     assert far.startswith("unknown TrainConfig key 'zzzz'; valid: max_steps, max_bad_steps, ")
     assert far.endswith(", ... (43 in all)") and far.count(",") == 12
     assert unknown_key("x", ["a", "b"]) == "unknown key 'x'; valid: a, b"
+
+
+def test_endpoint_is_host_and_port():
+    assert checks.endpoint("node001:29500", "e") == ("node001", 29500)
+    assert checks.endpoint("127.0.0.1:1", "e") == ("127.0.0.1", 1)
+    assert checks.endpoint("[::1]:65535", "e") == ("[::1]", 65535)
+    for bad in ("node001", "node001:", ":29500", "node001:0", "node001:65536", "a b:1", 29500):
+        with pytest.raises(ValueError, match=r"^e must be HOST:PORT .* got "):
+            checks.endpoint(bad, "e")

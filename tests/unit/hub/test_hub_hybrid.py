@@ -383,7 +383,7 @@ def test_jamba_refusals_name_the_field(tmp_path):
     for change, field in [
         ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
         ({"num_experts": None}, "num_experts"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"hidden_act": "gelu2"}, "hidden_act"),
         ({"attention_dropout": 0.1}, "attention_dropout"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"attn_layer_offset": 2}, "attn_layer_offset"),

@@ -46,6 +46,7 @@ def test_groups_hold_mamba_ssm_defaults():
         bias=False,
         mixer_rms_eps=None,
         mixer_rms_weights=False,
+        activation="silu",  # Mamba.activation, after the conv
     )
     assert dataclasses.asdict(Mamba2Config()) == dict(
         d_state=128,

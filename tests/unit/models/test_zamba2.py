@@ -151,6 +151,7 @@ LAYOUTS = {
         use_shared_attention_adapter=True,
         tie_word_embeddings=False,
         layers_block_type=[H, H, M, H, H],
+        hidden_act="mish",  # any of transformers' names (ssmkit.ops.ACTIVATIONS)
     ),
 }
 
@@ -353,7 +354,7 @@ def test_backward_reaches_shared_blocks_adapters_and_every_layer():
         ("hybrid_layer_ids", [3, 1], "zamba2.hybrid_layer_ids"),
         ("num_attention_heads", 5, "zamba2.num_attention_heads"),
         ("num_key_value_heads", 3, "zamba2.num_key_value_heads"),
-        ("hidden_act", "tanh", "zamba2.hidden_act"),
+        ("hidden_act", "prelu", "zamba2.hidden_act"),
         ("use_mem_rope", "yes", "zamba2.use_mem_rope"),
         ("rope_theta", -1.0, "zamba2.rope_theta"),
         ("adapter_rank", True, "zamba2.adapter_rank"),

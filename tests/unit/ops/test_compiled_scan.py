@@ -78,6 +78,39 @@ def test_compiled_s6_matches_the_reference_with_every_input(small_chunks):
         assert close(a, b), (name, (a - b).abs().max().item(), b.abs().max().item())
 
 
+def test_compiled_s6_per_sample_states(small_chunks):
+    """Per-sample states (ops.packing's initial_sample_states / return_sample_states) through the
+    compiled chunks, with the first test's shapes (its graphs are reused): the chunks are cut at the
+    sample starts 3 (inside a chunk) and 8 (on a boundary), each piece padded to the chunk, so four
+    pieces; outputs, the samples' final states and every gradient, the initial states' included,
+    as the reference."""
+    x = s6_inputs(batch=2, dim=8, dstate=4, L=11, groups=2)
+    x.pop("initial_state")
+    seq_idx = torch.tensor([[0] * 3 + [1] * 5 + [2] * 3, [0] * 11])
+    states = torch.randn(4, 8, 4, generator=torch.Generator().manual_seed(3))
+
+    def run(fn):
+        xs = {k: v.clone().requires_grad_() for k, v in x.items()}
+        st = states.clone().requires_grad_()
+        y, finals = fn(
+            **xs,
+            delta_softplus=True,
+            seq_idx=seq_idx,
+            initial_sample_states=st,
+            return_sample_states=True,
+        )
+        g = torch.Generator().manual_seed(7)
+        loss = sum((t * torch.randn(t.shape, generator=g)).sum() for t in (y, finals))
+        return [y, finals, *torch.autograd.grad(loss, [*xs.values(), st])]
+
+    ref = run(ops.selective_scan_reference)
+    ops.compile_scan(True)
+    out = run(ops.selective_scan_torch)
+    assert small_chunks.count("chunk_forward") == 4 and small_chunks.count("chunk_backward") == 4
+    for name, a, b in zip(["y", "finals", *x, "states"], out, ref):
+        assert close(a, b), (name, (a - b).abs().max().item(), b.abs().max().item())
+
+
 def test_compiled_s6_without_optional_inputs(small_chunks):
     x = s6_inputs(batch=1, dim=6, dstate=3, L=9, groups=1, seed=1)
     for k in ("D", "z", "delta_bias", "initial_state"):

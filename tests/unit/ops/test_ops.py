@@ -1065,14 +1065,15 @@ BAD_INPUTS = {
         r"bias must be \(dim=3,\); got \(4,\)",
     ),
     "conv-activation": (
-        _bad(ops.causal_conv1d, conv_inputs, activation="relu"),
-        r"activation='relu' is not supported",
+        _bad(ops.causal_conv1d, conv_inputs, activation="relu7"),
+        r"activation must be one of: gelu, .*silu.*; got 'relu7'",
     ),
-    "conv-update-weight": (
+    "conv-update-weight": (  # a weight of 4 channels for x's 3 (a state longer than the
+        # window is valid: causal-conv1d's state_len >= width - 1)
         lambda backend: ops.causal_conv1d_update(
-            torch.zeros(2, 3), torch.zeros(2, 3, 4), torch.zeros(3, 2), backend=backend
+            torch.zeros(2, 3), torch.zeros(2, 3, 4), torch.zeros(4, 2), backend=backend
         ),
-        r"weight \(dim, width\); got x \(2, 3\), conv_state \(2, 3, 4\), weight \(3, 2\)",
+        r"weight \(dim, width\); got x \(2, 3\), conv_state \(2, 3, 4\), weight \(4, 2\)",
     ),
     "norm-weight": (
         _bad(ops.rms_norm, lambda: norm_inputs(z=False), weight=torch.ones(7)),

@@ -871,27 +871,28 @@ def test_model_names_bad_seq_idx_and_conflicts():
             "row 1 decreases at position 3",
         ),
         (
-            torch.tensor([[0, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 0, 0]]),
+            torch.tensor([[0, 0, 1, 1, 2, 2], [-2, 0, 0, 0, 0, 0]]),
             {},
-            "row 1 holds a negative index",
+            "row 1 holds -2 at position 0",
         ),
         (
             torch.zeros(2, 6, dtype=torch.long),
             {"attention_mask": torch.ones(2, 6)},
             "attention_mask",
         ),
-        (
+        (  # a packed prefill: one cache row per sample (tests/unit/models/test_packed_generation)
             torch.zeros(2, 6, dtype=torch.long),
-            {"cache": model.allocate_cache(2)},
-            "inference cache",
+            {"cache": model.allocate_cache(3)},
+            "the cache has 3 rows but seq_idx packs 2 samples",
         ),
     ]
     for seq_idx, extra, match in cases:
         with pytest.raises(ValueError, match=match):
             model(ids, seq_idx=seq_idx, **extra)
-    with pytest.raises(ValueError, match="cannot be combined with an inference state"):
+    with pytest.raises(ValueError, match="cannot be combined with a padding mask"):
         model.backbone.layers[0].mixer(
             torch.randn(2, 6, 32),
-            model.allocate_cache(2).layers[0],
+            None,
+            torch.ones(2, 6),
             seq_idx=torch.zeros(2, 6, dtype=torch.long),
         )

@@ -111,6 +111,22 @@ def test_the_config_checks_base_lora_and_precision(tmp_path, base_dir, sft_dirs)
         TrainConfig.from_dict(cfg.to_dict(), overrides=["seq_len.x=1"])
 
 
+def test_dora_is_reachable_from_the_run_config_and_the_command_line_grammar(
+    tmp_path, base_dir, sft_dirs
+):
+    from ssmkit.finetune import trainable_share
+    from ssmkit.train.model_setup import build_run_model
+
+    cfg = run_config(tmp_path, base_dir, sft_dirs)
+    dora = TrainConfig.from_dict(cfg.to_dict(), overrides=["lora.use_dora=true"])
+    assert dora.lora == {**LORA, "use_dora": True}
+    model, _ = build_run_model(dora, VOCAB)
+    rows = 2 * 64 + (2 + 2 * 8) + 64 + 32  # in_proj, x_proj, dt_proj, out_proj: one per output
+    assert trainable_share(model)["by_kind"]["lora_magnitude_vector"] == 2 * rows  # 2 layers
+    with pytest.raises(ValueError, match="lora.use_dora must be true or false; got 'maybe'"):
+        run_config(tmp_path, base_dir, sft_dirs, lora={**LORA, "use_dora": "maybe"})
+
+
 def _write(path, text):
     path.write_text(text)
     return path

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import check_parameters, small
+from helpers import ROOT, check_parameters, small
 
 from ssmkit.data import TokenLoader, read_mds
 from ssmkit.eval import summarize_run
@@ -178,7 +178,18 @@ def test_slurm_command_names_the_config():
     assert (
         "sbatch --nodes=2 --gres=gpu:4 scripts/slurm/train.sbatch configs/mamba-1.4b.yaml" in text
     )
-    assert "--nproc_per_node=4" in text and "--rdzv-backend=c10d" in text and "--resume" in text
+    assert (  # the line of scripts/slurm/train.sbatch (tests/integration/test_multinode.py)
+        "srun ssmkit train --config configs/mamba-1.4b.yaml --resume --nnodes $SLURM_NNODES "
+        "--nproc 4 --rdzv-endpoint $HEAD:29500 --rdzv-id $SLURM_JOB_ID --set max_tokens=1e9"
+    ) in text
+    assert (
+        "torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d "
+        "--rdzv-endpoint=$HEAD:29500 --rdzv-id=$SLURM_JOB_ID "
+        "--rdzv-conf=join_timeout=600,read_timeout=600 -m ssmkit.train "
+        "--config configs/mamba-1.4b.yaml --set max_tokens=1e9 --resume"
+    ) in text
+    script = (ROOT / "scripts" / "slurm" / "train.sbatch").read_text()
+    assert 'srun ssmkit train --config "$CONFIG" --resume' in script
     with pytest.raises(WorkbookError, match="does not exist; run configs: .*cpu-tiny"):
         ch02_scale_up.slurm_command("mamba-9b")
 
