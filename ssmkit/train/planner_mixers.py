@@ -70,7 +70,8 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
     MoE           (the MLP of cfg.moe_layers; X = num_experts, k = num_experts_per_tok) the
                   router's softmax X [f] and the aux loss's X [f], the top-k indices 8k; per routed
                   copy (k per token) the gathered input d, the expert's MLP 4h, its output d and
-                  weight 1 [a], the token's and rank's indices 16 (after norm2)
+                  weight 1, the weighted output d (index_add_ keeps its source) [a], the token's
+                  and rank's indices 16 (after norm2)
 
 Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py
 checks it against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from
@@ -274,7 +275,7 @@ def block_parts(
     ]
     if moe:
         X, k, h = cfg.num_experts, cfg.num_experts_per_tok, mlp_width(cfg.d_intermediate)
-        routed = k * ((2 * cfg.d_model + 4 * h + 1) * a + 16)
+        routed = k * ((3 * cfg.d_model + 4 * h + 1) * a + 16)
         parts.append(("moe", tokens * (norm_bytes(cfg, backend, a) + 8 * X + 8 * k + routed)))
     elif cfg.d_intermediate:
         mlp = tokens * (norm_bytes(cfg, backend, a) + 4 * mlp_width(cfg.d_intermediate) * a)
