@@ -60,7 +60,7 @@ demo: $(STAMP)           ## train the tiny preset on CPU for a few hundred steps
 	HF_HUB_OFFLINE=1 $(PY) -m ssmkit.demo
 
 bench: $(STAMP)          ## ssmkit vs transformers / mambapy / Llama train steps at 256 and 2048, as ratios (~6 min)
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py --seq-len 256,2048 --compile-scan --floor
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/train_step_cpu.py --seq-len 256,2048 --compile-scan --floor --torch-scan
 
 gpu-check: $(STAMP)      ## on a GPU node: per-op parity, kernels, 130M train steps, generation, notebook 01 (< 8 min, JSON last)
 	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_check.py

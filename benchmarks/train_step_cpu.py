@@ -22,17 +22,20 @@ Why ratios: this runs on shared machines whose speed drifts by tens of percent. 
 models are timed in the same process, round-robin (one step of each model per round),
 so drift hits all of them alike and the ratios stay meaningful when absolute numbers don't.
 
-Two optional groups of rows, timed in the same rounds (train step only: no fwd@2048, no peak
-memory):
+Optional groups of rows, timed in the same rounds (train step only: no fwd@2048, no peak memory):
 
 * ``--compile-scan``: ssmkit Mamba-1 / Mamba-2 with ``ssmkit.ops.compile_scan(True)`` (the S6 chunks
   and the SSD through torch.compile; the first step per shape compiles, which the warmup absorbs);
 * ``--floor``: the same models with the scan replaced by an O(batch x seqlen x channels) stand-in
   (y = u silu(z), plus zero-weighted terms so every input still gets a gradient). Its ratio to Llama
   is an upper bound for any scan implementation at this config: what the rest of the model costs.
+  Mamba-1's default (the fused CPU scan, ``ssmkit.ops.s6_cpu``) is judged against it: >= 0.8x
+  (issue 28), PASS / FAIL;
+* ``--torch-scan``: ssmkit Mamba-1 with the pure-PyTorch scan (``SSMKIT_BACKEND=torch``), the path
+  the fused kernel replaces on CPU (and the fallback where it cannot be built).
 
 Run:  .venv/bin/python benchmarks/train_step_cpu.py [--config base|large|both] [--seq-len 256,2048]
-      [--compile-scan] [--floor] [--steps 7] [--warmup 3] [--threads N] [--json-only]
+      [--compile-scan] [--floor] [--torch-scan] [--steps 7] [--warmup 3] [--threads N] [--json-only]
 The last stdout line is one JSON object (keyed by config name for --config both, by "config@L" with
 --seq-len). --seq-len L1,L2 runs the config at each length with the same tokens per step (batch =
 config batch x config seqlen / L, at least 1); transformers' per-token default path is timed only up
@@ -85,7 +88,8 @@ MODELS = [
 ]
 COMPILED = {"ssmkit_mamba1_compiled": "ssmkit_mamba1", "ssmkit_mamba2_compiled": "ssmkit_mamba2"}
 FLOOR = {"ssmkit_mamba1_noscan": "ssmkit_mamba1", "ssmkit_mamba2_noscan": "ssmkit_mamba2"}
-VARIANTS = {**COMPILED, **FLOOR}  # row name -> the model it times in another mode
+TORCH_SCAN = {"ssmkit_mamba1_torchscan": "ssmkit_mamba1"}
+VARIANTS = {**COMPILED, **FLOOR, **TORCH_SCAN}  # row name -> the model it times in another mode
 RATIOS = {  # name: (numerator, denominator, target); a target of None: reported, not judged
     "ssmkit_mamba1_vs_hf_mamba_default": ("ssmkit_mamba1", SLOW, 50.0),
     "ssmkit_mamba1_vs_hf_mambapy": ("ssmkit_mamba1", "hf_mambapy", 2.0),
@@ -100,6 +104,10 @@ RATIOS = {  # name: (numerator, denominator, target); a target of None: reported
     "ssmkit_mamba2_compiled_vs_llama": ("ssmkit_mamba2_compiled", "llama", 1.0),
     "ssmkit_mamba1_noscan_vs_llama": ("ssmkit_mamba1_noscan", "llama", None),
     "ssmkit_mamba2_noscan_vs_llama": ("ssmkit_mamba2_noscan", "llama", None),
+    # issue 28: the default path near its bound (--floor), and the torch path it replaces
+    "ssmkit_mamba1_vs_floor": ("ssmkit_mamba1", "ssmkit_mamba1_noscan", 0.8),
+    "ssmkit_mamba1_torchscan_vs_llama": ("ssmkit_mamba1_torchscan", "llama", None),
+    "ssmkit_mamba1_vs_torchscan": ("ssmkit_mamba1", "ssmkit_mamba1_torchscan", None),
 }
 
 
@@ -167,16 +175,23 @@ def _no_ssd(x, dt, A, B, C, chunk_size, D=None, z=None, **_):
 @contextlib.contextmanager
 def scan_mode(name):
     """Run model row ``name`` in its mode: compiled scans for COMPILED rows, the stand-ins for
-    FLOOR."""
+    FLOOR, the pure-PyTorch ops (SSMKIT_BACKEND=torch) for TORCH_SCAN."""
     saved = ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan
+    saved_backend = os.environ.get("SSMKIT_BACKEND")
     ssmkit.ops.compile_scan(name in COMPILED)
     if name in FLOOR:
         ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan = _no_s6, _no_ssd
+    if name in TORCH_SCAN:
+        os.environ["SSMKIT_BACKEND"] = "torch"
     try:
         yield
     finally:
         ssmkit.ops.selective_scan, ssmkit.ops.ssd_scan = saved
         ssmkit.ops.compile_scan(False)
+        if saved_backend is None:
+            os.environ.pop("SSMKIT_BACKEND", None)
+        else:
+            os.environ["SSMKIT_BACKEND"] = saved_backend
 
 
 def build(name, c, llama_ffn=None):
@@ -273,7 +288,11 @@ def bench_config(cfg_name, args, log, seqlen=None):
     if seqlen is not None:  # same tokens per step at another length
         c["batch"], c["seqlen"] = max(1, c["batch"] * c["seqlen"] // seqlen), seqlen
     names = [n for n in MODELS if n != "hf_mambapy" or mambapy_available()]
-    names += [*(COMPILED if args.compile_scan else ()), *(FLOOR if args.floor else ())]
+    names += [
+        *(COMPILED if args.compile_scan else ()),
+        *(FLOOR if args.floor else ()),
+        *(TORCH_SCAN if args.torch_scan else ()),
+    ]
     if c["seqlen"] > SLOW_MAX_LEN:
         names.remove(SLOW)
         log(
@@ -356,6 +375,8 @@ def bench_config(cfg_name, args, log, seqlen=None):
         )
     targets = targets_at(c["seqlen"])
     result.update(
+        load_average=args.load_average,
+        scan_backend=ssmkit.ops.backend.describe("cpu")["selective_scan"],
         tokens_per_s=train_tps,
         fwd2048_tokens_per_s=fwd_tps,
         peak_mb=peak_mb,
@@ -367,6 +388,9 @@ def bench_config(cfg_name, args, log, seqlen=None):
             for k, t in targets.items()
         },
     )
+    result["verdicts"] = {
+        k: "PASS" if met else "FAIL" for k, met in result["targets_met"].items() if met is not None
+    }
     return result
 
 
@@ -383,7 +407,8 @@ def print_table(res):
         f"\n== config {res['config']}: d_model {res['d_model']}, {res['n_layer']} layers, "
         f"batch {res['batch']} x {res['seqlen']}, {res['threads']} threads, "
         f"allocator: {res['allocator']}; "
-        f"{res['timing']} =="
+        f"{res['timing']}; load average {res['load_average']}; "
+        f"selective_scan: {res['scan_backend']} =="
     )
     print(
         f"{'model':<24}{'params':>10}{'loss':>8}{'train tok/s':>13}{'vs HF Mamba':>13}"
@@ -411,7 +436,7 @@ def print_table(res):
         if target is None:
             print(f"  {key}: {'n/a' if val is None else f'{val:.2f}x'}")
             continue
-        shown = "n/a" if val is None else f"{val:.2f}x ({'met' if val >= target else 'NOT met'})"
+        shown = "n/a" if val is None else f"{val:.2f}x {'PASS' if val >= target else 'FAIL'}"
         print(f"  {key}: {shown}, target >= {target}x")
 
 
@@ -436,6 +461,11 @@ def main():
         action="store_true",
         help="also time ssmkit Mamba-1/-2 with the scan replaced by an O(L d) stand-in (a bound)",
     )
+    p.add_argument(
+        "--torch-scan",
+        action="store_true",
+        help="also time ssmkit Mamba-1 with the pure-PyTorch scan (SSMKIT_BACKEND=torch)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     p.add_argument("--_child", help=argparse.SUPPRESS)  # internal: peak-memory child process
@@ -448,6 +478,8 @@ def main():
     if args.steps < 1:
         p.error("--steps must be >= 1")
     args.allocator = allocator_setting()
+    # how busy the machine was (1, 5, 15 min) when the run started: ratios in one run still hold
+    args.load_average = [round(x, 2) for x in os.getloadavg()]
 
     def log(msg):
         if not args.json_only:

@@ -6,6 +6,9 @@
 * Under pytest-xdist (``make test`` runs ``-n 2``: one worker per core), each worker and what it
   starts (notebook kernels, torchrun ranks, CLIs) computes on one thread, so two workers share the
   two cores instead of fighting over them.
+* ``SSMKIT_KERNEL_CACHE``: the fused CPU kernels (:mod:`ssmkit.ops.s6_cpu`) build once per machine
+  into the user's cache, as outside the tests; pinned here so a test that points ``SSMKIT_CACHE``
+  elsewhere (and the notebooks and CLIs it starts) reuses that build instead of compiling again.
 * ``SSMKIT_EXERCISES=strict``: an exercise's ``check(...)`` raises on a wrong or missing answer
   instead of printing a line, so every master a test runs under papermill (its kernel inherits this
   environment) fails on a wrong solution. A test of the printed lines unsets it.
@@ -22,6 +25,13 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["SSMKIT_EXERCISES"] = "strict"
+os.environ.setdefault(
+    "SSMKIT_KERNEL_CACHE",
+    os.path.join(
+        os.environ.get("SSMKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ssmkit"),
+        "kernels",
+    ),
+)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")

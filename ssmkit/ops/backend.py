@@ -1,15 +1,20 @@
-"""Which implementation of an op runs: ``reference``, ``torch`` or ``cuda``.
+"""Which implementation of an op runs: ``reference``, ``torch``, ``cpu`` or ``cuda``.
 
-Every op in :mod:`ssmkit.ops` exists three times:
+Every op in :mod:`ssmkit.ops` exists three times, some four:
 
 * ``reference`` -- the paper's recurrence written to be read, one time step at a time;
-* ``torch``     -- a fast pure-PyTorch path (the default on CPU, and on GPU without kernels);
+* ``torch``     -- a fast pure-PyTorch path (on CPU where an op has no fused kernel, and on GPU
+  without kernels); the readable fallback every faster path is tested against;
+* ``cpu``       -- a fused C++ kernel for CPU tensors, built at its first call and cached
+  (:data:`CPU_KERNELS`: so far the selective scan, :mod:`ssmkit.ops.s6_cpu`); where it cannot be
+  built, one line says why and the ``torch`` path runs;
 * ``cuda``      -- the ``mamba_ssm`` / ``causal_conv1d`` kernels, used when they import and the
   tensors live on a CUDA device.
 
-The choice is automatic. ``SSMKIT_BACKEND=reference|torch|cuda`` in the environment forces one
-for every op; a forced backend that cannot run raises :class:`BackendError` with the reason.
-Nothing here imports the CUDA kernels at module import time: they are probed lazily.
+The choice is automatic. ``SSMKIT_BACKEND=reference|torch|cpu|cuda`` in the environment forces one
+for every op (``cpu`` for an op without a fused CPU kernel: its ``torch`` path); a forced backend
+that cannot run raises :class:`BackendError` with the reason. Nothing here imports the CUDA kernels
+or builds the CPU ones at module import time: they are probed lazily.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 
 import torch
 
-BACKENDS = ("reference", "torch", "cuda")
+BACKENDS = ("reference", "torch", "cpu", "cuda")
 
 # op name -> module that provides its CUDA kernel (imported lazily, only on request)
 KERNEL_MODULES = {
@@ -39,6 +44,11 @@ KERNEL_MODULES = {
 }
 
 
+# op name -> module with its fused CPU kernel: ``kernel_error()`` (None when it is ready; builds it
+# at the first call) and ``status()`` (what an automatic call runs, building nothing)
+CPU_KERNELS = {"selective_scan": "ssmkit.ops.s6_cpu"}
+
+
 class BackendError(RuntimeError):
     """A requested backend cannot run here (missing kernels, wrong device, bad name)."""
 
@@ -53,6 +63,14 @@ def kernel_import_error(module: str) -> str | None:
     except Exception as exc:  # ImportError, OSError on a bad .so, RuntimeError on ABI mismatch
         return f"import {module} failed: {type(exc).__name__}: {exc}"
     return None
+
+
+def cpu_kernel_error(op: str) -> str | None:
+    """None when ``op``'s fused CPU kernel is ready (built at this first call if need be), else why
+    not; an op without one says so."""
+    if op not in CPU_KERNELS:
+        return f"{op} has no fused CPU kernel"
+    return importlib.import_module(CPU_KERNELS[op]).kernel_error()
 
 
 def kernel_module(op: str):
@@ -76,7 +94,8 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
     """Choose the backend for one call of ``op`` on ``tensors``.
 
     Order: the ``backend`` argument, else ``SSMKIT_BACKEND``, else automatic (``cuda`` when the
-    tensors are on CUDA and the kernel imports, otherwise ``torch``).
+    tensors are on CUDA and the kernel imports; on CPU tensors ``cpu`` when the op has a fused CPU
+    kernel that builds, otherwise ``torch``).
     """
     if backend is not None and backend not in BACKENDS:
         raise BackendError(
@@ -86,8 +105,19 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
     if wanted in ("reference", "torch"):
         return wanted
-    if wanted is None and not on_cuda:
-        return "torch"  # no kernel runs on CPU tensors: skip the import check
+    if wanted == "cpu" and op not in CPU_KERNELS:
+        return "torch"  # the torch path is this op's CPU path
+    if wanted == "cpu":
+        reason = "the tensors are on a CUDA device" if on_cuda else cpu_kernel_error(op)
+        if reason is not None:
+            raise BackendError(
+                f"backend 'cpu' was forced for {op} but cannot run: {reason}. "
+                "The fused CPU kernel needs CPU tensors, a C++ compiler and ninja; "
+                "or choose SSMKIT_BACKEND=torch or reference."
+            )
+        return "cpu"
+    if wanted is None and not on_cuda:  # no CUDA kernel runs on CPU tensors: no import check
+        return "cpu" if op in CPU_KERNELS and cpu_kernel_error(op) is None else "torch"
     reason = kernel_import_error(KERNEL_MODULES[op])
     if reason is None and not on_cuda:
         reason = "the tensors are not on a CUDA device"
@@ -104,7 +134,8 @@ def select(op: str, *tensors: torch.Tensor | None, backend: str | None = None) -
 
 
 def describe(device: str | torch.device = "cpu") -> dict[str, str]:
-    """For each op, the backend an automatic call on ``device`` would use (and why not cuda)."""
+    """For each op, the backend an automatic call on ``device`` would use (and why not cuda). A
+    fused CPU kernel not built yet is reported as what it will be, not built here."""
     on_cuda = torch.device(device).type == "cuda"
     forced = forced_backend()
     report = {}
@@ -112,6 +143,11 @@ def describe(device: str | torch.device = "cpu") -> dict[str, str]:
         reason = kernel_import_error(module)
         if forced in ("reference", "torch"):
             report[op] = f"{forced} (forced by SSMKIT_BACKEND)"
+        elif not on_cuda and op in CPU_KERNELS and forced in (None, "cpu"):
+            status = importlib.import_module(CPU_KERNELS[op]).status()
+            report[op] = status + (" (forced by SSMKIT_BACKEND)" if forced else "")
+        elif forced == "cpu":
+            report[op] = "torch (no fused CPU kernel; SSMKIT_BACKEND=cpu runs its torch path)"
         elif reason is None and on_cuda:
             report[op] = "cuda" + (" (forced by SSMKIT_BACKEND)" if forced else "")
         elif forced == "cuda":

@@ -48,7 +48,9 @@ _ENABLED: bool | None = None  # None: read SSMKIT_COMPILE_SCAN
 
 def compile_scan(enabled: bool = True) -> None:
     """Turn the compiled scans (S6 chunks, the SSD) on or off for this process (overrides
-    SSMKIT_COMPILE_SCAN); only the ``torch`` backend is affected, never the CUDA kernels."""
+    SSMKIT_COMPILE_SCAN); only the ``torch`` backend is affected, never the CUDA kernels. On, an
+    automatic S6 call on CPU runs this compiled torch path instead of the fused CPU kernel
+    (:mod:`ssmkit.ops.s6_cpu`)."""
     global _ENABLED
     _ENABLED = bool(enabled)
 

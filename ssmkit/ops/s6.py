@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from . import backend as _backend
 from . import compiled as _compiled
+from . import s6_cpu as _s6_cpu
 from .packing import check_seq_idx, resets, sample_numbers, sample_pieces, sample_state_spans
 from .precision import wide_dtype, widen
 
@@ -649,9 +650,49 @@ def selective_scan_cuda(
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# cpu: the fused C++ kernel (ssmkit.ops.s6_cpu)
+# --------------------------------------------------------------------------------------------
+
+
+def selective_scan_cpu(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+):
+    """The fused CPU kernel (:mod:`ssmkit.ops.s6_cpu`), built at its first call; same arguments
+    and results as the reference. BackendError where it cannot be built or cannot take the
+    inputs (float64)."""
+    _check(u, delta, A, B, C, initial_state, seq_idx)
+    return _s6_cpu.fused_scan(
+        u,
+        delta,
+        A,
+        _grouped(B),
+        _grouped(C),
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        initial_state=initial_state,
+        return_final_state=return_final_state,
+        seq_idx=seq_idx,
+    )
+
+
 _IMPLS = {
     "reference": selective_scan_reference,
     "torch": selective_scan_torch,
+    "cpu": selective_scan_cpu,
     "cuda": selective_scan_cuda,
 }
 
@@ -694,7 +735,8 @@ def selective_scan(
 
     With ``seq_idx`` the ``cuda`` backend (automatic or forced) runs the ``torch`` path instead:
     mamba_ssm's selective_scan_fn has no reset input (the reset is never dropped), nor per-sample
-    states.
+    states. On CPU tensors the automatic choice is the fused C++ kernel (:mod:`ssmkit.ops.s6_cpu`)
+    where it builds; per-sample states run the torch path.
     """
     name = _backend.select("selective_scan", u, backend=backend)
     if name == "cuda" and seq_idx is not None:
@@ -712,6 +754,16 @@ def selective_scan(
             initial_sample_states=initial_sample_states,
             return_sample_states=return_sample_states,
         )
+    if name == "cpu" and set(extra) - {"seq_idx"}:
+        name = "torch"  # per-sample states: the torch path adds them (sample_pieces), forced or not
+    if (
+        name == "cpu"
+        and not (backend or _backend.forced_backend())
+        and (_s6_cpu.unsupported(u, A, B, initial_state) or _compiled.enabled())
+    ):
+        # what the fused CPU kernel does not take (float64, ...; forced, it says so), and the
+        # opt-in compiled torch path, which an explicit compile_scan(True) asks for
+        name = "torch"
     return _IMPLS[name](
         u,
         delta,

@@ -50,21 +50,17 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
 from ..hub.save import save_tokenizer
 from ..io import plain_name, read_json, write_atomically, write_json
 from .distributed import Dist
 from .manifest import MANIFEST, CheckpointCorrupt, verify, write_manifest
 from .rng import rng_state, set_rng_state
-from .safe_load import SafePlanner, SafeReader
+
+# torch.distributed.checkpoint (DCP) is imported inside the functions that save or load: importing
+# it pulls in torch._dynamo, about a second per process, which the commands that never touch a
+# training checkpoint (plan, generate, eval, convert) should not pay.
 
 LATEST = "latest"
 STEP = re.compile(r"step_\d{8}")
@@ -174,6 +170,8 @@ def _model_state(model: nn.Module, optimizer, adapter_only: bool):
     """DCP's (model, optimizer) state dicts; ``adapter_only``: the trainable tensors only (the
     frozen base, a head tied to a frozen embedding included, is the base checkpoint's, not the
     run's)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     msd, osd = get_state_dict(
         model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter_only)
     )
@@ -198,6 +196,9 @@ def save(
     """Write checkpoint ``step`` under ``root`` (every rank calls this); see the commit sequence
     above. ``adapter_only`` (a LoRA run): only the trainable tensors, and ``adapter/`` instead of
     ``model/``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     root = Path(root)
     name = f"step_{step:08d}"
     final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
@@ -321,6 +322,8 @@ def saved_shapes(path: Path) -> dict[str, tuple]:
     """Name -> shape of every model tensor in the checkpoint's DCP state (read safely)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .safe_load import SafeReader
+
     metadata = SafeReader(str(Path(path) / "state")).read_metadata()
     return {
         k.removeprefix("model."): tuple(v.size)
@@ -339,6 +342,8 @@ def check_model(
     """Refuse a checkpoint whose model tensors differ from ``model``'s (names or shapes;
     ``adapter_only``: the trainable ones), naming the first differences and the config keys that
     changed."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     mine = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
     if adapter_only:
         trainable = {
@@ -389,6 +394,11 @@ def load(
     """Verify ``path`` (unless ``verified``), then restore model (``adapter_only``: its trainable
     tensors, the rest stays as built), optimizer and this rank's RNG; return trainer.json's
     contents."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from .safe_load import SafePlanner, SafeReader
+
     path = Path(path)
     if not verified:
         verify_everywhere(path, d)

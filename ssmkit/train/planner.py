@@ -28,8 +28,8 @@ of a step with gradient accumulation on (a step of one micro-batch starts withou
 lower).
 
 Activations: what each block's parts save for the backward pass, per token of one layer, are in
-:mod:`ssmkit.train.planner_mixers` (norms; Mamba-1, -2 and -3 on their torch and cuda paths;
-S4D and H3, PyTorch only; attention; MLP); and:
+:mod:`ssmkit.train.planner_mixers` (norms; Mamba-1, -2 and -3 on their torch and cuda paths, Mamba-1
+also with the fused CPU scan; S4D and H3, PyTorch only; attention; MLP); and:
 
     the LM head   norm_f, embedding ids (8 bytes), and log_softmax's fp32 output B·L·V (4
                   bytes each); its backward adds two more fp32 B·L·V (the gradients of
@@ -42,9 +42,11 @@ S4D and H3, PyTorch only; attention; MLP); and:
 FSDP (n > 1 GPUs, ``fully_shard`` on each block, then the root): the gathered low-precision copy of
 the root (embedding, norm_f) and of two blocks (the one running and the one prefetched), the root's
 and one block's unsharded gradients (and the fp32 copy reduce-scatter takes) are workspace.
-Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py
-checks it against autograd's saved tensors and measured peaks), ``cuda`` the kernels (from their
-``save_for_backward``; not yet measured on a GPU).
+Backends: ``cpu`` is what a CPU run takes by default (the fused C++ scan for Mamba-1, ssmkit's
+PyTorch path for the rest), ``torch`` the PyTorch path everywhere (``SSMKIT_BACKEND=torch``; a CPU
+where the fused scan does not build; a GPU without the kernels): tests/unit/train/test_planner.py
+checks both against autograd's saved tensors, and ``cpu`` against measured peaks; ``cuda`` the
+kernels (from their ``save_for_backward``; not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -64,13 +66,13 @@ from .. import checks
 from ..models import MIXERS, ModelConfig, build_model
 from ..models.config import PRESETS
 from .config import CHOICES, TrainConfig
-from .planner_mixers import backward_peak, block_parts, norm_bytes
+from .planner_mixers import PYTORCH_BACKENDS, backward_peak, block_parts, norm_bytes
 
 PRECISIONS, STRATEGIES = (
     CHOICES["precision"],
     CHOICES["strategy"],
 )  # TrainConfig's: fp32 ..., single ...
-BACKENDS = ("cuda", "torch")
+BACKENDS = ("cuda", "cpu", "torch")
 OPTIMIZERS = ("adamw",)
 GiB = 2**30
 SAFETY_MARGIN = 0.10  # of the GPU's memory kept free: the caching allocator's fragmentation
@@ -99,7 +101,7 @@ class MemoryPlan:
     n_gpus: int
     activation_checkpointing: bool
     loss_chunk_size: int  # 0: the loss over all positions at once
-    backend: str  # "cuda" (mamba_ssm kernels) or "torch" (ssmkit's PyTorch path, on CPU)
+    backend: str  # "cuda" (mamba_ssm kernels), "cpu" (a CPU run's default) or "torch" (PyTorch)
     optimizer_kind: str
     gpu_memory_gb: float  # the GPU's memory in GiB (80 for an A100-80GB)
     weights: int
@@ -242,10 +244,10 @@ def _step_bytes(
         n_layer = len(layers)
         inputs = tokens * d * (4 + (n_layer - 1) * a + max(0, n_layer - 2) * 4)
         activations = inputs + head + loss_saved
-        blocks = max(backward_peak(parts) for parts in layers)  # one block recomputed
+        blocks = max(backward_peak(parts, backend) for parts in layers)  # one block recomputed
     else:
         activations = sum(b for parts in layers for _, b in parts) + head + loss_saved
-        blocks = backward_peak([p for parts in layers for p in parts]) - (
+        blocks = backward_peak([p for parts in layers for p in parts], backend) - (
             activations - head - loss_saved
         )
     fsdp_cast = strategy == "fsdp" and n > 1
@@ -264,7 +266,7 @@ def _step_bytes(
     # takes), then AdamW's per-parameter temporaries (sqrt(v) and its quotient) on CPU; fused CUDA
     # AdamW has none
     tail = (2 * a + 4) * shape.root if fsdp_cast else 4 * shape.head * (3 if tied else 1)
-    step = 2 * 4 * shape.largest if backend == "torch" else 0
+    step = 2 * 4 * shape.largest if backend in PYTORCH_BACKENDS else 0
     state = weights + grads + optimizer
     total = state + max(activations + backward, tail, step)
     return dict(
@@ -304,7 +306,9 @@ def plan_memory(
     Without a TrainConfig: precision "bf16", strategy "fsdp", no checkpointing; seq_len and
     micro_batch are required. n_gpus: processes (one GPU each); gpu_memory_gb: one GPU's memory in
     GiB.
-    backend: "cuda" (mamba_ssm kernels on a GPU) or "torch" (ssmkit's PyTorch path, as on CPU).
+    backend: "cuda" (mamba_ssm kernels on a GPU), "cpu" (what a CPU run takes by default: the fused
+    C++ scan for Mamba-1, the PyTorch path for the rest) or "torch" (ssmkit's PyTorch path
+    everywhere: SSMKIT_BACKEND=torch, or a GPU without the kernels).
     Invalid values raise ValueError naming the field and what is valid."""
     name, cfg, train_cfg = _resolve(model)
     given = dict(
@@ -473,7 +477,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="compute the LM head and loss over chunks of N positions (0: at once)",
     )
     parser.add_argument(
-        "--backend", default="cuda", help="cuda (mamba_ssm kernels, default) or torch"
+        "--backend",
+        default="cuda",
+        help="cuda (mamba_ssm kernels on a GPU; default), cpu (what a CPU run takes by default: "
+        "the fused C++ Mamba-1 scan, PyTorch for the rest) or torch (PyTorch everywhere: "
+        "SSMKIT_BACKEND=torch, or a GPU without the kernels)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the plan as JSON instead of a table"

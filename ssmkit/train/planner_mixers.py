@@ -16,6 +16,13 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   Δ+bias, Δ, y+Dx (4E) and B, C (2N) [f]; per sequence the chunk states
                   B·E·N·(2T+1+⌈L/T⌉) [f], T = min(L, 64, 2^20 // (B·E·N)): one state per chunk of T
                   steps and two T-step buffers
+                  cpu (the fused S6 Function of ssmkit.ops.s6_cpu saves its inputs and the chunk
+                  states): the conv's taps over the padded input E(L+W-1)/L and its pre-SiLU E
+                  (it computes in fp32), Δ before its bias E, B and C's grouped copies 2N [f]; the
+                  conv's output x E, x_proj out R+2N, out_proj in E [a]; and 2E [f]: in fp32
+                  in_proj's output (z, a view of it, is an input of the Function), in bf16/fp16
+                  the Function's fp32 copies of u and z; per sequence the state entering each
+                  chunk of 64 steps B·E·N·⌈L/64⌉ [f]
                   cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj
                   out R+2N, the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate
                   E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
@@ -74,13 +81,17 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
     MoE           (the MLP of cfg.moe_layers; X = num_experts, k = num_experts_per_tok) the
                   router's softmax X [f] and the aux loss's X [f], the top-k indices 8k; per routed
                   copy (k per token) the gathered input d, the expert's MLP 4h, its output d and
-                  weight 1 [a], the token's and rank's indices 16 (after norm2)
+                  weight 1, the weighted output d (index_add_ keeps its source) [a], the token's
+                  and rank's indices 16 (after norm2)
 
-Backends: ``torch`` is ssmkit's pure-PyTorch path (as on CPU; tests/unit/train/test_planner.py
-checks it against autograd's saved tensors and measured peaks, in fp32), ``cuda`` the kernels (from
-their ``save_for_backward``; not yet measured on a GPU). In bf16/fp16 the torch formulas assume
-autocast casts the operands of a matmul (the saved copies are then [a]), and elementwise products
-stay fp32.
+Backends: ``cpu`` is what a CPU run takes by default: the fused C++ S6 scan for Mamba-1
+(:mod:`ssmkit.ops.s6_cpu`) and ssmkit's pure-PyTorch path for every other part; ``torch`` the
+pure-PyTorch path everywhere (``SSMKIT_BACKEND=torch``, a CPU where the fused scan does not build, a
+GPU without the kernels). tests/unit/train/test_planner.py checks both against autograd's saved
+tensors, in fp32, and ``cpu`` against measured peaks. ``cuda`` is the kernels (from their
+``save_for_backward``; not yet measured on a GPU). Where a row names no ``cpu`` formula, ``cpu`` is
+``torch``'s. In bf16/fp16 the torch formulas assume autocast casts the operands of a matmul (the
+saved copies are then [a]), and elementwise products stay fp32.
 """
 
 from __future__ import annotations
@@ -92,9 +103,13 @@ from ..ops import rope_angles
 from ..ops import ssd as _ssd
 from ..ops.mamba3 import CPU_CHUNK_SIZE as MAMBA3_CPU_CHUNK
 from ..ops.recompute import segment_bounds
+from ..ops.s6_cpu import CHUNK as FUSED_SCAN_CHUNK
 
 SCAN_CHUNK_ELEMENTS = 1 << 20  # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
 CUDA_SCAN_CHUNK = 2048  # mamba_ssm's selective scan keeps a state every 2048 steps
+# the backends whose parts run ssmkit's PyTorch code: all of them on "torch", all but Mamba-1's scan
+# on "cpu"
+PYTORCH_BACKENDS = ("cpu", "torch")
 
 # Temporaries of a part's backward, as a fraction of what the part saved (measured on CPU, torch
 # backend, tests/unit/train/test_planner.py): the S6 Function's backward allocates all its gradients
@@ -112,13 +127,19 @@ BACKWARD_TEMPS = {
     "mlp": 0.3,
     "moe": 0.3,  # its experts' temporaries are the MLP's, k copies of them
 }
+# ... on the "cpu" backend (measured the same way, one thread): Mamba-1's fused S6 backward
+# allocates du, Δ's and z's gradients (3E of the part's ~9E per token) and frees its saved tensors
+# as it returns. With t threads and fewer than t rows it also keeps dB and dC partials, up to
+# min(t, E/N)·2N per token (a tenth more temporaries at 16 threads, d_state 16), left out.
+CPU_BACKWARD_TEMPS = {**BACKWARD_TEMPS, "mamba1": 0.3}
 
 
 def norm_bytes(cfg, backend: str, a: int) -> float:
     """Bytes per token a pre-norm saves, with the input it hands the next matmul (module
     docstring)."""
     d = cfg.d_model
-    return d * (4 if cfg.residual_in_fp32 else a) + 4 + (d * 4 if backend == "torch" else 0) + d * a
+    normed = d * 4 if backend in PYTORCH_BACKENDS else 0
+    return d * (4 if cfg.residual_in_fp32 else a) + 4 + normed + d * a
 
 
 def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
@@ -133,6 +154,10 @@ def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
         states = B * E * N * (2 * T + 1 + math.ceil(L / T)) * 4
         u_copy = 0 if B == 1 and a == 4 else E  # one fp32 row: time-major u is the conv output
         per_tok = (6 * E + E * (W - 1) / L + R + 2 * N) * a + (3 * E + u_copy + 2 * N) * 4
+        return tok * per_tok + states + 2 * A + extra
+    if backend == "cpu":  # the fused S6 (module docstring)
+        per_tok = (E * (L + W - 1) / L + 4 * E + 2 * N) * 4 + (2 * E + R + 2 * N) * a
+        states = B * E * N * math.ceil(L / FUSED_SCAN_CHUNK) * 4
         return tok * per_tok + states + 2 * A + extra
     return (
         tok * (8 * E + R + 4 * N) * a
@@ -149,10 +174,10 @@ def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     tok = B * L
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
-    if backend == "torch" and _ssd.recomputes(tok):  # the SSD by segments, the mixer's parts too
+    if backend in PYTORCH_BACKENDS and _ssd.recomputes(tok):  # the SSD by segments, and more
         segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
         return tok * (2 * E + 2 * G * N + H + C + E) * a + B * (segments - 1) * H * P * N * 4
-    if backend == "torch":
+    if backend in PYTORCH_BACKENDS:
         per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (
             4 * E + G + H
         ) * 4
@@ -175,7 +200,7 @@ def _mamba3(cfg, backend: str, B: int, L: int, a: int) -> float:
     # Δ = softplus(Δ + bias): its input and output; A = -max(f(a), A_floor): f's saved values, A
     # itself
     dt_a = (2 + (2 if heavy else 1) + 1 + half) * H * 4 + (H if heavy else 0)
-    if backend == "torch":
+    if backend in PYTORCH_BACKENDS:
         Q = max(1, min(m.chunk_size, MAMBA3_CPU_CHUNK // r))  # the chunk the op takes on a CPU
         chunks = math.ceil(L / Q)
         padded = B * chunks * Q
@@ -283,7 +308,7 @@ def block_parts(
     ]
     if moe:
         X, k, h = cfg.num_experts, cfg.num_experts_per_tok, mlp_width(cfg.d_intermediate)
-        routed = k * ((2 * cfg.d_model + 4 * h + 1) * a + 16)
+        routed = k * ((3 * cfg.d_model + 4 * h + 1) * a + 16)
         parts.append(("moe", tokens * (norm_bytes(cfg, backend, a) + 8 * X + 8 * k + routed)))
     elif cfg.d_intermediate:
         mlp = tokens * (norm_bytes(cfg, backend, a) + 4 * mlp_width(cfg.d_intermediate) * a)
@@ -291,12 +316,14 @@ def block_parts(
     return parts
 
 
-def backward_peak(parts: list[tuple[str, float]]) -> float:
+def backward_peak(parts: list[tuple[str, float]], backend: str) -> float:
     """The most a backward pass over ``parts`` (forward order) holds above what precedes them: the
     parts run backward last first, each freeing its saved tensors when done, and a part's
-    temporaries exist while it and every part before it are still saved."""
+    temporaries (:data:`BACKWARD_TEMPS`, :data:`CPU_BACKWARD_TEMPS` on ``backend`` "cpu") exist
+    while it and every part before it are still saved."""
+    temps = CPU_BACKWARD_TEMPS if backend == "cpu" else BACKWARD_TEMPS
     held, peak = sum(b for _, b in parts), 0.0
     for kind, saved in reversed(parts):
-        peak = max(peak, held + BACKWARD_TEMPS[kind] * saved)
+        peak = max(peak, held + temps[kind] * saved)
         held -= saved
     return peak

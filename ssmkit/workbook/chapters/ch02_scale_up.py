@@ -303,13 +303,19 @@ def _kernel_backend(cfg) -> str:
     """The planner's backend for a run of ``cfg`` (a TrainConfig): "cuda" where it runs on GPUs and
     the kernels of every SSM mixer of its model import (mamba_ssm; Mamba-3's only exist in
     mamba_ssm's source tree, the MIMO one in TileLang), else "torch" (ssmkit's PyTorch path, which
-    those layers then take)."""
+    those layers then take); on a CPU "cpu" (the fused Mamba-1 scan) where the selective scan takes
+    it, else "torch" (SSMKIT_BACKEND=torch, or no compiler to build it)."""
     from ...env import pick_device
-    from ...ops.backend import KERNEL_MODULES, kernel_import_error
+    from ...ops.backend import KERNEL_MODULES, BackendError, kernel_import_error, select
 
-    if pick_device(cfg.device) != "cuda":
-        return "torch"
     model = cfg.model_config()
+    if pick_device(cfg.device) != "cuda":
+        if "mamba1" not in model.mixers:  # the two plan alike: no layer takes the fused scan
+            return "cpu"
+        try:  # what the run's scan took (the kernel built then: this only loads it)
+            return "cpu" if select("selective_scan") == "cpu" else "torch"
+        except BackendError:  # SSMKIT_BACKEND=cpu where it does not build: the run failed too
+            return "torch"
     ops = {
         "mamba3_mimo" if m == "mamba3" and model.mamba3.is_mimo else _SCAN_OPS[m]
         for m in model.mixers

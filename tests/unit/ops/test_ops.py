@@ -937,7 +937,7 @@ def test_unknown_backend_name_raises(monkeypatch, op, how):
     else:
         inputs["backend"] = "tpu"
     with pytest.raises(
-        BackendError, match=r"'tpu' is not a backend; valid values: reference, torch, cuda"
+        BackendError, match=r"'tpu' is not a backend; valid values: reference, torch, cpu, cuda"
     ):
         fn(**inputs)
 
@@ -946,7 +946,9 @@ def test_unknown_backend_name_raises(monkeypatch, op, how):
 def test_select_order_argument_env_automatic(monkeypatch, op):
     x = torch.zeros(2)
     monkeypatch.delenv("SSMKIT_BACKEND", raising=False)
-    assert ops.backend.select(op, x) == "torch"  # automatic on CPU tensors
+    # automatic on CPU tensors: the fused CPU kernel where the op has one (and it builds)
+    fused = op in ops.backend.CPU_KERNELS and ops.backend.cpu_kernel_error(op) is None
+    assert ops.backend.select(op, x) == ("cpu" if fused else "torch")
     monkeypatch.setenv("SSMKIT_BACKEND", "reference")
     assert ops.backend.select(op, x) == "reference"
     assert ops.backend.select(op, x, backend="torch") == "torch"
@@ -963,7 +965,9 @@ def test_select_order_argument_env_automatic(monkeypatch, op):
 def test_dispatch_runs_the_selected_implementation(monkeypatch, module, op, env):
     """A spy on each implementation records which one a call without ``backend=`` runs."""
     calls = []
-    for name in ("reference", "torch"):
+    for name in ("reference", "torch", "cpu"):
+        if name not in module._IMPLS:
+            continue
         real = module._IMPLS[name]
         monkeypatch.setitem(
             module._IMPLS, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k)
@@ -974,7 +978,8 @@ def test_dispatch_runs_the_selected_implementation(monkeypatch, module, op, env)
         monkeypatch.setenv("SSMKIT_BACKEND", env)
     fn, inputs = op_calls()[op]
     fn(**inputs)
-    assert calls == [env or "torch"]
+    # automatic: the fused CPU kernel where the op has one that builds, else torch
+    assert calls == [env or ops.backend.select(op, torch.zeros(1))]
 
 
 def test_env_reference_gives_reference_results(monkeypatch):
@@ -991,7 +996,7 @@ def test_env_report_names_torch_and_every_op(monkeypatch):
     assert isinstance(report, str)
     assert torch.__version__ in report
     for op in KERNEL_MODULES:
-        assert re.search(rf"^\s+{op}\s+(reference|torch|cuda)\b", report, re.M), (
+        assert re.search(rf"^\s+{op}\s+(reference|torch|cpu|cuda)\b", report, re.M), (
             f"{op} missing from:\n{report}"
         )
 

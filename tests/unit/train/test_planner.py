@@ -13,6 +13,7 @@ import torch
 from helpers import ROOT
 
 import ssmkit
+from ssmkit.ops import s6_cpu
 from ssmkit.train import MemoryPlan, TrainConfig, memory_table, plan_memory, planner, scale_up_plans
 
 MB = 2**20
@@ -45,12 +46,12 @@ H3 = dict(
     mixer="h3",
     h3=dict(d_state=16, head_dim=4, shift_size=4),
 )
-TORCH_FP32 = dict(precision="fp32", strategy="single", backend="torch")
+CPU_FP32 = dict(precision="fp32", strategy="single", backend="cpu")  # a CPU run's default path
 
 
 def cpu_plan(cfg: dict, batch: int, seq_len: int, **kw) -> MemoryPlan:
     return plan_memory(
-        ssmkit.ModelConfig(**cfg), seq_len=seq_len, micro_batch=batch, **{**TORCH_FP32, **kw}
+        ssmkit.ModelConfig(**cfg), seq_len=seq_len, micro_batch=batch, **{**CPU_FP32, **kw}
     )
 
 
@@ -146,8 +147,8 @@ def saved_bytes(
     cfg: ssmkit.ModelConfig, batch: int, seq_len: int, checkpointing: bool = False
 ) -> int:
     """Bytes of the distinct tensors (storages) autograd saves for the backward during a forward
-    with the trainer's loss, parameters left out: what the planner calls activations (torch backend,
-    fp32)."""
+    with the trainer's loss, parameters left out: what the planner calls activations (fp32, on the
+    backend the ops choose: SSMKIT_BACKEND or automatic)."""
     torch.manual_seed(0)
     model = ssmkit.build_model(cfg).train()
     model.backbone.gradient_checkpointing = checkpointing
@@ -167,82 +168,99 @@ def saved_bytes(
     return sum(seen.values())
 
 
+SAVED_CASES = [
+    (M1, 1, 256, False),
+    (M2, 1, 256, False),
+    (HYBRID, 1, 256, False),
+    (M1, 2, 128, True),
+    (dict(M2, d_state=32, chunk_size=48, ngroups=2), 3, 100, False),  # padded last chunk
+    (
+        dict(HYBRID, attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=32)),
+        1,
+        128,
+        False,
+    ),
+    (
+        dict(M1, n_layer=2, layout=["mamba1", "swa"], attn_cfg=dict(num_heads=4, window_size=64)),
+        1,
+        256,
+        False,
+    ),  # blocks of 64 queries
+    # Mamba-3: SISO; a padded last chunk with ngroups 2; softplus A and every pair rotated;
+    # checkpointing;
+    (M3, 1, 256, False),
+    (dict(M3, d_state=40, chunk_size=48, headdim=16, ngroups=2), 3, 100, False),
+    (dict(M3, a_activation="softplus", rope_fraction=1.0), 2, 128, False),
+    (M3, 2, 128, True),
+    # MIMO (the CPU chunk is 64 // rank): unpadded and padded, rank 4, rank 1, the norm before
+    # out_proj
+    (M3_MIMO, 1, 256, False),
+    (dict(M3_MIMO, mimo_rank=3, d_state=40, chunk_size=48, headdim=16), 3, 100, False),
+    (dict(M3_MIMO, mimo_rank=4, d_state=32), 1, 255, False),
+    (dict(M3_MIMO, mimo_rank=1), 1, 128, False),
+    (dict(M3_MIMO, is_outproj_norm=True), 1, 130, False),
+    (dict(M3, is_outproj_norm=True, ngroups=2), 2, 100, False),
+    # S4D and H3: their diagonal SSM's Vandermonde matrix is per sequence, the rest per token;
+    # the bilinear rule, one channel per head, a hybrid, checkpointing
+    (S4D, 1, 256, False),
+    (dict(S4D, s4d=dict(d_state=16, disc="bilinear", expand=1)), 3, 100, False),
+    (S4D, 2, 128, True),
+    (H3, 1, 256, False),
+    (
+        dict(
+            H3,
+            n_layer=2,
+            layout=["h3", "attn"],
+            attn_cfg=dict(num_heads=4),
+            d_intermediate=512,
+            h3=dict(d_state=32, head_dim=1, disc="zoh"),
+        ),
+        2,
+        128,
+        False,
+    ),
+    # a mixture of experts on layers 1 and 3 (4 experts, top 2), dense MLPs on 0 and 2
+    (dict(M1, d_intermediate=256, num_experts=4, num_experts_per_tok=2), 2, 128, False),
+    # a Mamba-3 + attention hybrid with MLPs
+    (
+        dict(
+            M3,
+            n_layer=2,
+            layout=["mamba3", "attn"],
+            attn_cfg=dict(num_heads=4),
+            d_intermediate=512,
+        ),
+        1,
+        256,
+        False,
+    ),
+]
+
+
+def _backends(cfg: dict) -> tuple[str, ...]:
+    """The CPU backends whose formulas differ for ``cfg``: both where a layer is Mamba-1 (the fused
+    scan against the torch scan), else "cpu" alone (every other part is the same PyTorch code)."""
+    return ("cpu", "torch") if "mamba1" in ssmkit.ModelConfig(**cfg).mixers else ("cpu",)
+
+
 @pytest.mark.parametrize(
-    "cfg,batch,seq_len,ckpt",
-    [
-        (M1, 1, 256, False),
-        (M2, 1, 256, False),
-        (HYBRID, 1, 256, False),
-        (M1, 2, 128, True),
-        (dict(M2, d_state=32, chunk_size=48, ngroups=2), 3, 100, False),  # padded last chunk
-        (
-            dict(HYBRID, attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=32)),
-            1,
-            128,
-            False,
-        ),
-        (
-            dict(
-                M1, n_layer=2, layout=["mamba1", "swa"], attn_cfg=dict(num_heads=4, window_size=64)
-            ),
-            1,
-            256,
-            False,
-        ),  # blocks of 64 queries
-        # Mamba-3: SISO; a padded last chunk with ngroups 2; softplus A and every pair rotated;
-        # checkpointing;
-        (M3, 1, 256, False),
-        (dict(M3, d_state=40, chunk_size=48, headdim=16, ngroups=2), 3, 100, False),
-        (dict(M3, a_activation="softplus", rope_fraction=1.0), 2, 128, False),
-        (M3, 2, 128, True),
-        # MIMO (the CPU chunk is 64 // rank): unpadded and padded, rank 4, rank 1, the norm before
-        # out_proj
-        (M3_MIMO, 1, 256, False),
-        (dict(M3_MIMO, mimo_rank=3, d_state=40, chunk_size=48, headdim=16), 3, 100, False),
-        (dict(M3_MIMO, mimo_rank=4, d_state=32), 1, 255, False),
-        (dict(M3_MIMO, mimo_rank=1), 1, 128, False),
-        (dict(M3_MIMO, is_outproj_norm=True), 1, 130, False),
-        (dict(M3, is_outproj_norm=True, ngroups=2), 2, 100, False),
-        # S4D and H3: their diagonal SSM's Vandermonde matrix is per sequence, the rest per token;
-        # the bilinear rule, one channel per head, a hybrid, checkpointing
-        (S4D, 1, 256, False),
-        (dict(S4D, s4d=dict(d_state=16, disc="bilinear", expand=1)), 3, 100, False),
-        (S4D, 2, 128, True),
-        (H3, 1, 256, False),
-        (
-            dict(
-                H3,
-                n_layer=2,
-                layout=["h3", "attn"],
-                attn_cfg=dict(num_heads=4),
-                d_intermediate=512,
-                h3=dict(d_state=32, head_dim=1, disc="zoh"),
-            ),
-            2,
-            128,
-            False,
-        ),
-        # a mixture of experts on layers 1 and 3 (4 experts, top 2), dense MLPs on 0 and 2
-        (dict(M1, d_intermediate=256, num_experts=4, num_experts_per_tok=2), 2, 128, False),
-        # a Mamba-3 + attention hybrid with MLPs
-        (
-            dict(
-                M3,
-                n_layer=2,
-                layout=["mamba3", "attn"],
-                attn_cfg=dict(num_heads=4),
-                d_intermediate=512,
-            ),
-            1,
-            256,
-            False,
-        ),
-    ],
+    "cfg,batch,seq_len,ckpt,backend",
+    [(*case, backend) for case in SAVED_CASES for backend in _backends(case[0])],
 )
-def test_activation_formulas_match_the_saved_tensors(cfg, batch, seq_len, ckpt):
+def test_activation_formulas_match_the_saved_tensors(
+    cfg, batch, seq_len, ckpt, backend, monkeypatch
+):
+    """backend "cpu": the ops' automatic choice on CPU tensors (the fused Mamba-1 scan), "torch":
+    SSMKIT_BACKEND=torch (the PyTorch path everywhere)."""
+    if backend == "torch":
+        monkeypatch.setenv("SSMKIT_BACKEND", "torch")
+    else:
+        monkeypatch.delenv("SSMKIT_BACKEND", raising=False)
+        # the fused kernel is the default CPU path: its absence is a defect of the machine
+        assert ssmkit.ops.backend.select("selective_scan") == "cpu", s6_cpu.kernel_error()
     config = ssmkit.ModelConfig(**cfg)
-    planned = cpu_plan(cfg, batch, seq_len, activation_checkpointing=ckpt).activations
-    assert planned == pytest.approx(saved_bytes(config, batch, seq_len, ckpt), rel=0.03)
+    planned = cpu_plan(cfg, batch, seq_len, activation_checkpointing=ckpt, backend=backend)
+    assert planned.activations == pytest.approx(saved_bytes(config, batch, seq_len, ckpt), rel=0.03)
 
 
 def test_mamba2_activations_with_the_recomputing_ssd(monkeypatch):
@@ -279,9 +297,30 @@ def test_mamba3_plans_on_both_backends():
         a, b = (plan_memory(c, backend=backend, **kw).activations for c in (siso, mimo))
         assert (b > a) == more, (backend, a, b)
     assert (
-        planner.main(["--model", str(ROOT / "configs/cpu-tiny-mamba3.yaml"), "--backend", "torch"])
+        planner.main(["--model", str(ROOT / "configs/cpu-tiny-mamba3.yaml"), "--backend", "cpu"])
         == 0
     )
+
+
+def test_cpu_backend_differs_from_torch_in_mamba1_alone(capsys):
+    """ "cpu" (a CPU run's default) plans the fused Mamba-1 scan, which keeps a state per 64 steps
+    and no per-step tensors: fewer activations than the torch scan, still linear in the tokens;
+    every other mixer takes the same PyTorch code on both, so plans alike. The command line takes
+    it."""
+    kw = dict(seq_len=4096, micro_batch=1, precision="fp32", strategy="single")
+    cpu, torch_path = (plan_memory("mamba-130m", backend=b, **kw) for b in ("cpu", "torch"))
+    assert cpu.activations < torch_path.activations and cpu.weights == torch_path.weights
+    longer = plan_memory("mamba-130m", backend="cpu", **{**kw, "seq_len": 8192})
+    assert longer.activations == pytest.approx(2 * cpu.activations, rel=2e-3)
+    for preset in ("mamba2-130m", "mamba3-130m"):
+        a, b = (plan_memory(preset, backend=x, **kw) for x in ("cpu", "torch"))
+        assert a.total == b.total, preset
+    argv = ["--model", "mamba-130m", "--seq-len", "4096", "--micro-batch", "1", "--json"]
+    assert (
+        planner.main([*argv, "--precision", "fp32", "--strategy", "single", "--backend", "cpu"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["activations"] == cpu.activations
 
 
 # --- the whole step: planned against measured -----------------------------------------------------
@@ -509,7 +548,7 @@ def cli_main_exit(argv) -> int:
         (dict(model="mamba-9b"), "model='mamba-9b' is not valid; valid: a preset (tiny,"),
         (dict(precision="fp8"), "precision='fp8' is not valid; valid: fp32, bf16, fp16"),
         (dict(strategy="zero3"), "strategy='zero3' is not valid; valid: single, ddp, fsdp"),
-        (dict(backend="triton"), "backend='triton' is not valid; valid: cuda, torch"),
+        (dict(backend="triton"), "backend='triton' is not valid; valid: cuda, cpu, torch"),
         (dict(optimizer="sgd"), "optimizer='sgd' is not valid; valid: adamw"),
         (dict(micro_batch=0), "micro_batch must be a positive integer; got 0"),
         (dict(seq_len="long"), "seq_len must be a positive integer; got 'long'"),

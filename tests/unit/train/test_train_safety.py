@@ -467,6 +467,7 @@ def test_torch_s_checkpoint_exception_is_one_line_and_leaves_no_temporary(
     """Fault injected: torch's DCP writer fails at step 2 with its CheckpointException, a
     BaseException (before: a long traceback, `except Exception` cleanup skipped, .tmp-step_2 left
     behind). Once wrapping ENOSPC; once a zip writer's short write with space to spare."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ssmkit.train import cli
@@ -477,7 +478,7 @@ def test_torch_s_checkpoint_exception_is_one_line_and_leaves_no_temporary(
 
     def writer(fn, *args, **kwargs):
         calls.append(fn)
-        if fn is checkpoint.dcp.save and len(calls) == 2:  # step 2's state
+        if fn is dcp.save and len(calls) == 2:  # step 2's state
             cause = (
                 OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 if disk_full

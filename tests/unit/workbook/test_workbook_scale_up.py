@@ -136,8 +136,10 @@ def test_memory_rows_and_metrics(shards, tmp_path):
 def test_memory_rows_plan_a_mamba3_run(shards, tmp_path, monkeypatch):
     """Notebook 02 with a Mamba-3 preset: the planner's rows (the planner refused Mamba-3 before).
     The planned state is 12 bytes per parameter of the real model (fp32 weights, AdamW's m and v),
-    halved by FSDP on 2 ranks. On GPUs the rows use the kernels' formulas only where every mixer's
-    kernel imports: mamba_ssm 2.3 has none for Mamba-3, whose layers then take the torch path."""
+    halved by FSDP on 2 ranks. On a CPU a Mamba-1 run plans as the fused scan it takes ("cpu"), or
+    as the torch path under SSMKIT_BACKEND=torch. On GPUs the rows use the kernels' formulas only
+    where every mixer's kernel imports: mamba_ssm 2.3 has none for Mamba-3, whose layers then take
+    the torch path."""
     import ssmkit.env
     import ssmkit.ops.backend
     from ssmkit.models import build_model
@@ -157,13 +159,24 @@ def test_memory_rows_plan_a_mamba3_run(shards, tmp_path, monkeypatch):
     assert by["ddp", 0]["planned_state_mb"] == round(12 * params / 2**20, 2)
     assert by["fsdp", 1]["planned_state_mb"] == pytest.approx(6 * params / 2**20, abs=0.01)
     assert by["one process", 0]["planned_step_mb"] > by["ddp", 0]["planned_state_mb"]
+    m1 = tiny_cfg(shards, tmp_path)
+    on_cpu = {}
+    for backend in ("cpu", "torch"):
+        if backend == "torch":
+            monkeypatch.setenv("SSMKIT_BACKEND", "torch")
+        else:
+            monkeypatch.delenv("SSMKIT_BACKEND", raising=False)
+        on_cpu[backend] = ch02_scale_up.memory_rows(runs, m1)[0]["planned_step_mb"]
+        expected = plan_memory(m1, strategy="single", n_gpus=1, backend=backend).total / 2**20
+        assert on_cpu[backend] == round(expected, 1), backend
+    assert on_cpu["cpu"] < on_cpu["torch"]  # the fused scan saves no per-step states
+    monkeypatch.delenv("SSMKIT_BACKEND")
     monkeypatch.setattr(ssmkit.env, "pick_device", lambda device="auto": "cuda")
     monkeypatch.setattr(
         ssmkit.ops.backend,
         "kernel_import_error",
         lambda module: "no Mamba-3 kernels" if "mamba3" in module else None,
     )
-    m1 = tiny_cfg(shards, tmp_path)
     for cfg, backend in ((m3, "torch"), (m1, "cuda")):
         planned = ch02_scale_up.memory_rows(runs, cfg)[0]["planned_step_mb"]
         expected = plan_memory(cfg, strategy="single", n_gpus=1, backend=backend).total / 2**20
