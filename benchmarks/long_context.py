@@ -39,7 +39,8 @@ Llama's.
 On a busy machine use --threads 1: two OpenMP threads competing with other processes for two cores
 can run a hundred times slower. Run:
     .venv/bin/python benchmarks/long_context.py [--lengths 1024,4096] [--quick] [--new-tokens 32]
-        [--steps 2] [--prefill-chunk 1024] [--threads N] [--json-only]
+        [--steps 2] [--prefill-chunk 1024] [--threads N] [--models mamba2] [--json-only]
+(--models: the SSMs to run, the Llama always; e.g. only mamba2 at 65536.)
 The last stdout line is one JSON object.
 """
 
@@ -77,22 +78,23 @@ CONFIGS = {
                    attn_cfg=dict(num_heads=4)),
 }
 # fmt: on
-MODELS = [*CONFIGS, "llama"]
 SSMS = ["mamba1", "mamba2"]  # the models with a state of fixed size
 TRAIN_TARGET = ("mamba2", 16384, 2.0)  # Mamba-2's training tokens/s at 16K >= 2x Llama's
 FLAT_TOLERANCE = 0.05  # Mamba's generation peak memory within 5% from min to max length
 
 
-def build_models(max_len: int) -> dict:
+def build_models(max_len: int, names=tuple(CONFIGS)) -> dict:
+    """The SSMs ``names`` and the Llama, which is sized by mamba1 (built for that in any case)."""
     models = {}
     for name, cfg in CONFIGS.items():
-        torch.manual_seed(0)
-        models[name] = build_model(
-            ModelConfig(d_model=D_MODEL, n_layer=N_LAYER, vocab_size=VOCAB, **cfg)
-        )
+        if name in names or name == "mamba1":
+            torch.manual_seed(0)
+            models[name] = build_model(
+                ModelConfig(d_model=D_MODEL, n_layer=N_LAYER, vocab_size=VOCAB, **cfg)
+            )
     torch.manual_seed(0)
     models["llama"] = matched_transformer(models["mamba1"], max_len=max_len)
-    return models
+    return {n: m for n, m in models.items() if n in names or n == "llama"}
 
 
 def bench_train(models: dict, length: int, steps: int, log) -> dict:
@@ -159,35 +161,40 @@ def fmt(value, spec=",.0f", width=10):
 
 
 def print_table(title, lengths, rows, key, spec=",.0f", ratios=True):
+    ssms = [n for n in CONFIGS if n in rows]
     print(f"\n{title}")
-    head = f"{'L':>7}" + "".join(f"{n:>10}" for n in MODELS)
+    head = f"{'L':>7}" + "".join(f"{n:>10}" for n in [*ssms, "llama"])
     if ratios:
-        head += "".join(f"{n + '/llama':>14}" for n in CONFIGS)
+        head += "".join(f"{n + '/llama':>14}" for n in ssms)
     print(head)
     for i, length in enumerate(lengths):
-        vals = {n: rows[n][i][key] for n in MODELS}
-        line = f"{length:>7}" + "".join(fmt(vals[n], spec) for n in MODELS)
+        vals = {n: rows[n][i][key] for n in [*ssms, "llama"]}
+        line = f"{length:>7}" + "".join(fmt(vals[n], spec) for n in [*ssms, "llama"])
         if ratios:
-            line += "".join(fmt(ratio(vals[n], vals["llama"]), ".2f", 13) + "x" for n in CONFIGS)
+            line += "".join(fmt(ratio(vals[n], vals["llama"]), ".2f", 13) + "x" for n in ssms)
         print(line)
 
 
 def targets(lengths, train, gen) -> dict:
     lo, hi = lengths[0], lengths[-1]
     flat = {}
-    for n in SSMS:
+    for n in (n for n in SSMS if n in gen):
         a, b = gen[n][0]["peak_mb"], gen[n][-1]["peak_mb"]
         change = None if a is None or b is None or a == 0 else b / a - 1
         flat[n] = {"peak_mb_min_len": a, "peak_mb_max_len": b, "change": change}
     ok = (
         None
-        if any(v["change"] is None for v in flat.values()) or lo == hi
+        if not flat or any(v["change"] is None for v in flat.values()) or lo == hi
         else all(abs(v["change"]) <= FLAT_TOLERANCE for v in flat.values())
     )
     name, at, want = TRAIN_TARGET
     length = at if at in lengths else hi
     i = lengths.index(length)
-    speedup = ratio(train[name][i]["tokens_per_s"], train["llama"][i]["tokens_per_s"])
+    speedup = (
+        ratio(train[name][i]["tokens_per_s"], train["llama"][i]["tokens_per_s"])
+        if name in train
+        else None
+    )
     return {
         "mamba_generation_memory_flat": {
             "pass": ok,
@@ -225,8 +232,16 @@ def main():
         "--prefill-chunk", type=int, default=1024, help="prefill chunk; 0: the whole prompt"
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--models",
+        default=",".join(CONFIGS),
+        help=f"comma-separated SSMs to run (default {','.join(CONFIGS)}); the llama always runs",
+    )
     p.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = p.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    if not names or any(n not in CONFIGS for n in names):
+        p.error(f"--models takes some of {', '.join(CONFIGS)}; got {args.models!r}")
     if args.lengths and args.quick:
         p.error("give --lengths or --quick, not both")
     lengths = (
@@ -257,7 +272,8 @@ def main():
         )
     # before the models exist: their tensors then never sit in the heap, whose reuse RSS cannot see
     fix_mmap_threshold()
-    models = build_models(max(lengths) + args.new_tokens + 1)
+    models = build_models(max(lengths) + args.new_tokens + 1, names)
+    ssms = [n for n in CONFIGS if n in models]
     params = {r["model"]: r for r in parameter_report(models)}
     log(
         "params: "
@@ -272,7 +288,7 @@ def main():
     # generation's small peaks.
     log(f"warm-up: one generation per model at L={lengths[0]}")
     bench_generation(models, lengths[0], 4, chunk, 1, lambda _: None)
-    gen = {n: [] for n in MODELS}
+    gen = {n: [] for n in models}
     for length in lengths:
         for n, row in bench_generation(
             models, length, args.new_tokens, chunk, args.steps, log
@@ -280,7 +296,7 @@ def main():
             gen[n].append(row)
     log(f"warm-up: one training step per model at L={lengths[0]}")
     bench_train(models, lengths[0], 1, lambda _: None)
-    train = {n: [] for n in MODELS}
+    train = {n: [] for n in models}
     for length in lengths:
         for n, row in bench_train(models, length, args.steps, log).items():
             train[n].append(row)
@@ -291,20 +307,20 @@ def main():
                 ratio(train[n][i]["tokens_per_s"], train["llama"][i]["tokens_per_s"])
                 for i in range(len(lengths))
             ]
-            for n in CONFIGS
+            for n in ssms
         },
         "decode_tokens_per_s": {
             n: [
                 ratio(gen[n][i]["decode_tokens_per_s"], gen["llama"][i]["decode_tokens_per_s"])
                 for i in range(len(lengths))
             ]
-            for n in CONFIGS
+            for n in ssms
         },
         "generation_peak_mb": {
             n: [
                 ratio(gen[n][i]["peak_mb"], gen["llama"][i]["peak_mb"]) for i in range(len(lengths))
             ]
-            for n in CONFIGS
+            for n in ssms
         },
     }
     cross = {
@@ -314,7 +330,7 @@ def main():
             "decode_tokens_per_s": crossover(lengths, gen[n], gen["llama"], "decode_tokens_per_s"),
             "generation_peak_mb": crossover(lengths, gen[n], gen["llama"], "peak_mb"),
         }
-        for n in CONFIGS
+        for n in ssms
     }
     goals = targets(lengths, train, gen)
     wall = time.perf_counter() - t_start

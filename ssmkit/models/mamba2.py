@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 from .. import ops
 from . import lora_aware
@@ -114,12 +115,27 @@ class Mamba2(nn.Module):
         z, xBC, dt = torch.split(
             self.in_proj(hidden), [self.d_inner, self.conv_dim, self.nheads], dim=-1
         )
-        # the conv sees zeros left of a row
-        xBC = zero_padding(xBC, mask)
-        xBC = rearrange(
-            conv_with_state(rearrange(xBC, "b l d -> b d l"), self.conv1d, state, seq_idx=seq_idx),
-            "b d l -> b l d",
+        # Training on more than RECOMPUTE_FROM tokens (ssmkit.ops.ssd), on the torch ops: besides
+        # the SSD (which ssd_scan then recomputes by segments), the conv + SiLU and the gated norm
+        # with out_proj are recomputed in the backward from their inputs (which stay alive anyway:
+        # views of in_proj's output, the scan's output) instead of keeping the conv's padded copy
+        # and pre-SiLU values, the norm's three intermediates and its output (out_proj's input):
+        # 2 conv_dim + 4 d_inner floats a token. Like the SSD's, these recomputations cost time at
+        # every length, so shorter calls keep everything; ops.ssd_recompute() forces both ways. The
+        # kernels' own functions (causal_conv1d_fn, rmsnorm_fn) save only their inputs.
+        recompute = (
+            state is None
+            and torch.is_grad_enabled()
+            and ops.ssd.recomputes(hidden.shape[0] * hidden.shape[1])
         )
+
+        def conv(xBC):  # (batch, seqlen, conv_dim); the conv sees zeros left of a row
+            xBC = rearrange(zero_padding(xBC, mask), "b l d -> b d l")
+            return rearrange(
+                conv_with_state(xBC, self.conv1d, state, seq_idx=seq_idx), "b d l -> b l d"
+            )
+
+        xBC = _maybe_recomputed(conv, xBC, on=recompute and _torch_op("causal_conv1d", xBC))
         x, B, C = torch.split(
             xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
         )
@@ -151,8 +167,17 @@ class Mamba2(nn.Module):
         elif state is not None:
             out, h = out
             state.ssm.copy_(h)
-        y = self.norm(rearrange(out, "b l h p -> b l (h p)"), z)
-        return self.out_proj(y)
+        return _maybe_recomputed(
+            self._gated_norm_out,
+            rearrange(out, "b l h p -> b l (h p)"),
+            z,
+            on=recompute and _torch_op("rms_norm_gated", z),
+        )
+
+    def _gated_norm_out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj(RMSNorm(y * SiLU(z))): (batch, seqlen, d_inner) x 2 -> (batch, seqlen,
+        d_model)."""
+        return self.out_proj(self.norm(y, z))
 
     def step(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         """k >= 1 tokens after the cached ones, as k recurrent steps in one call: (batch, k,
@@ -202,3 +227,14 @@ class Mamba2(nn.Module):
         )
         out = self.out_proj(self.norm(y.flatten(-2), z))
         return out[:, None] if one else out
+
+
+def _torch_op(op: str, x: torch.Tensor) -> bool:
+    """Whether ``op`` runs on ssmkit's PyTorch path for ``x`` (not a CUDA kernel)."""
+    return ops.backend.select(op, x) != "cuda"
+
+
+def _maybe_recomputed(fn, *args, on: bool):
+    """``fn(*args)``; with ``on``, under ``torch.utils.checkpoint``: only the arguments are kept for
+    the backward, which runs ``fn`` again (activation checkpointing of one small step)."""
+    return checkpoint(fn, *args, use_reentrant=False) if on else fn(*args)

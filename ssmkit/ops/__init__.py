@@ -5,7 +5,11 @@ Each op dispatches to a backend (``reference`` | ``torch`` | ``cuda``, see
 
 * :func:`selective_scan`, :func:`selective_state_update` -- Mamba-1's S6 scan and its one-step form
 * :func:`ssd_scan` -- Mamba-2's state-space dual; :func:`ssd_reference`, :func:`ssd_quadratic`,
-  :func:`ssd_chunked` are its three equivalent views
+  :func:`ssd_chunked` are its three equivalent views; :func:`ssd_chunked_recompute` is the chunked
+  view with a backward that recomputes by segments (long sequences; :func:`ssd_recompute` forces it
+  on or off)
+* :mod:`ssmkit.ops.recompute` -- gradient checkpointing over time for any scan with a carried state
+  (:func:`~ssmkit.ops.recompute.scan_in_segments`)
 * :func:`causal_conv1d`, :func:`causal_conv1d_update` -- the short depthwise convolution and its
   generation form
 * :data:`ACTIVATIONS`, :func:`activation` -- pointwise activations by transformers' names
@@ -74,7 +78,16 @@ from .packing import (
 )
 from .s6 import selective_scan, selective_scan_reference, selective_scan_torch
 from .s6_step import selective_state_update
-from .ssd import discretize_dt, segsum, ssd_chunked, ssd_quadratic, ssd_reference, ssd_scan
+from .ssd import (
+    discretize_dt,
+    segsum,
+    ssd_chunked,
+    ssd_chunked_recompute,
+    ssd_quadratic,
+    ssd_recompute,
+    ssd_reference,
+    ssd_scan,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -95,7 +108,9 @@ __all__ = [
     "discretize_dt",
     "segsum",
     "ssd_chunked",
+    "ssd_chunked_recompute",
     "ssd_quadratic",
+    "ssd_recompute",
     "ssd_reference",
     "ssd_scan",
     "Mamba3States",

@@ -31,6 +31,15 @@ changes, so no decay and no input cross a sample boundary; in the dual form L_ts
 are one sample. ``initial_states`` reach only sample 0 (when the row starts with it), and the final
 state is the last sample's: mamba_ssm's semantics.
 
+Training memory: under autograd :func:`ssd_chunked` keeps every chunk's intermediates for the
+backward (the (Q, Q) decay blocks and scores, the einsums' operands, every chunk's states: tens of
+times the inputs' bytes per token). :func:`ssd_chunked_recompute` gives the same values and
+gradients keeping only its inputs and one state per segment of whole chunks, and recomputes one
+segment at a time in the backward (gradient checkpointing over time, :mod:`ssmkit.ops.recompute`;
+mamba_ssm's kernels likewise save chunk states and recompute the rest). The torch backend of
+:func:`ssd_scan` takes it for calls of more than :data:`RECOMPUTE_FROM` tokens;
+:func:`ssd_recompute` forces it on or off.
+
 Per-sample states (mamba_ssm's varlen ``return_varlen_states``): ``initial_sample_states`` (n,
 nheads, headdim, dstate) gives every packed sample its own h_{-1}, ``return_sample_states`` returns
 every sample's last h, numbered as :func:`ssmkit.ops.packing.sample_numbers`. The reference runs the
@@ -60,6 +69,7 @@ from .packing import (
     segments,
 )
 from .precision import widen
+from .recompute import scan_in_segments, segment_bounds
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -70,6 +80,38 @@ LOG2_E = 1.0 / math.log(2.0)
 # 256 0.85 s, 128 0.39 s, 64 0.21 s, 32 0.26 s. GPUs and the kernels keep the model's chunk_size
 # (256: tensor-core tiles).
 CPU_CHUNK_SIZE = 64
+
+# The torch backend's SSD under autograd keeps every chunk's intermediates for the backward, tens of
+# times its inputs' bytes per token. For calls of more than RECOMPUTE_FROM tokens (batch x seqlen:
+# what those intermediates grow with) ssd_scan runs ssd_chunked_recompute instead: only the inputs
+# and one state per segment of RECOMPUTE_SEGMENT steps are kept, and one segment's intermediates
+# at a time are recomputed in the backward. That costs one more forward of the scan, a third of its
+# forward + backward, at every length, where the memory it saves grows with the tokens; so calls
+# up to RECOMPUTE_FROM tokens keep the faster plain path (the CPU speed benchmarks' 8 x 256 and
+# 1 x 2048 among them), longer ones (the long-context runs) recompute. benchmarks/ssd_recompute.py
+# measures both; ssd_recompute() forces either path. A segment of 2048 steps runs as fast as
+# longer ones and keeps one segment's intermediates small.
+RECOMPUTE_SEGMENT = 2048
+RECOMPUTE_FROM = 2048
+_RECOMPUTE: bool | None = None  # None: automatic (RECOMPUTE_FROM); True / False: forced
+
+
+def ssd_recompute(enabled: bool | None = None) -> None:
+    """Force the torch backend of :func:`ssd_scan` to recompute in the backward
+    (:func:`ssd_chunked_recompute`, ``True``) or to keep autograd's intermediates
+    (:func:`ssd_chunked`, ``False``) at every sequence length, for this process; ``None`` restores
+    the automatic choice (recompute above :data:`RECOMPUTE_FROM` tokens a call). The compiled scan
+    (:func:`ssmkit.ops.compile_scan`) and per-sample states keep their own paths."""
+    global _RECOMPUTE
+    if enabled not in (None, True, False):
+        raise ValueError(f"ssd_recompute takes True, False or None (automatic); got {enabled!r}")
+    _RECOMPUTE = enabled
+
+
+def recomputes(tokens: int) -> bool:
+    """Whether :func:`ssd_scan`'s torch backend recomputes for a call of ``tokens`` positions
+    (batch x seqlen)."""
+    return tokens > RECOMPUTE_FROM if _RECOMPUTE is None else _RECOMPUTE
 
 
 def _check(x, dt, A, B, C, initial_states, seq_idx=None):
@@ -472,6 +514,86 @@ def ssd_chunked(
 
 
 # --------------------------------------------------------------------------------------------
+# torch backend, long sequences: the chunked algorithm by segments, recomputed in the backward
+# --------------------------------------------------------------------------------------------
+
+
+def _local_segments(seq_idx, bounds):
+    """seq_idx renumbered per segment so that the segment's first step is 0 when it continues the
+    sample of the step before it, 1 when a sample starts there: ssd_chunked's convention for its
+    initial state (:func:`ssmkit.ops.packing.resets`) then passes the entering state on, or masks it
+    out, row by row. Within a segment the changes are seq_idx's. (batch, seqlen) int64."""
+    seg = segments(seq_idx)
+    base = torch.zeros_like(seg)
+    for s, e in bounds[1:]:
+        base[:, s:e] = seg[:, s - 1 : s]
+    return seg - base
+
+
+def ssd_chunked_recompute(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=256,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    initial_states=None,
+    return_final_states=False,
+    dt_limit=(0.0, math.inf),
+    seq_idx=None,
+    segment=None,
+):
+    """:func:`ssd_chunked` over segments of ``segment`` steps (whole chunks), whose backward keeps
+    only the inputs and the state entering each segment and recomputes one segment's forward at a
+    time (:func:`ssmkit.ops.recompute.scan_in_segments`): the same outputs, final state and
+    gradients (to fp32 rounding), with O(L) memory for the backward instead of ssd_chunked's
+    intermediates (the (Q, Q) decay blocks and scores, the einsums' copies, every chunk's states),
+    for one more forward's compute.
+
+    Shapes and keywords as :func:`ssd_chunked`; ``segment``: steps per segment, rounded down to a
+    multiple of ``chunk_size`` (None: :data:`RECOMPUTE_SEGMENT`). With ``seq_idx`` a segment whose
+    first step starts a sample gets no state from the segment before (:func:`_local_segments`).
+    Per-sample states (``initial_sample_states``, ``return_sample_states``) are not taken here:
+    :func:`ssd_scan` runs them on :func:`ssd_chunked`, under autograd."""
+    _check(x, dt, A, B, C, initial_states, seq_idx)
+    Q = int(chunk_size)
+    if Q < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
+    segment = RECOMPUTE_SEGMENT if segment is None else segment
+    if isinstance(segment, bool) or not isinstance(segment, int) or segment < 1:
+        raise ValueError(f"segment must be a positive integer (steps); got {segment!r}")
+    bounds = segment_bounds(x.shape[1], segment, Q)
+    local = None if seq_idx is None else _local_segments(seq_idx, bounds)
+
+    def run(h, seq, rest):
+        xs, dts, Bs, Cs, zs, idx = seq
+        A_, D_, bias = rest
+        return ssd_chunked(
+            xs,
+            dts,
+            A_,
+            Bs,
+            Cs,
+            Q,
+            D=D_,
+            z=zs,
+            dt_bias=bias,
+            dt_softplus=dt_softplus,
+            initial_states=h,
+            return_final_states=True,
+            dt_limit=dt_limit,
+            seq_idx=idx,
+        )
+
+    y, h = scan_in_segments(run, initial_states, (x, dt, B, C, z, local), (A, D, dt_bias), bounds)
+    return (y, h) if return_final_states else y
+
+
+# --------------------------------------------------------------------------------------------
 # cuda: mamba_ssm's Triton kernels
 # --------------------------------------------------------------------------------------------
 
@@ -611,7 +733,9 @@ def ssd_scan(
         dstate) in fp32 (mamba_ssm's ``return_varlen_states``).
 
     ``chunk_size`` is the kernels' block length; the torch backend on a CPU uses at most
-    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations). Per-sample states cost two more
+    :data:`CPU_CHUNK_SIZE` (the same sums, fewer operations); above :data:`RECOMPUTE_FROM` tokens
+    (or as :func:`ssd_recompute` forces) it runs :func:`ssd_chunked_recompute`, whose backward keeps
+    O(L) memory, not ssd_chunked's intermediates. Per-sample states cost two more
     passes over the tokens, each one (headdim x dstate) product per token and head
     (:mod:`ssmkit.ops.sample_states`).
     """
@@ -620,6 +744,10 @@ def ssd_scan(
         chunk_size = min(int(chunk_size), CPU_CHUNK_SIZE)
     extra = {} if seq_idx is None else {"seq_idx": seq_idx}
     impl = _IMPLS[name]
+    per_sample = initial_sample_states is not None or return_sample_states
+    torch_long = name == "torch" and x.dim() == 4 and recomputes(x.shape[0] * x.shape[1])
+    if torch_long and not per_sample and not _compiled.enabled():
+        impl = ssd_chunked_recompute
     if name == "torch" and _compiled.enabled():  # opt-in: the whole chunked SSD compiled
         impl = functools.partial(_compiled.run, ssd_chunked)
         if _samples.check_mode(
@@ -644,7 +772,7 @@ def ssd_scan(
                 return_sample_states,
                 return_final_states,
             )
-    if initial_sample_states is not None or return_sample_states:
+    if per_sample:
         extra.update(
             initial_sample_states=initial_sample_states, return_sample_states=return_sample_states
         )

@@ -26,11 +26,15 @@ Mamba-3 also r = the MIMO rank (1: SISO), S = the rotation angles (``ssmkit.ops.
                   cuda (selective_scan_fn + causal_conv1d_fn): in_proj out 2E, conv out E, x_proj
                   out R+2N, the kernel's contiguous u, Δ, z, B, C (3E + 2N), its y before the gate
                   E, the gated y E [a]; per sequence 2N·E·⌈L/2048⌉ [f] (its chunk states)
-    Mamba-2       torch (chunked SSD in autograd): in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C,
-                  out_proj in E [a]; the gated norm 4E + G and softplus H [f]; per padded token (L
-                  rounded up to Q) 4E + 3H + 2HQ + GQ + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay
-                  matrix L and L∘CBᵀ of the diagonal blocks, the copies torch.einsum makes for its
-                  matmuls, the states entering chunks)
+    Mamba-2       torch, up to ssmkit.ops.ssd.RECOMPUTE_FROM tokens (B·L; ssd_chunked in autograd):
+                  in_proj out 2E+2GN+H, conv C(L+W-1)/L + C + C, out_proj in E [a]; the gated norm
+                  4E + G and softplus H [f]; per padded token (L rounded up to Q) 4E + 3H + 2HQ + GQ
+                  + 4GN + HN + 2EN/Q + H/Q [f] (Δx, the decay matrix L and L∘CBᵀ of the diagonal
+                  blocks, the copies torch.einsum makes for its matmuls, the states entering chunks)
+                  torch, more tokens (ssd_chunked_recompute; the conv + SiLU and the gated norm with
+                  out_proj recomputed in the backward): in_proj out 2E+2GN+H, conv out C, the scan's
+                  output E [a]; per sequence HPN [f] per segment of RECOMPUTE_SEGMENT steps after
+                  the first
                   cuda (mamba_chunk_scan_combined + rmsnorm_fn): in_proj out 2E+2GN+H, conv out E,
                   scan out E, gated-norm out E [a]; dA_cumsum H (per padded token) + rstd G [f]
     Mamba-3       torch (ssmkit.ops.mamba3_chunked in autograd, chunks of Q' = min(Q, 64 // r) on a
@@ -96,7 +100,9 @@ import math
 
 from ..models.mlp import mlp_width
 from ..ops import rope_angles
+from ..ops import ssd as _ssd
 from ..ops.mamba3 import CPU_CHUNK_SIZE as MAMBA3_CPU_CHUNK
+from ..ops.recompute import segment_bounds
 from ..ops.s6_cpu import CHUNK as FUSED_SCAN_CHUNK
 
 SCAN_CHUNK_ELEMENTS = 1 << 20  # ssmkit.ops.s6: the torch scan's chunk holds ~2^20 floats of states
@@ -163,11 +169,14 @@ def _mamba1(cfg, backend: str, B: int, L: int, a: int) -> float:
 
 def _mamba2(cfg, backend: str, B: int, L: int, a: int) -> float:
     m = cfg.mamba2
-    E, N, W = m.d_inner(cfg.d_model), m.d_state, m.d_conv
+    E, N, W, P = m.d_inner(cfg.d_model), m.d_state, m.d_conv, m.headdim
     H, G, Q = m.nheads(cfg.d_model), m.ngroups, m.chunk_size
     tok = B * L
     C = E + 2 * G * N
     padded = B * math.ceil(L / Q) * Q
+    if backend in PYTORCH_BACKENDS and _ssd.recomputes(tok):  # the SSD by segments, and more
+        segments = len(segment_bounds(L, _ssd.RECOMPUTE_SEGMENT, Q))
+        return tok * (2 * E + 2 * G * N + H + C + E) * a + B * (segments - 1) * H * P * N * 4
     if backend in PYTORCH_BACKENDS:
         per_tok = (2 * E + 2 * G * N + H + C * (L + W - 1) / L + 2 * C + E) * a + (
             4 * E + G + H

@@ -263,6 +263,22 @@ def test_activation_formulas_match_the_saved_tensors(
     assert planned.activations == pytest.approx(saved_bytes(config, batch, seq_len, ckpt), rel=0.03)
 
 
+def test_mamba2_activations_with_the_recomputing_ssd(monkeypatch):
+    """Above ssmkit.ops.ssd.RECOMPUTE_FROM the SSD keeps its inputs and one state per segment
+    (forced here, with short segments so that several run): the formula against the saved tensors,
+    padded last chunk and segment included, and far below the autograd path's."""
+    monkeypatch.setattr(sys.modules["ssmkit.ops.ssd"], "RECOMPUTE_SEGMENT", 128)
+    cfg = dict(M2, d_state=32, chunk_size=48, ngroups=2)
+    plain = cpu_plan(cfg, 3, 300).activations
+    ssmkit.ops.ssd_recompute(True)
+    try:
+        planned = cpu_plan(cfg, 3, 300).activations
+        assert planned == pytest.approx(saved_bytes(ssmkit.ModelConfig(**cfg), 3, 300), rel=0.03)
+    finally:
+        ssmkit.ops.ssd_recompute(None)
+    assert planned < 0.6 * plain
+
+
 def test_mamba3_plans_on_both_backends():
     """Mamba-3 is planned (it was refused before): the cuda kernels keep O(L) per layer, linear in
     the micro-batch; the torch path keeps its (Q'r)² blocks, so more; MIMO's kernel recomputes in
