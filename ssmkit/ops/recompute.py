@@ -70,6 +70,14 @@ class _Segments(torch.autograd.Function):
             ys.append(y)
         ctx.fn, ctx.bounds, ctx.n_seq = fn, bounds, n_seq
         ctx.n_tensors = len(tensors)
+        # the backward recomputes under the forward's autocast (as torch.utils.checkpoint does), so
+        # bf16 / fp16 training differentiates the forward it ran
+        device = next(t.device.type for t in tensors if isinstance(t, torch.Tensor))
+        ctx.autocast = dict(
+            device_type=device,
+            dtype=torch.get_autocast_dtype(device),
+            enabled=torch.is_autocast_enabled(device),
+        )
         # the first entering state is h0 itself (or None); the others are O(L / segment) states
         ctx.save_for_backward(*tensors, *entering[1:])
         return torch.cat(ys, dim=1), h
@@ -87,7 +95,7 @@ class _Segments(torch.autograd.Function):
         for k in reversed(range(len(ctx.bounds))):
             s, e = ctx.bounds[k]
             h_grad = entering[k] is not None and (k > 0 or need[0])
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 h_in = _leaf(entering[k], h_grad)
                 seq_k = [_leaf(_cut(t, s, e), n) for t, n in zip(seq, need_seq)]
                 rest_k = [_leaf(t, n) for t, n in zip(rest, need_rest)]

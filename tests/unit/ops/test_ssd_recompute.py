@@ -150,6 +150,24 @@ def test_recompute_bf16_within_the_kernel_tolerances():
         within(g[name], g0[name], (SSD_PARAM[0], SSD_PARAM[1] * scale), f"d{name}")
 
 
+def test_recompute_under_autocast_differentiates_the_forward_it_ran():
+    """bf16 autocast around the forward only, the backward outside it (as training loops do; CPU:
+    the einsums' matmuls in bf16): the backward recomputes under the forward's autocast, so its
+    gradients are ssd_chunked's under the same autocast, to TOL (recomputed without autocast they
+    would be the fp32 ones, ~1e-3 away)."""
+    inputs = case(100, 2)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(inputs["x"].shape, generator=g)
+    grads = []
+    for fn, kw in ((SSD.ssd_chunked, {}), (SSD.ssd_chunked_recompute, {"segment": 16})):
+        leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(**leaves, chunk_size=8, dt_softplus=True, **kw)
+        grads.append(torch.autograd.grad((y.float() * w).sum(), list(leaves.values())))
+    for name, a, b in zip(leaves, *grads):
+        close(b, a, f"d{name}")
+
+
 def test_without_grad_it_is_the_segmented_forward():
     inputs = case(100)
     with torch.no_grad():
