@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .. import checks
 from . import backend as _backend
 from . import compiled as _compiled
 from . import sample_states as _samples
@@ -560,12 +561,10 @@ def ssd_chunked_recompute(
     Per-sample states (``initial_sample_states``, ``return_sample_states``) are not taken here:
     :func:`ssd_scan` runs them on :func:`ssd_chunked`, under autograd."""
     _check(x, dt, A, B, C, initial_states, seq_idx)
-    Q = int(chunk_size)
-    if Q < 1:
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size}")
-    segment = RECOMPUTE_SEGMENT if segment is None else segment
-    if isinstance(segment, bool) or not isinstance(segment, int) or segment < 1:
-        raise ValueError(f"segment must be a positive integer (steps); got {segment!r}")
+    Q = checks.integer(chunk_size, "chunk_size", minimum=1)
+    segment = checks.integer(
+        RECOMPUTE_SEGMENT if segment is None else segment, "segment", minimum=1
+    )
     bounds = segment_bounds(x.shape[1], segment, Q)
     local = None if seq_idx is None else _local_segments(seq_idx, bounds)
 
